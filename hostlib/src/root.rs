@@ -1,0 +1,371 @@
+//! [`HostRoot`]: where the host's `/` is, as seen by this process.
+//!
+//! On bare metal the root is `/`; in a DaemonSet the host's `/` is mounted at
+//! `/host`; in tests it is a temp dir. Every host path (`/sys/...`,
+//! `/etc/containerd/config.toml`) is resolved through [`HostRoot::resolve`].
+//!
+//! Resolution walks the path one component at a time and follows symbolic
+//! links itself, the way the host would see them:
+//! - an absolute link target is read as a host path, i.e. re-anchored at the
+//!   root (`/host/etc/alternatives/x -> /usr/bin/y` means `/host/usr/bin/y`),
+//!   so it can never lead outside the root;
+//! - a `..` (in the path asked for, or in a link target) that would climb
+//!   above the root is refused with [`HostError::Escapes`] naming the path.
+//!
+//! With the root `/` there is nothing to escape from, and the kernel resolves
+//! paths itself.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::fs;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+
+use crate::fsutil;
+
+/// Symbolic links followed for one path before giving up (Linux's own limit).
+const MAX_SYMLINK_HOPS: usize = 40;
+
+/// Errors from reading or writing host paths. Each names the path it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// A host path must be absolute (`/etc/...`), relative to the host's `/`.
+    #[error("{path}: not an absolute host path")]
+    NotAbsolute { path: PathBuf },
+    /// The path (or a symbolic link on its way) climbs above the host root.
+    #[error("{path}: escapes the host root {root}")]
+    Escapes { path: PathBuf, root: PathBuf },
+    /// Too many symbolic links while resolving the path.
+    #[error("{path}: too many levels of symbolic links")]
+    SymlinkLoop { path: PathBuf },
+    /// An I/O error on the resolved path.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl HostError {
+    /// Wraps an I/O error with the path it happened on.
+    pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Self {
+        HostError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// True when the error says the file does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, HostError::Io { source, .. } if source.kind() == io::ErrorKind::NotFound)
+    }
+}
+
+/// The host's `/` as seen by this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRoot {
+    root: PathBuf,
+}
+
+impl HostRoot {
+    /// A host root at `root`, which must be an existing directory.
+    pub fn new(root: impl Into<PathBuf>) -> Result<Self, HostError> {
+        let root = root.into();
+        let meta = fs::metadata(&root).map_err(|e| HostError::io(&root, e))?;
+        if !meta.is_dir() {
+            return Err(HostError::io(
+                &root,
+                io::Error::new(io::ErrorKind::NotADirectory, "host root is not a directory"),
+            ));
+        }
+        // Canonicalise once so that `..` checks compare like with like.
+        let root = fs::canonicalize(&root).map_err(|e| HostError::io(&root, e))?;
+        Ok(HostRoot { root })
+    }
+
+    /// The real `/`: bare metal.
+    pub fn system() -> Self {
+        HostRoot {
+            root: PathBuf::from("/"),
+        }
+    }
+
+    /// Where the host's `/` is in this process's view.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// True when this is the process's own `/`.
+    pub fn is_system(&self) -> bool {
+        self.root == Path::new("/")
+    }
+
+    /// Resolves a host path to the path this process opens, following
+    /// symbolic links inside the root (see the module docs).
+    pub fn resolve(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        self.resolve_inner(host_path.as_ref(), true)
+    }
+
+    /// Like [`resolve`](Self::resolve), but a symbolic link in the last
+    /// component is not followed (for `readlink`, `lstat`, replacing a link).
+    pub fn resolve_no_follow(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        self.resolve_inner(host_path.as_ref(), false)
+    }
+
+    fn resolve_inner(&self, host_path: &Path, follow_last: bool) -> Result<PathBuf, HostError> {
+        if !host_path.is_absolute() {
+            return Err(HostError::NotAbsolute {
+                path: host_path.to_path_buf(),
+            });
+        }
+        if self.is_system() {
+            return Ok(host_path.to_path_buf());
+        }
+        let escapes = || HostError::Escapes {
+            path: host_path.to_path_buf(),
+            root: self.root.clone(),
+        };
+        let mut pending: VecDeque<OsString> = VecDeque::new();
+        push_components(&mut pending, host_path).map_err(|_| escapes())?;
+        let mut done: Vec<OsString> = Vec::new();
+        let mut hops = 0;
+        while let Some(name) = pending.pop_front() {
+            if name == ".." {
+                if done.pop().is_none() {
+                    return Err(escapes());
+                }
+                continue;
+            }
+            let mut candidate = self.root.clone();
+            candidate.extend(&done);
+            candidate.push(&name);
+            let is_last = pending.is_empty();
+            let is_link = fs::symlink_metadata(&candidate)
+                .map(|m| m.file_type().is_symlink())
+                .unwrap_or(false);
+            if !is_link || (is_last && !follow_last) {
+                done.push(name);
+                continue;
+            }
+            hops += 1;
+            if hops > MAX_SYMLINK_HOPS {
+                return Err(HostError::SymlinkLoop {
+                    path: host_path.to_path_buf(),
+                });
+            }
+            let target = fs::read_link(&candidate).map_err(|e| HostError::io(&candidate, e))?;
+            if target.is_absolute() {
+                done.clear();
+            }
+            push_components(&mut pending, &target).map_err(|_| escapes())?;
+        }
+        let mut out = self.root.clone();
+        out.extend(&done);
+        Ok(out)
+    }
+
+    /// Reads a host file to a string.
+    pub fn read_to_string(&self, host_path: impl AsRef<Path>) -> Result<String, HostError> {
+        let path = self.resolve(host_path)?;
+        fs::read_to_string(&path).map_err(|e| HostError::io(path, e))
+    }
+
+    /// Reads a host file, or `None` when it does not exist.
+    pub fn read_optional(&self, host_path: impl AsRef<Path>) -> Result<Option<String>, HostError> {
+        match self.read_to_string(host_path) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Opens a host file for reading.
+    pub fn open(&self, host_path: impl AsRef<Path>) -> Result<fs::File, HostError> {
+        let path = self.resolve(host_path)?;
+        fs::File::open(&path).map_err(|e| HostError::io(path, e))
+    }
+
+    /// The target of a host symbolic link, as written in the link.
+    pub fn read_link(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        let path = self.resolve_no_follow(host_path)?;
+        fs::read_link(&path).map_err(|e| HostError::io(path, e))
+    }
+
+    /// The names in a host directory, sorted.
+    pub fn read_dir_names(&self, host_path: impl AsRef<Path>) -> Result<Vec<String>, HostError> {
+        let path = self.resolve(host_path)?;
+        let entries = fs::read_dir(&path).map_err(|e| HostError::io(&path, e))?;
+        let mut names = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| HostError::io(&path, e))?;
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        names.sort();
+        Ok(names)
+    }
+
+    /// True when the host path exists (following links).
+    pub fn exists(&self, host_path: impl AsRef<Path>) -> bool {
+        self.resolve(host_path).map(|p| p.exists()).unwrap_or(false)
+    }
+
+    /// Writes a host file atomically (see [`fsutil::write_atomic`]),
+    /// creating its parent directories.
+    pub fn write_atomic(
+        &self,
+        host_path: impl AsRef<Path>,
+        contents: &[u8],
+        mode: u32,
+    ) -> Result<PathBuf, HostError> {
+        let path = self.resolve(host_path)?;
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).map_err(|e| HostError::io(parent, e))?;
+        }
+        fsutil::write_atomic(&path, contents, mode).map_err(|e| HostError::io(&path, e))?;
+        Ok(path)
+    }
+}
+
+/// Queues the normal and `..` components of `path` at the front of `pending`
+/// (in order). `.` and the root are dropped. Errors on prefixes (never on Linux).
+fn push_components(pending: &mut VecDeque<OsString>, path: &Path) -> Result<(), ()> {
+    let mut parts = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::ParentDir => parts.push(OsString::from("..")),
+            Component::Normal(n) => parts.push(n.to_os_string()),
+            Component::Prefix(_) => return Err(()),
+        }
+    }
+    for p in parts.into_iter().rev() {
+        pending.push_front(p);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn root() -> (tempfile::TempDir, HostRoot) {
+        let dir = tempfile::tempdir().unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        (dir, root)
+    }
+
+    #[test]
+    fn plain_paths_land_under_the_root() {
+        let (_d, r) = root();
+        assert_eq!(
+            r.resolve("/etc/containerd/config.toml").unwrap(),
+            r.path().join("etc/containerd/config.toml")
+        );
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        let (_d, r) = root();
+        let err = r.resolve("etc/passwd").unwrap_err();
+        assert!(matches!(err, HostError::NotAbsolute { .. }));
+        assert_eq!(err.to_string(), "etc/passwd: not an absolute host path");
+    }
+
+    #[test]
+    fn dotdot_inside_the_root_is_fine_but_climbing_out_is_refused() {
+        let (_d, r) = root();
+        assert_eq!(r.resolve("/etc/../sys").unwrap(), r.path().join("sys"));
+        let err = r.resolve("/etc/../../outside").unwrap_err();
+        assert!(matches!(err, HostError::Escapes { .. }), "{err}");
+        assert!(err.to_string().starts_with("/etc/../../outside: escapes the host root"));
+    }
+
+    #[test]
+    fn relative_links_are_followed_inside_the_root() {
+        let (_d, r) = root();
+        let p = r.path();
+        fs::create_dir_all(p.join("sys/devices/pci0000:00/0000:00:01.0")).unwrap();
+        fs::create_dir_all(p.join("sys/bus/pci/devices")).unwrap();
+        symlink(
+            "../../../devices/pci0000:00/0000:00:01.0",
+            p.join("sys/bus/pci/devices/0000:00:01.0"),
+        )
+        .unwrap();
+        assert_eq!(
+            r.resolve("/sys/bus/pci/devices/0000:00:01.0/vendor").unwrap(),
+            p.join("sys/devices/pci0000:00/0000:00:01.0/vendor")
+        );
+    }
+
+    #[test]
+    fn absolute_links_are_read_as_host_paths() {
+        let (_d, r) = root();
+        let p = r.path();
+        fs::create_dir_all(p.join("etc")).unwrap();
+        // On the host this means the host's /etc/shadow, never this machine's.
+        symlink("/etc/shadow", p.join("etc/evil")).unwrap();
+        assert_eq!(r.resolve("/etc/evil").unwrap(), p.join("etc/shadow"));
+    }
+
+    #[test]
+    fn links_that_climb_out_are_refused() {
+        let (_d, r) = root();
+        let p = r.path();
+        fs::create_dir_all(p.join("etc")).unwrap();
+        symlink("../../../../etc/passwd", p.join("etc/evil")).unwrap();
+        let err = r.read_to_string("/etc/evil").unwrap_err();
+        assert!(matches!(err, HostError::Escapes { .. }), "{err}");
+        assert!(err.to_string().contains("/etc/evil"));
+    }
+
+    #[test]
+    fn link_loops_are_reported() {
+        let (_d, r) = root();
+        let p = r.path();
+        symlink("/b", p.join("a")).unwrap();
+        symlink("/a", p.join("b")).unwrap();
+        let err = r.resolve("/a/x").unwrap_err();
+        assert!(matches!(err, HostError::SymlinkLoop { .. }), "{err}");
+    }
+
+    #[test]
+    fn no_follow_keeps_the_last_link() {
+        let (_d, r) = root();
+        let p = r.path();
+        symlink("/target", p.join("link")).unwrap();
+        assert_eq!(r.resolve_no_follow("/link").unwrap(), p.join("link"));
+        assert_eq!(r.read_link("/link").unwrap(), PathBuf::from("/target"));
+        assert_eq!(r.resolve("/link").unwrap(), p.join("target"));
+    }
+
+    #[test]
+    fn io_errors_name_the_path() {
+        let (_d, r) = root();
+        let err = r.read_to_string("/proc/driver/nvidia/version").unwrap_err();
+        assert!(err.is_not_found());
+        assert!(
+            err.to_string()
+                .contains("proc/driver/nvidia/version: No such file"),
+            "{err}"
+        );
+        assert_eq!(r.read_optional("/proc/nothing").unwrap(), None);
+    }
+
+    #[test]
+    fn system_root_passes_paths_through() {
+        let r = HostRoot::system();
+        assert!(r.is_system());
+        assert_eq!(r.resolve("/etc/hostname").unwrap(), PathBuf::from("/etc/hostname"));
+    }
+
+    #[test]
+    fn write_atomic_creates_parents_and_sets_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let (_d, r) = root();
+        let path = r.write_atomic("/run/gpu-agent/state.json", b"{}", 0o640).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"{}");
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o640);
+    }
+}

@@ -1,0 +1,591 @@
+//! Node description files: a YAML description of a GPU node (its GPUs, their
+//! PCI placement, NVLinks, MIG, driver) that
+//! - the simulated GPU backend serves directly (demo, fast tests),
+//! - the project's fake `libnvidia-ml.so.1` serves through the NVML C API, so
+//!   the real nvml-wrapper backend runs in CI without a GPU,
+//! - [`NodeDescription::materialize`] turns into a sysfs/procfs tree under a
+//!   sandbox root, so the real discovery code reads it.
+//!
+//! Keys are camelCase; unknown keys are rejected with their path.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use hostlib::strict::YamlError;
+use hostlib::{DriverFlavour, PciAddress};
+use serde::{Deserialize, Serialize};
+
+/// Most NVLinks one GPU has (`NVML_NVLINK_MAX_LINKS`).
+pub const MAX_NVLINKS: u32 = 18;
+
+/// NVML's `nvmlGpuTopologyLevel_t` values, as the fake library returns them.
+pub mod topology_level {
+    pub const INTERNAL: u32 = 0;
+    pub const SINGLE: u32 = 10;
+    pub const MULTIPLE: u32 = 20;
+    pub const HOSTBRIDGE: u32 = 30;
+    pub const NODE: u32 = 40;
+    pub const SYSTEM: u32 = 50;
+}
+
+/// Built-in descriptions, by name.
+pub const BUILTIN: &[(&str, &str)] = &[
+    ("h100-sxm-8", include_str!("../nodes/h100-sxm-8.yaml")),
+    ("a10g-1", include_str!("../nodes/a10g-1.yaml")),
+    ("t4-4", include_str!("../nodes/t4-4.yaml")),
+    ("no-gpu", include_str!("../nodes/no-gpu.yaml")),
+];
+
+/// A whole node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NodeDescription {
+    /// A short name shown to people (`8x H100 SXM`).
+    pub name: String,
+    /// DMI product name (`/sys/class/dmi/id/product_name`).
+    #[serde(default)]
+    pub machine: Option<String>,
+    /// The loaded driver; absent means no NVIDIA driver is loaded.
+    #[serde(default)]
+    pub driver: Option<DriverDesc>,
+    /// NVSwitch PCI functions that GPUs' NVLinks may lead to.
+    #[serde(default)]
+    pub nvswitches: Vec<PciAddress>,
+    /// The GPUs, in NVML index order.
+    #[serde(default)]
+    pub gpus: Vec<GpuDesc>,
+}
+
+/// The loaded driver.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DriverDesc {
+    /// `550.54.15`
+    pub version: String,
+    /// CUDA version the driver supports, `12.4`.
+    pub cuda_version: String,
+    #[serde(default = "default_flavour")]
+    pub flavour: DriverFlavour,
+    /// Loaded modules (default: nvidia, nvidia_uvm, nvidia_modeset).
+    #[serde(default = "default_modules")]
+    pub modules: Vec<String>,
+}
+
+fn default_flavour() -> DriverFlavour {
+    DriverFlavour::Open
+}
+
+fn default_modules() -> Vec<String> {
+    ["nvidia", "nvidia_uvm", "nvidia_modeset"]
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
+/// One GPU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GpuDesc {
+    pub bus_id: PciAddress,
+    /// The NVML name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    pub uuid: String,
+    /// PCI device id, e.g. `0x2330`.
+    pub device_id: HexU16,
+    #[serde(default)]
+    pub subsystem_id: Option<HexU16>,
+    /// PCI class: `0x0302` (3D controller, the default) or `0x0300` (VGA).
+    #[serde(default = "default_class")]
+    pub pci_class: HexU16,
+    pub memory_mib: u64,
+    /// `9.0`
+    pub compute_capability: String,
+    #[serde(default)]
+    pub mig: MigDesc,
+    #[serde(default)]
+    pub numa_node: Option<u32>,
+    #[serde(default)]
+    pub iommu_group: Option<u32>,
+    #[serde(default)]
+    pub pcie: PcieDesc,
+    #[serde(default)]
+    pub nvlinks: Vec<NvLinkDesc>,
+    /// Readings NVML gives; a reading left out is "not supported".
+    #[serde(default)]
+    pub telemetry: TelemetryDesc,
+}
+
+fn default_class() -> HexU16 {
+    HexU16(0x0302)
+}
+
+/// A 16-bit number written in hex (`0x2330`) or decimal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HexU16(pub u16);
+
+impl Serialize for HexU16 {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("{:#06x}", self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for HexU16 {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Num(u16),
+            Str(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Num(n) => Ok(HexU16(n)),
+            Raw::Str(s) => {
+                let t = s.trim();
+                let parsed = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+                    Some(h) => u16::from_str_radix(h, 16),
+                    None => t.parse(),
+                };
+                parsed
+                    .map(HexU16)
+                    .map_err(|_| serde::de::Error::custom(format!("{s:?} is not a 16-bit number")))
+            }
+        }
+    }
+}
+
+/// MIG support.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigDesc {
+    #[serde(default)]
+    pub capable: bool,
+    #[serde(default)]
+    pub enabled: bool,
+}
+
+/// Where the GPU sits on PCIe, from the GPU upward.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PcieDesc {
+    /// Two GPUs on one board (e.g. a dual-GPU card) share this name.
+    #[serde(default)]
+    pub board: Option<String>,
+    /// PCIe switches on the way to the host bridge, nearest first.
+    #[serde(default)]
+    pub switches: Vec<String>,
+    #[serde(default)]
+    pub host_bridge: Option<String>,
+}
+
+/// `links` NVLinks from this GPU to the GPU or NVSwitch at `remote`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NvLinkDesc {
+    pub remote: PciAddress,
+    pub links: u32,
+}
+
+/// Readings.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TelemetryDesc {
+    #[serde(default)]
+    pub temperature_c: Option<u32>,
+    #[serde(default)]
+    pub power_mw: Option<u32>,
+    #[serde(default)]
+    pub utilization_gpu: Option<u32>,
+    #[serde(default)]
+    pub utilization_memory: Option<u32>,
+    #[serde(default)]
+    pub memory_used_mib: Option<u64>,
+}
+
+/// A description that cannot be used, naming the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum DescError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Invalid(#[from] YamlError),
+    #[error(
+        "{0:?} is neither a file nor a built-in node description (built-in: h100-sxm-8, a10g-1, t4-4, no-gpu)"
+    )]
+    Unknown(String),
+}
+
+impl NodeDescription {
+    /// Parses and validates YAML; `origin` names the source in errors.
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self, DescError> {
+        let desc: NodeDescription = hostlib::strict::from_yaml(text, origin)?;
+        desc.validate(origin)?;
+        Ok(desc)
+    }
+
+    /// Reads a description file.
+    pub fn from_file(path: &Path) -> Result<Self, DescError> {
+        let text = fs::read_to_string(path).map_err(|source| DescError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_yaml(&text, &path.display().to_string())
+    }
+
+    /// A built-in description by name, or a file by path.
+    pub fn load(name_or_path: &str) -> Result<Self, DescError> {
+        if let Some((name, text)) = BUILTIN.iter().find(|(n, _)| *n == name_or_path) {
+            return Self::from_yaml(text, &format!("built-in {name}"));
+        }
+        let path = Path::new(name_or_path);
+        if path.exists() {
+            return Self::from_file(path);
+        }
+        Err(DescError::Unknown(name_or_path.to_string()))
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), YamlError> {
+        let invalid = |field: String, message: String| YamlError::invalid(origin, field, message);
+        let mut by_bus: HashMap<PciAddress, usize> = HashMap::new();
+        let mut by_uuid: HashMap<&str, usize> = HashMap::new();
+        for (i, g) in self.gpus.iter().enumerate() {
+            if let Some(j) = by_bus.insert(g.bus_id, i) {
+                return Err(invalid(
+                    format!("gpus[{i}].busId"),
+                    format!("{} is also gpus[{j}].busId", g.bus_id),
+                ));
+            }
+            if !g.uuid.starts_with("GPU-") || g.uuid.len() > 80 {
+                return Err(invalid(
+                    format!("gpus[{i}].uuid"),
+                    format!("{:?} does not look like GPU-<uuid>", g.uuid),
+                ));
+            }
+            if let Some(j) = by_uuid.insert(&g.uuid, i) {
+                return Err(invalid(
+                    format!("gpus[{i}].uuid"),
+                    format!("{} is also gpus[{j}].uuid", g.uuid),
+                ));
+            }
+            if g.compute_capability().is_none() {
+                return Err(invalid(
+                    format!("gpus[{i}].computeCapability"),
+                    format!("{:?} is not MAJOR.MINOR", g.compute_capability),
+                ));
+            }
+            if g.mig.enabled && !g.mig.capable {
+                return Err(invalid(
+                    format!("gpus[{i}].mig.enabled"),
+                    "MIG cannot be enabled on a GPU that is not MIG-capable".into(),
+                ));
+            }
+            if g.name.is_empty() || g.name.len() >= 96 {
+                return Err(invalid(format!("gpus[{i}].name"), "must be 1 to 95 bytes".into()));
+            }
+        }
+        for (i, s) in self.nvswitches.iter().enumerate() {
+            if by_bus.contains_key(s) {
+                return Err(invalid(
+                    format!("nvswitches[{i}]"),
+                    format!("{s} is also a GPU's busId"),
+                ));
+            }
+        }
+        for (i, g) in self.gpus.iter().enumerate() {
+            let mut total = 0;
+            for (k, l) in g.nvlinks.iter().enumerate() {
+                if l.remote == g.bus_id {
+                    return Err(invalid(
+                        format!("gpus[{i}].nvlinks[{k}].remote"),
+                        "a GPU cannot link to itself".into(),
+                    ));
+                }
+                if !by_bus.contains_key(&l.remote) && !self.nvswitches.contains(&l.remote) {
+                    return Err(invalid(
+                        format!("gpus[{i}].nvlinks[{k}].remote"),
+                        format!("{} is neither a GPU nor an NVSwitch of this node", l.remote),
+                    ));
+                }
+                if l.links == 0 {
+                    return Err(invalid(
+                        format!("gpus[{i}].nvlinks[{k}].links"),
+                        "must be at least 1".into(),
+                    ));
+                }
+                total += l.links;
+            }
+            if total > MAX_NVLINKS {
+                return Err(invalid(
+                    format!("gpus[{i}].nvlinks"),
+                    format!("{total} links; a GPU has at most {MAX_NVLINKS}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The GPU at `bus_id`.
+    pub fn gpu_by_bus(&self, bus_id: PciAddress) -> Option<&GpuDesc> {
+        self.gpus.iter().find(|g| g.bus_id == bus_id)
+    }
+
+    /// NVML's topology level between GPUs `a` and `b` (indices), from their
+    /// PCIe placement: same board, first switch, any switch, host bridge,
+    /// NUMA node, else across CPUs.
+    pub fn pcie_level(&self, a: usize, b: usize) -> u32 {
+        use topology_level::*;
+        let (ga, gb) = (&self.gpus[a], &self.gpus[b]);
+        let (pa, pb) = (&ga.pcie, &gb.pcie);
+        if a == b || (pa.board.is_some() && pa.board == pb.board) {
+            INTERNAL
+        } else if pa.switches.first().is_some() && pa.switches.first() == pb.switches.first() {
+            SINGLE
+        } else if pa.switches.iter().any(|s| pb.switches.contains(s)) {
+            MULTIPLE
+        } else if pa.host_bridge.is_some() && pa.host_bridge == pb.host_bridge {
+            HOSTBRIDGE
+        } else if ga.numa_node.is_some() && ga.numa_node == gb.numa_node {
+            NODE
+        } else {
+            SYSTEM
+        }
+    }
+
+    /// Each GPU's NVLinks laid out by link number: link `n` leads to the
+    /// returned address. Links are numbered in the order the description
+    /// lists them.
+    pub fn nvlink_remotes(gpu: &GpuDesc) -> Vec<PciAddress> {
+        gpu.nvlinks
+            .iter()
+            .flat_map(|l| std::iter::repeat_n(l.remote, l.links as usize))
+            .collect()
+    }
+
+    /// Writes the sysfs and procfs files this node would show under `root`
+    /// (a sandbox directory, never a real host): PCI functions of the GPUs and
+    /// NVSwitches plus one host bridge, DMI product name, and, when a driver
+    /// is described, `/proc/driver/nvidia/version`, `/proc/modules` and
+    /// `/proc/devices`.
+    pub fn materialize(&self, root: &Path) -> io::Result<()> {
+        let devices = root.join("sys/bus/pci/devices");
+        fs::create_dir_all(&devices)?;
+        let loaded = self.driver.is_some();
+        let mut functions: Vec<(PciAddress, u16, u16, u32, Option<u16>, Option<u32>, Option<u32>, Option<&str>)> =
+            vec![("0000:00:00.0".parse().expect("literal"), 0x8086, 0x09a2, 0x060000, None, None, None, None)];
+        for g in &self.gpus {
+            functions.push((
+                g.bus_id,
+                hostlib::pci::NVIDIA_VENDOR,
+                g.device_id.0,
+                u32::from(g.pci_class.0) << 8,
+                g.subsystem_id.map(|s| s.0),
+                g.numa_node,
+                g.iommu_group,
+                loaded.then_some("nvidia"),
+            ));
+        }
+        for s in &self.nvswitches {
+            functions.push((*s, hostlib::pci::NVIDIA_VENDOR, 0x22a3, 0x068000, None, None, None, None));
+        }
+        for (addr, vendor, device, class, subsys, numa, iommu, driver) in functions {
+            let rel = format!("devices/pci{:04x}:{:02x}/{addr}", addr.domain, 0);
+            let dir = root.join("sys").join(&rel);
+            fs::create_dir_all(&dir)?;
+            fs::write(dir.join("vendor"), format!("{vendor:#06x}\n"))?;
+            fs::write(dir.join("device"), format!("{device:#06x}\n"))?;
+            fs::write(dir.join("class"), format!("{class:#08x}\n"))?;
+            fs::write(dir.join("subsystem_vendor"), format!("{vendor:#06x}\n"))?;
+            fs::write(
+                dir.join("subsystem_device"),
+                format!("{:#06x}\n", subsys.unwrap_or(0)),
+            )?;
+            let numa = numa.map_or("-1".to_string(), |n| n.to_string());
+            fs::write(dir.join("numa_node"), format!("{numa}\n"))?;
+            if let Some(group) = iommu {
+                fs::create_dir_all(root.join(format!("sys/kernel/iommu_groups/{group}")))?;
+                replace_symlink(&format!("../../../kernel/iommu_groups/{group}"), &dir.join("iommu_group"))?;
+            }
+            if let Some(drv) = driver {
+                fs::create_dir_all(root.join(format!("sys/bus/pci/drivers/{drv}")))?;
+                replace_symlink(&format!("../../../bus/pci/drivers/{drv}"), &dir.join("driver"))?;
+            }
+            replace_symlink(&format!("../../../{rel}"), &devices.join(addr.to_string()))?;
+        }
+        let dmi = root.join("sys/class/dmi/id");
+        fs::create_dir_all(&dmi)?;
+        fs::write(
+            dmi.join("product_name"),
+            format!("{}\n", self.machine.as_deref().unwrap_or("Simulated node")),
+        )?;
+        let proc = root.join("proc");
+        fs::create_dir_all(&proc)?;
+        let mut modules = String::new();
+        let mut devices_txt = String::from("Character devices:\n  1 mem\n  4 /dev/vc/0\n  5 /dev/tty\n");
+        if let Some(d) = &self.driver {
+            let nv = root.join("proc/driver/nvidia");
+            fs::create_dir_all(&nv)?;
+            let kind = match d.flavour {
+                DriverFlavour::Open => "Open Kernel Module for x86_64",
+                DriverFlavour::Proprietary => "x86_64 Kernel Module",
+            };
+            fs::write(
+                nv.join("version"),
+                format!(
+                    "NVRM version: NVIDIA UNIX {kind}  {}  Release Build  (simulated)\nGCC version:  gcc version 12.2.0 (Debian 12.2.0-14+deb12u1)\n",
+                    d.version
+                ),
+            )?;
+            // nvidia is used by every other NVIDIA module loaded.
+            let users: Vec<&str> = d.modules.iter().map(String::as_str).filter(|m| *m != "nvidia").collect();
+            for m in d.modules.iter().rev() {
+                if m == "nvidia" {
+                    let used = if users.is_empty() { "-".to_string() } else { format!("{},", users.join(",")) };
+                    modules.push_str(&format!("nvidia 56524800 {} {used} Live 0x0000000000000000\n", users.len()));
+                } else {
+                    modules.push_str(&format!("{m} 1527808 0 - Live 0x0000000000000000\n"));
+                }
+            }
+            devices_txt.push_str("195 nvidia-frontend\n");
+            if d.modules.iter().any(|m| m == "nvidia_uvm") {
+                devices_txt.push_str("234 nvidia-uvm\n");
+            }
+            devices_txt.push_str("237 nvidia-caps\n");
+        }
+        modules.push_str("ext4 1003520 1 - Live 0x0000000000000000\n");
+        devices_txt.push_str("\nBlock devices:\n  8 sd\n");
+        fs::write(proc.join("modules"), modules)?;
+        fs::write(proc.join("devices"), devices_txt)?;
+        Ok(())
+    }
+}
+
+fn replace_symlink(target: &str, link: &Path) -> io::Result<()> {
+    match fs::remove_file(link) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    symlink(target, link)
+}
+
+impl GpuDesc {
+    /// `(major, minor)` of the compute capability.
+    pub fn compute_capability(&self) -> Option<(u32, u32)> {
+        let (a, b) = self.compute_capability.split_once('.')?;
+        Some((a.parse().ok()?, b.parse().ok()?))
+    }
+}
+
+impl DriverDesc {
+    /// NVML's integer CUDA version: `12.4` is 12040.
+    pub fn cuda_version_int(&self) -> Option<i32> {
+        let (a, b) = self.cuda_version.split_once('.')?;
+        Some(a.parse::<i32>().ok()? * 1000 + b.parse::<i32>().ok()? * 10)
+    }
+}
+
+/// The NVLink count between every pair of GPUs (by index), through direct
+/// links or through a shared NVSwitch (the smaller of the two GPUs' link
+/// counts to that switch). Used by tests to check the inventory's view.
+pub fn nvlink_pairs(desc: &NodeDescription) -> BTreeMap<(usize, usize), u32> {
+    let mut out = BTreeMap::new();
+    for a in 0..desc.gpus.len() {
+        for b in (a + 1)..desc.gpus.len() {
+            let (ga, gb) = (&desc.gpus[a], &desc.gpus[b]);
+            let mut n = 0;
+            for l in &ga.nvlinks {
+                if l.remote == gb.bus_id {
+                    n += l.links;
+                } else if desc.nvswitches.contains(&l.remote) {
+                    let theirs: u32 = gb.nvlinks.iter().filter(|m| m.remote == l.remote).map(|m| m.links).sum();
+                    n += l.links.min(theirs);
+                }
+            }
+            if n > 0 {
+                out.insert((a, b), n);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtins_parse_and_validate() {
+        for (name, _) in BUILTIN {
+            let d = NodeDescription::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(!d.name.is_empty());
+        }
+        let h = NodeDescription::load("h100-sxm-8").unwrap();
+        assert_eq!(h.gpus.len(), 8);
+        assert!(h.gpus.iter().all(|g| g.mig.capable));
+        // NVLink all-to-all through the NVSwitches: 18 links between every pair.
+        let pairs = nvlink_pairs(&h);
+        assert_eq!(pairs.len(), 28);
+        assert!(pairs.values().all(|&n| n == 18));
+        let t4 = NodeDescription::load("t4-4").unwrap();
+        assert_eq!(t4.pcie_level(0, 1), topology_level::SINGLE);
+        assert_eq!(t4.pcie_level(0, 2), topology_level::SYSTEM);
+        assert!(nvlink_pairs(&t4).is_empty());
+        assert_eq!(NodeDescription::load("a10g-1").unwrap().gpus.len(), 1);
+        assert!(NodeDescription::load("no-gpu").unwrap().gpus.is_empty());
+    }
+
+    #[test]
+    fn unknown_key_is_named_with_its_path() {
+        let text = include_str!("../nodes/a10g-1.yaml").replace("memoryMib:", "memoryMibs:");
+        let err = NodeDescription::from_yaml(&text, "x.yaml").unwrap_err().to_string();
+        assert!(err.starts_with("x.yaml: gpus[0].memoryMibs: unknown key (expected one of: busId, name,"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let base = include_str!("../nodes/t4-4.yaml");
+        let cases = [
+            (base.replacen("computeCapability: \"7.5\"", "computeCapability: \"seven\"", 1), "gpus[0].computeCapability"),
+            (base.replacen("busId: \"0000:3b:00.0\"", "busId: \"0000:3b:00.0x\"", 1), "gpus[1].busId"),
+        ];
+        for (text, field) in cases {
+            let err = NodeDescription::from_yaml(&text, "t.yaml").unwrap_err().to_string();
+            assert!(err.starts_with(&format!("t.yaml: {field}")), "{err}");
+        }
+        let dup = base.replace("GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41", "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40");
+        let err = NodeDescription::from_yaml(&dup, "t.yaml").unwrap_err().to_string();
+        assert!(err.contains("gpus[1].uuid: GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40 is also gpus[0].uuid"), "{err}");
+    }
+
+    #[test]
+    fn unknown_name_says_what_exists() {
+        let err = NodeDescription::load("h200-9").unwrap_err().to_string();
+        assert!(err.contains("built-in: h100-sxm-8"), "{err}");
+    }
+
+    #[test]
+    fn materialized_tree_is_read_back_by_discovery() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = NodeDescription::load("h100-sxm-8").unwrap();
+        d.materialize(dir.path()).unwrap();
+        let root = hostlib::HostRoot::new(dir.path()).unwrap();
+        let gpus = hostlib::pci::discover_nvidia_gpus(&root).unwrap();
+        assert_eq!(gpus.len(), 8);
+        for (g, want) in gpus.iter().zip(&d.gpus) {
+            assert_eq!(g.address, want.bus_id);
+            assert_eq!(g.device, want.device_id.0);
+            assert_eq!(g.numa_node, want.numa_node);
+            assert_eq!(g.driver.as_deref(), Some("nvidia"));
+        }
+        let state = hostlib::DriverState::read(&root).unwrap();
+        assert_eq!(state.version.as_deref(), Some("550.127.08"));
+        assert_eq!(state.frontend_major(), Some(195));
+        assert_eq!(state.modules.len(), 3);
+    }
+}
