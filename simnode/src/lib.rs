@@ -8,7 +8,7 @@
 //!
 //! Keys are camelCase; unknown keys are rejected with their path.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::symlink;
@@ -101,6 +101,9 @@ pub struct GpuDesc {
     #[serde(default = "default_class")]
     pub pci_class: HexU16,
     pub memory_mib: u64,
+    /// Framebuffer memory in use (default 0).
+    #[serde(default)]
+    pub memory_used_mib: u64,
     /// `9.0`
     pub compute_capability: String,
     #[serde(default)]
@@ -200,8 +203,6 @@ pub struct TelemetryDesc {
     pub utilization_gpu: Option<u32>,
     #[serde(default)]
     pub utilization_memory: Option<u32>,
-    #[serde(default)]
-    pub memory_used_mib: Option<u64>,
 }
 
 /// A description that cannot be used, naming the file and the field.
@@ -490,31 +491,6 @@ impl DriverDesc {
     }
 }
 
-/// The NVLink count between every pair of GPUs (by index), through direct
-/// links or through a shared NVSwitch (the smaller of the two GPUs' link
-/// counts to that switch). Used by tests to check the inventory's view.
-pub fn nvlink_pairs(desc: &NodeDescription) -> BTreeMap<(usize, usize), u32> {
-    let mut out = BTreeMap::new();
-    for a in 0..desc.gpus.len() {
-        for b in (a + 1)..desc.gpus.len() {
-            let (ga, gb) = (&desc.gpus[a], &desc.gpus[b]);
-            let mut n = 0;
-            for l in &ga.nvlinks {
-                if l.remote == gb.bus_id {
-                    n += l.links;
-                } else if desc.nvswitches.contains(&l.remote) {
-                    let theirs: u32 = gb.nvlinks.iter().filter(|m| m.remote == l.remote).map(|m| m.links).sum();
-                    n += l.links.min(theirs);
-                }
-            }
-            if n > 0 {
-                out.insert((a, b), n);
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -528,14 +504,16 @@ mod tests {
         let h = NodeDescription::load("h100-sxm-8").unwrap();
         assert_eq!(h.gpus.len(), 8);
         assert!(h.gpus.iter().all(|g| g.mig.capable));
-        // NVLink all-to-all through the NVSwitches: 18 links between every pair.
-        let pairs = nvlink_pairs(&h);
-        assert_eq!(pairs.len(), 28);
-        assert!(pairs.values().all(|&n| n == 18));
+        // 18 NVLinks per GPU, all to the four NVSwitches.
+        for g in &h.gpus {
+            let remotes = NodeDescription::nvlink_remotes(g);
+            assert_eq!(remotes.len(), 18);
+            assert!(remotes.iter().all(|r| h.nvswitches.contains(r)));
+        }
         let t4 = NodeDescription::load("t4-4").unwrap();
         assert_eq!(t4.pcie_level(0, 1), topology_level::SINGLE);
         assert_eq!(t4.pcie_level(0, 2), topology_level::SYSTEM);
-        assert!(nvlink_pairs(&t4).is_empty());
+        assert!(t4.gpus.iter().all(|g| g.nvlinks.is_empty()));
         assert_eq!(NodeDescription::load("a10g-1").unwrap().gpus.len(), 1);
         assert!(NodeDescription::load("no-gpu").unwrap().gpus.is_empty());
     }

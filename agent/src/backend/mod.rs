@@ -1,0 +1,174 @@
+//! GPU backends: where per-GPU facts (name, UUID, memory, MIG, NVLinks,
+//! readings) come from.
+//!
+//! - [`nvml::NvmlBackend`]: the real NVIDIA Management Library through
+//!   `nvml-wrapper` (in CI: against the project's fake libnvidia-ml).
+//! - [`sim::SimulatedBackend`]: a node description file, for the demo and
+//!   fast tests.
+//!
+//! Both fill the same [`BackendSnapshot`]; the inventory joins it with what
+//! sysfs shows.
+
+pub mod nvml;
+pub mod sim;
+
+use hostlib::PciAddress;
+use serde::{Deserialize, Serialize};
+
+/// A CUDA compute capability, `9.0`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ComputeCapability {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for ComputeCapability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// The CUDA version the driver supports, `12.4`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaVersion {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl CudaVersion {
+    /// From NVML's integer form (12040 is 12.4).
+    pub fn from_nvml(v: i32) -> Option<Self> {
+        (v > 0).then(|| CudaVersion {
+            major: (v / 1000) as u32,
+            minor: ((v % 1000) / 10) as u32,
+        })
+    }
+}
+
+impl std::fmt::Display for CudaVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// MIG mode of a MIG-capable GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigMode {
+    pub current: bool,
+    pub pending: bool,
+}
+
+/// How two GPUs reach each other over PCIe (NVML's common-ancestor levels),
+/// nearest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PcieLevel {
+    /// Same board (e.g. a dual-GPU card).
+    SameBoard,
+    /// Behind one PCIe switch.
+    SingleSwitch,
+    /// Behind several PCIe switches, without the host bridge.
+    MultiSwitch,
+    /// Through one host bridge.
+    HostBridge,
+    /// Through the CPU, same NUMA node.
+    SameNuma,
+    /// Across CPU sockets.
+    CrossNuma,
+}
+
+impl PcieLevel {
+    /// From `nvmlGpuTopologyLevel_t`.
+    pub fn from_nvml(level: u32) -> Option<Self> {
+        Some(match level {
+            0 => PcieLevel::SameBoard,
+            10 => PcieLevel::SingleSwitch,
+            20 => PcieLevel::MultiSwitch,
+            30 => PcieLevel::HostBridge,
+            40 => PcieLevel::SameNuma,
+            50 => PcieLevel::CrossNuma,
+            _ => return None,
+        })
+    }
+
+    /// nvidia-smi's short name (`topo -m`): PIX, PXB, PHB, NODE, SYS.
+    pub fn short(&self) -> &'static str {
+        match self {
+            PcieLevel::SameBoard => "BRD",
+            PcieLevel::SingleSwitch => "PIX",
+            PcieLevel::MultiSwitch => "PXB",
+            PcieLevel::HostBridge => "PHB",
+            PcieLevel::SameNuma => "NODE",
+            PcieLevel::CrossNuma => "SYS",
+        }
+    }
+}
+
+/// Readings; `None` where the GPU does not support one.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Telemetry {
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    pub utilization_gpu_pct: Option<u32>,
+    pub utilization_memory_pct: Option<u32>,
+    pub memory_used_mib: Option<u64>,
+}
+
+/// One GPU as the backend sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendGpu {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub bus_id: PciAddress,
+    pub memory_total_mib: Option<u64>,
+    pub compute_capability: Option<ComputeCapability>,
+    /// `None`: not MIG-capable.
+    pub mig: Option<MigMode>,
+    /// The far end of each active NVLink, by link number.
+    pub nvlink_remotes: Vec<PciAddress>,
+    pub telemetry: Telemetry,
+}
+
+/// Everything a backend reports at once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendSnapshot {
+    pub driver_version: Option<String>,
+    pub cuda_version: Option<CudaVersion>,
+    pub gpus: Vec<BackendGpu>,
+    /// PCIe level between GPU indices `a < b`.
+    pub pcie: Vec<(u32, u32, PcieLevel)>,
+}
+
+/// A backend that could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("cannot load {lib}: {message}")]
+    Library { lib: String, message: String },
+    #[error("the NVIDIA driver is not loaded (NVML: {0})")]
+    DriverNotLoaded(String),
+    #[error("NVML: {call}: {source}")]
+    Nvml {
+        call: &'static str,
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+    /// The backend could not be opened; the reason is kept as text.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("GPU {index}: NVML {call}: {source}")]
+    Device {
+        index: u32,
+        call: &'static str,
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
+}
+
+/// A source of per-GPU facts.
+pub trait GpuBackend: std::fmt::Debug {
+    /// `nvml` or `simulated`.
+    fn name(&self) -> &'static str;
+    /// Reads every GPU now.
+    fn snapshot(&self) -> Result<BackendSnapshot, BackendError>;
+}

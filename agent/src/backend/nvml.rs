@@ -1,0 +1,187 @@
+//! The real backend: NVML through `nvml-wrapper`.
+//!
+//! On a GPU node this talks to the driver. In CI it is loaded against the
+//! project's fake `libnvidia-ml.so.1` (tests/fake-nvml), the same code path.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use hostlib::PciAddress;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel};
+use nvml_wrapper::error::NvmlError;
+
+use super::{
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
+    MigMode, PcieLevel, Telemetry,
+};
+
+/// The library name the dynamic loader looks for.
+pub const DEFAULT_LIB: &str = "libnvidia-ml.so.1";
+
+/// `NVML_NVLINK_MAX_LINKS`: link numbers run from 0 to 17.
+const NVLINK_MAX_LINKS: u32 = 18;
+
+/// NVML, initialised once and shut down on drop.
+pub struct NvmlBackend {
+    nvml: Nvml,
+    lib: PathBuf,
+}
+
+impl std::fmt::Debug for NvmlBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmlBackend").field("lib", &self.lib).finish()
+    }
+}
+
+impl NvmlBackend {
+    /// Loads NVML from `lib` (a path, or a name the dynamic loader finds) and
+    /// initialises it.
+    pub fn open(lib: Option<&Path>) -> Result<Self, BackendError> {
+        let lib = lib.map_or_else(|| PathBuf::from(DEFAULT_LIB), Path::to_path_buf);
+        let nvml = Nvml::builder()
+            .lib_path(OsStr::new(lib.as_os_str()))
+            .init()
+            .map_err(|e| match e {
+                NvmlError::LibloadingError(inner) => BackendError::Library {
+                    lib: lib.display().to_string(),
+                    message: inner.to_string(),
+                },
+                NvmlError::DriverNotLoaded => BackendError::DriverNotLoaded(e.to_string()),
+                other => BackendError::Nvml {
+                    call: "nvmlInit",
+                    source: other,
+                },
+            })?;
+        tracing::debug!(lib = %lib.display(), "NVML initialised");
+        Ok(NvmlBackend { nvml, lib })
+    }
+}
+
+fn pcie_level(level: TopologyLevel) -> PcieLevel {
+    match level {
+        TopologyLevel::Internal => PcieLevel::SameBoard,
+        TopologyLevel::Single => PcieLevel::SingleSwitch,
+        TopologyLevel::Multiple => PcieLevel::MultiSwitch,
+        TopologyLevel::HostBridge => PcieLevel::HostBridge,
+        TopologyLevel::Node => PcieLevel::SameNuma,
+        TopologyLevel::System => PcieLevel::CrossNuma,
+    }
+}
+
+/// `Ok(None)` for answers NVML does not support on this GPU.
+fn optional<T>(r: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(NvmlError::NotSupported) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Readings are best-effort: an error other than "not supported" is logged
+/// and the reading left out, so one flaky sensor does not hide a GPU.
+fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option<T> {
+    match optional(r) {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(gpu = index, reading = what, error = %e, "NVML reading failed");
+            None
+        }
+    }
+}
+
+impl GpuBackend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+        let nvml = &self.nvml;
+        let sys = |call: &'static str| move |source| BackendError::Nvml { call, source };
+        let driver_version = optional(nvml.sys_driver_version()).map_err(sys("nvmlSystemGetDriverVersion"))?;
+        let cuda_version = optional(nvml.sys_cuda_driver_version())
+            .map_err(sys("nvmlSystemGetCudaDriverVersion"))?
+            .and_then(CudaVersion::from_nvml);
+        let count = nvml.device_count().map_err(sys("nvmlDeviceGetCount"))?;
+        let mut devices = Vec::with_capacity(count as usize);
+        let mut gpus = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let dev_err = |call: &'static str| move |source| BackendError::Device { index, call, source };
+            let device = nvml.device_by_index(index).map_err(dev_err("nvmlDeviceGetHandleByIndex"))?;
+            let pci = device.pci_info().map_err(dev_err("nvmlDeviceGetPciInfo"))?;
+            let bus_id: PciAddress = pci.bus_id.parse().map_err(|_| BackendError::Device {
+                index,
+                call: "nvmlDeviceGetPciInfo",
+                source: NvmlError::Unknown,
+            })?;
+            let memory = optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
+            let mig = optional(device.mig_mode())
+                .map_err(dev_err("nvmlDeviceGetMigMode"))?
+                .map(|m| MigMode {
+                    current: m.current == 1,
+                    pending: m.pending == 1,
+                });
+            let mut nvlink_remotes = Vec::new();
+            for link in 0..NVLINK_MAX_LINKS {
+                let l = device.link_wrapper_for(link);
+                match l.is_active() {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    // No NVLink on this GPU, or no link with this number.
+                    Err(NvmlError::NotSupported | NvmlError::InvalidArg) => break,
+                    Err(e) => return Err(dev_err("nvmlDeviceGetNvLinkState")(e)),
+                }
+                let remote = l.remote_pci_info().map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
+                match remote.bus_id.parse() {
+                    Ok(addr) => nvlink_remotes.push(addr),
+                    Err(_) => tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address"),
+                }
+            }
+            let util = reading(index, "utilization", device.utilization_rates());
+            gpus.push(BackendGpu {
+                index,
+                uuid: device.uuid().map_err(dev_err("nvmlDeviceGetUUID"))?,
+                name: device.name().map_err(dev_err("nvmlDeviceGetName"))?,
+                bus_id,
+                memory_total_mib: memory.as_ref().map(|m| m.total / (1024 * 1024)),
+                compute_capability: optional(device.cuda_compute_capability())
+                    .map_err(dev_err("nvmlDeviceGetCudaComputeCapability"))?
+                    .map(|c| ComputeCapability {
+                        major: c.major as u32,
+                        minor: c.minor as u32,
+                    }),
+                mig,
+                nvlink_remotes,
+                telemetry: Telemetry {
+                    temperature_c: reading(index, "temperature", device.temperature(TemperatureSensor::Gpu)),
+                    power_mw: reading(index, "power", device.power_usage()),
+                    utilization_gpu_pct: util.as_ref().map(|u| u.gpu),
+                    utilization_memory_pct: util.as_ref().map(|u| u.memory),
+                    memory_used_mib: memory.as_ref().map(|m| m.used / (1024 * 1024)),
+                },
+            });
+            devices.push(device);
+        }
+        let mut pcie = Vec::new();
+        for a in 0..devices.len() {
+            for b in (a + 1)..devices.len() {
+                // The wrapper takes the other device by value: ask for a second handle.
+                let other = match nvml.device_by_index(b as u32) {
+                    Ok(d) => d,
+                    Err(e) => return Err(BackendError::Device { index: b as u32, call: "nvmlDeviceGetHandleByIndex", source: e }),
+                };
+                match devices[a].topology_common_ancestor(other) {
+                    Ok(level) => pcie.push((a as u32, b as u32, pcie_level(level))),
+                    Err(NvmlError::NotSupported) => {}
+                    Err(e) => tracing::warn!(gpu_a = a, gpu_b = b, error = %e, "NVML topology query failed"),
+                }
+            }
+        }
+        Ok(BackendSnapshot {
+            driver_version,
+            cuda_version,
+            gpus,
+            pcie,
+        })
+    }
+}

@@ -1,0 +1,86 @@
+//! The simulated backend: answers from a node description.
+
+use simnode::NodeDescription;
+
+use super::{
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
+    MigMode, PcieLevel, Telemetry,
+};
+
+/// Serves a [`NodeDescription`].
+#[derive(Debug, Clone)]
+pub struct SimulatedBackend {
+    node: NodeDescription,
+}
+
+impl SimulatedBackend {
+    pub fn new(node: NodeDescription) -> Self {
+        SimulatedBackend { node }
+    }
+
+    pub fn node(&self) -> &NodeDescription {
+        &self.node
+    }
+}
+
+impl GpuBackend for SimulatedBackend {
+    fn name(&self) -> &'static str {
+        "simulated"
+    }
+
+    fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+        let n = &self.node;
+        let Some(driver) = &n.driver else {
+            return Err(BackendError::DriverNotLoaded(format!(
+                "the simulated node {:?} has no driver",
+                n.name
+            )));
+        };
+        let gpus = n
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| BackendGpu {
+                index: i as u32,
+                uuid: g.uuid.clone(),
+                name: g.name.clone(),
+                bus_id: g.bus_id,
+                memory_total_mib: Some(g.memory_mib),
+                compute_capability: g
+                    .compute_capability()
+                    .map(|(major, minor)| ComputeCapability { major, minor }),
+                mig: g.mig.capable.then_some(MigMode {
+                    current: g.mig.enabled,
+                    pending: g.mig.enabled,
+                }),
+                nvlink_remotes: NodeDescription::nvlink_remotes(g),
+                telemetry: Telemetry {
+                    temperature_c: g.telemetry.temperature_c,
+                    power_mw: g.telemetry.power_mw,
+                    utilization_gpu_pct: g
+                        .telemetry
+                        .utilization_gpu
+                        .filter(|_| g.telemetry.utilization_memory.is_some()),
+                    utilization_memory_pct: g
+                        .telemetry
+                        .utilization_memory
+                        .filter(|_| g.telemetry.utilization_gpu.is_some()),
+                    memory_used_mib: Some(g.memory_used_mib),
+                },
+            })
+            .collect();
+        let mut pcie = Vec::new();
+        for a in 0..n.gpus.len() {
+            for b in (a + 1)..n.gpus.len() {
+                let level = PcieLevel::from_nvml(n.pcie_level(a, b)).expect("simnode returns NVML levels");
+                pcie.push((a as u32, b as u32, level));
+            }
+        }
+        Ok(BackendSnapshot {
+            driver_version: Some(driver.version.clone()),
+            cuda_version: driver.cuda_version_int().and_then(CudaVersion::from_nvml),
+            gpus,
+            pcie,
+        })
+    }
+}

@@ -1,0 +1,349 @@
+//! The one model of the node's GPUs. Discovery builds it once from sysfs,
+//! `/proc` and a GPU backend; every front end (status, device plugin, CDI,
+//! labels, metrics, report) reads it and none re-discovers.
+//!
+//! Whole GPUs for now; MIG devices, replicas and health hang off [`Gpu`] later.
+
+use std::collections::BTreeMap;
+
+use hostlib::pci::{self, PciFunction};
+use hostlib::{DriverState, HostRoot, PciAddress};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{
+    BackendError, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode, PcieLevel,
+    Telemetry,
+};
+
+const DMI_PRODUCT_NAME: &str = "/sys/class/dmi/id/product_name";
+
+/// The node's GPUs and driver, as discovered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// DMI product name (`DGX H100`, `g5.xlarge`), when the host has one.
+    pub machine: Option<String>,
+    /// What `/proc` says about the kernel driver.
+    pub driver: DriverState,
+    /// Which backend answered, and what went wrong if it did not.
+    pub backend: BackendInfo,
+    /// The CUDA version the driver supports (from the backend).
+    pub cuda_version: Option<CudaVersion>,
+    /// GPUs by NVML index (PCI order where the backend did not answer).
+    pub gpus: Vec<Gpu>,
+    /// Every pair of GPUs with a known link, `a < b` by index.
+    pub pairs: Vec<GpuPair>,
+    /// Things an operator should know, in plain words.
+    pub warnings: Vec<String>,
+}
+
+/// The backend that answered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendInfo {
+    pub name: String,
+    /// The driver version the backend reports.
+    pub driver_version: Option<String>,
+    /// Why the backend could not answer.
+    pub error: Option<String>,
+}
+
+/// One whole GPU.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// NVML index (`/dev/nvidiaN` minor); `None` when only sysfs knows the GPU.
+    pub index: Option<u32>,
+    pub uuid: Option<String>,
+    /// Product name, `NVIDIA H100 80GB HBM3`.
+    pub model: Option<String>,
+    pub bus_id: PciAddress,
+    /// What sysfs shows of the PCI function; `None` if sysfs does not list it.
+    pub pci: Option<PciFunction>,
+    pub memory_mib: Option<u64>,
+    pub compute_capability: Option<ComputeCapability>,
+    /// `None`: not MIG-capable.
+    pub mig: Option<MigMode>,
+    /// Active NVLinks.
+    pub nvlinks: u32,
+    pub telemetry: Telemetry,
+}
+
+impl Gpu {
+    /// NUMA node from sysfs.
+    pub fn numa_node(&self) -> Option<u32> {
+        self.pci.as_ref().and_then(|p| p.numa_node)
+    }
+
+    /// A short name for logs: the UUID, else the bus id.
+    pub fn id(&self) -> String {
+        self.uuid.clone().unwrap_or_else(|| self.bus_id.to_string())
+    }
+}
+
+/// How two GPUs reach each other.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuPair {
+    pub a: u32,
+    pub b: u32,
+    /// NVLinks between them, directly or through a shared NVSwitch.
+    pub nvlinks: u32,
+    pub pcie: Option<PcieLevel>,
+}
+
+/// Discovery could not read the host.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error(transparent)]
+    Pci(#[from] pci::PciError),
+    #[error(transparent)]
+    Driver(#[from] hostlib::driver::DriverError),
+    #[error(transparent)]
+    Host(#[from] hostlib::HostError),
+}
+
+/// Reads sysfs and `/proc` under `sys` and asks `backend`, then builds the
+/// inventory. A backend that cannot answer is not an error: the GPUs sysfs
+/// shows are still listed, and the reason is in [`BackendInfo::error`].
+pub fn discover(sys: &HostRoot, backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
+    let functions = pci::discover_nvidia_gpus(sys)?;
+    let driver = DriverState::read(sys)?;
+    let machine = sys
+        .read_optional(DMI_PRODUCT_NAME)?
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty());
+    let snapshot = backend.snapshot();
+    Ok(build(machine, functions, driver, backend.name(), snapshot))
+}
+
+/// Joins sysfs's PCI functions with the backend's GPUs by bus id.
+pub fn build(
+    machine: Option<String>,
+    functions: Vec<PciFunction>,
+    driver: DriverState,
+    backend_name: &str,
+    snapshot: Result<BackendSnapshot, BackendError>,
+) -> Inventory {
+    let mut warnings = Vec::new();
+    let mut by_bus: BTreeMap<PciAddress, PciFunction> =
+        functions.into_iter().map(|f| (f.address, f)).collect();
+    let (snapshot, error) = match snapshot {
+        Ok(s) => (Some(s), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    if let Some(err) = &error {
+        if !by_bus.is_empty() {
+            warnings.push(format!(
+                "{} GPU(s) on the PCI bus, but {backend_name} cannot describe them: {err}",
+                by_bus.len()
+            ));
+        }
+    }
+    if driver.nouveau_loaded && !by_bus.is_empty() {
+        warnings.push("the nouveau driver is loaded; it must be unloaded (and blacklisted) before the NVIDIA driver can bind the GPUs".into());
+    }
+    let mut gpus = Vec::new();
+    let mut pairs = Vec::new();
+    let mut cuda_version = None;
+    let mut driver_version = None;
+    if let Some(snap) = snapshot {
+        cuda_version = snap.cuda_version;
+        driver_version = snap.driver_version.clone();
+        if let (Some(kernel), Some(lib)) = (&driver.version, &snap.driver_version) {
+            if kernel != lib {
+                warnings.push(format!(
+                    "kernel module is version {kernel} but NVML reports {lib}; the user-space driver does not match the loaded module"
+                ));
+            }
+        }
+        let gpu_buses: Vec<PciAddress> = snap.gpus.iter().map(|g| g.bus_id).collect();
+        for g in &snap.gpus {
+            let pci = by_bus.remove(&g.bus_id);
+            if pci.is_none() {
+                warnings.push(format!(
+                    "GPU {} ({}) is reported by {backend_name} but not listed in sysfs",
+                    g.index, g.bus_id
+                ));
+            }
+            gpus.push(Gpu {
+                index: Some(g.index),
+                uuid: Some(g.uuid.clone()),
+                model: Some(g.name.clone()),
+                bus_id: g.bus_id,
+                pci,
+                memory_mib: g.memory_total_mib,
+                compute_capability: g.compute_capability,
+                mig: g.mig,
+                nvlinks: g.nvlink_remotes.len() as u32,
+                telemetry: g.telemetry.clone(),
+            });
+        }
+        let pcie: BTreeMap<(u32, u32), PcieLevel> =
+            snap.pcie.iter().map(|&(a, b, l)| ((a, b), l)).collect();
+        for (i, ga) in snap.gpus.iter().enumerate() {
+            for gb in &snap.gpus[i + 1..] {
+                let nvlinks = nvlinks_between(&ga.nvlink_remotes, &gb.nvlink_remotes, gb.bus_id, ga.bus_id, &gpu_buses);
+                let level = pcie.get(&(ga.index.min(gb.index), ga.index.max(gb.index))).copied();
+                if nvlinks > 0 || level.is_some() {
+                    pairs.push(GpuPair {
+                        a: ga.index.min(gb.index),
+                        b: ga.index.max(gb.index),
+                        nvlinks,
+                        pcie: level,
+                    });
+                }
+            }
+        }
+    }
+    // GPUs sysfs shows that the backend did not describe.
+    for (_, f) in by_bus {
+        if error.is_none() {
+            warnings.push(format!(
+                "GPU at {} is on the PCI bus (bound to {}) but {backend_name} does not see it",
+                f.address,
+                f.driver.as_deref().unwrap_or("no driver")
+            ));
+        }
+        gpus.push(Gpu {
+            index: None,
+            uuid: None,
+            model: None,
+            bus_id: f.address,
+            pci: Some(f),
+            memory_mib: None,
+            compute_capability: None,
+            mig: None,
+            nvlinks: 0,
+            telemetry: Telemetry::default(),
+        });
+    }
+    Inventory {
+        machine,
+        driver,
+        backend: BackendInfo {
+            name: backend_name.to_string(),
+            driver_version,
+            error,
+        },
+        cuda_version,
+        gpus,
+        pairs,
+        warnings,
+    }
+}
+
+/// NVLinks between GPU A and GPU B: A's links that end at B, plus, for each
+/// NVSwitch both reach, the smaller of their link counts to it.
+fn nvlinks_between(
+    a_remotes: &[PciAddress],
+    b_remotes: &[PciAddress],
+    b_bus: PciAddress,
+    a_bus: PciAddress,
+    gpu_buses: &[PciAddress],
+) -> u32 {
+    let count = |remotes: &[PciAddress], target: PciAddress| remotes.iter().filter(|r| **r == target).count() as u32;
+    let direct = count(a_remotes, b_bus).max(count(b_remotes, a_bus));
+    let mut switches: Vec<PciAddress> = a_remotes.iter().copied().filter(|r| !gpu_buses.contains(r)).collect();
+    switches.sort();
+    switches.dedup();
+    let via_switch: u32 = switches
+        .into_iter()
+        .map(|s| count(a_remotes, s).min(count(b_remotes, s)))
+        .sum();
+    direct + via_switch
+}
+
+impl Inventory {
+    /// The pair record for GPUs `a` and `b` (either order).
+    pub fn pair(&self, a: u32, b: u32) -> Option<&GpuPair> {
+        let (a, b) = (a.min(b), a.max(b));
+        self.pairs.iter().find(|p| p.a == a && p.b == b)
+    }
+
+    /// `8x NVIDIA H100 80GB HBM3` or `2x Tesla T4, 1x NVIDIA A10G`.
+    pub fn models_summary(&self) -> String {
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for g in &self.gpus {
+            *counts
+                .entry(g.model.clone().unwrap_or_else(|| "unknown model".into()))
+                .or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .map(|(m, n)| format!("{n}x {m}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimulatedBackend;
+    use simnode::NodeDescription;
+
+    fn inventory_of(name: &str) -> Inventory {
+        let dir = tempfile::tempdir().unwrap();
+        let desc = NodeDescription::load(name).unwrap();
+        desc.materialize(dir.path()).unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        discover(&root, &SimulatedBackend::new(desc)).unwrap()
+    }
+
+    #[test]
+    fn h100_node_all_to_all_nvlink() {
+        let inv = inventory_of("h100-sxm-8");
+        assert_eq!(inv.gpus.len(), 8);
+        assert!(inv.warnings.is_empty(), "{:?}", inv.warnings);
+        assert_eq!(inv.machine.as_deref(), Some("DGX H100"));
+        assert_eq!(inv.pairs.len(), 28);
+        assert!(inv.pairs.iter().all(|p| p.nvlinks == 18));
+        assert_eq!(inv.pair(0, 1).unwrap().pcie, Some(PcieLevel::SingleSwitch));
+        assert_eq!(inv.pair(0, 2).unwrap().pcie, Some(PcieLevel::MultiSwitch));
+        assert_eq!(inv.pair(3, 4).unwrap().pcie, Some(PcieLevel::CrossNuma));
+        let g = &inv.gpus[0];
+        assert_eq!(g.index, Some(0));
+        assert_eq!(g.numa_node(), Some(0));
+        assert_eq!(g.pci.as_ref().unwrap().driver.as_deref(), Some("nvidia"));
+        assert_eq!(g.mig, Some(MigMode { current: false, pending: false }));
+        assert_eq!(inv.models_summary(), "8x NVIDIA H100 80GB HBM3");
+        assert_eq!(inv.cuda_version.unwrap().to_string(), "12.4");
+    }
+
+    #[test]
+    fn t4_pairs_by_switch() {
+        let inv = inventory_of("t4-4");
+        assert_eq!(inv.pair(0, 1).unwrap().pcie, Some(PcieLevel::SingleSwitch));
+        assert_eq!(inv.pair(1, 2).unwrap().pcie, Some(PcieLevel::CrossNuma));
+        assert!(inv.pairs.iter().all(|p| p.nvlinks == 0));
+        assert!(inv.gpus.iter().all(|g| g.mig.is_none()));
+    }
+
+    #[test]
+    fn no_gpu_node_is_empty_without_warnings() {
+        let inv = inventory_of("no-gpu");
+        assert!(inv.gpus.is_empty());
+        assert!(inv.warnings.is_empty());
+        assert!(inv.backend.error.is_some());
+    }
+
+    #[test]
+    fn gpus_without_a_driver_are_still_listed_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut desc = NodeDescription::load("a10g-1").unwrap();
+        desc.driver = None;
+        desc.materialize(dir.path()).unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        let inv = discover(&root, &SimulatedBackend::new(desc)).unwrap();
+        assert_eq!(inv.gpus.len(), 1);
+        assert_eq!(inv.gpus[0].uuid, None);
+        assert_eq!(inv.gpus[0].bus_id.to_string(), "0000:00:1e.0");
+        assert_eq!(inv.warnings.len(), 1);
+        assert!(inv.warnings[0].contains("driver is not loaded"), "{:?}", inv.warnings);
+    }
+
+    #[test]
+    fn direct_nvlinks_count_once() {
+        let a: PciAddress = "0000:01:00.0".parse().unwrap();
+        let b: PciAddress = "0000:02:00.0".parse().unwrap();
+        let n = nvlinks_between(&[b, b, b, b], &[a, a, a, a], b, a, &[a, b]);
+        assert_eq!(n, 4);
+    }
+}

@@ -1,0 +1,16 @@
+//! gpu-agent: one privileged agent per GPU node that does the node's whole
+//! GPU job. This library holds everything the `gpu-agent` binary runs; the
+//! binary is the CLI around it.
+
+pub mod backend;
+pub mod caps;
+pub mod inventory;
+pub mod logging;
+pub mod policy;
+pub mod render;
+pub mod source;
+pub mod stages;
+pub mod state;
+
+pub use inventory::Inventory;
+pub use policy::Policy;

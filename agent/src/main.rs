@@ -1,0 +1,397 @@
+//! The `gpu-agent` command.
+
+mod demo;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use gpu_agent::caps::HeldCaps;
+use gpu_agent::logging::{self, LogFormat};
+use gpu_agent::policy::Policy;
+use gpu_agent::source::NodeView;
+use gpu_agent::stages::{self, Context, Stage, StageStatus};
+use gpu_agent::state::{self, AgentState, Liveness};
+use gpu_agent::{Inventory, render};
+use hostlib::HostRoot;
+use serde::Serialize;
+
+/// Exit code for bad input (an invalid policy, node description or argument).
+const EXIT_BAD_INPUT: u8 = 2;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gpu-agent",
+    version,
+    about = "The GPU node agent: discovers NVIDIA GPUs and manages the node's whole GPU stack",
+    long_about = None,
+)]
+struct Cli {
+    /// Where the host's / is: / on bare metal, /host in a DaemonSet.
+    #[arg(long, global = true, env = "GPU_AGENT_HOST_ROOT", default_value = "/", value_name = "DIR")]
+    host_root: PathBuf,
+    /// The policy file (ClusterPolicy-shaped YAML). Without one, every default applies.
+    #[arg(long, global = true, env = "GPU_AGENT_POLICY", value_name = "FILE")]
+    policy: Option<PathBuf>,
+    /// Simulate the node's GPUs from a node description: a file, or a built-in
+    /// name (h100-sxm-8, a10g-1, t4-4, no-gpu).
+    #[arg(long, global = true, env = "GPU_AGENT_SIMULATE", value_name = "FILE|NAME")]
+    simulate: Option<String>,
+    /// The NVML library to load (default: the host's libnvidia-ml.so.1).
+    #[arg(long, global = true, env = "GPU_AGENT_NVML_LIB", value_name = "PATH")]
+    nvml_lib: Option<PathBuf>,
+    /// How to log: auto (the journal under systemd, else text), text, json, journald.
+    #[arg(long, global = true, env = "GPU_AGENT_LOG_FORMAT", value_enum, default_value = "auto")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the agent: every stage in order, then stay up, refreshing the state
+    /// file until SIGTERM or SIGINT.
+    Run {
+        /// Run the stages once and exit (1 if a stage failed).
+        #[arg(long)]
+        once: bool,
+        /// Seconds between state-file refreshes.
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        heartbeat: u64,
+    },
+    /// Show each stage's state: from the running agent, or by inspecting the host.
+    Status {
+        #[arg(long, short, value_enum, default_value = "table")]
+        output: Output,
+    },
+    /// List the node's GPUs.
+    Inventory {
+        #[arg(long, short, value_enum, default_value = "table")]
+        output: Output,
+    },
+    /// Policy files.
+    Policy {
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
+    /// A simulated 8x H100 node in a sandbox: runs the agent's stages over it
+    /// and shows what it did. Changes nothing outside a temp dir.
+    Demo {
+        /// The node to simulate (a built-in name or a description file).
+        #[arg(long, default_value = "h100-sxm-8")]
+        node: String,
+        /// Keep the sandbox afterwards (its path is printed).
+        #[arg(long)]
+        keep: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyCommand {
+    /// Check a policy file; exit 2 naming the bad key if it is invalid.
+    Check {
+        file: PathBuf,
+        /// Print the effective policy, defaults filled in, as YAML.
+        #[arg(long)]
+        effective: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+/// An error with the exit code it should end the process with.
+struct Failure {
+    code: u8,
+    error: anyhow::Error,
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure { code: 1, error: e.into() }
+    }
+}
+
+fn bad_input(e: impl Into<anyhow::Error>) -> Failure {
+    Failure {
+        code: EXIT_BAD_INPUT,
+        error: e.into(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_level = match cli.command {
+        Command::Run { .. } => "info",
+        _ => "warn",
+    };
+    if let Some(note) = logging::init(cli.log_format, default_level) {
+        eprintln!("gpu-agent: {note}");
+    }
+    match dispatch(cli) {
+        Ok(code) => code,
+        Err(Failure { code, error }) => {
+            eprintln!("error: {error:#}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
+    match &cli.command {
+        Command::Run { once, heartbeat } => run(&cli, *once, *heartbeat),
+        Command::Status { output } => status(&cli, *output),
+        Command::Inventory { output } => inventory(&cli, *output),
+        Command::Policy {
+            command: PolicyCommand::Check { file, effective },
+        } => policy_check(file, *effective),
+        Command::Demo { node, keep } => {
+            demo::run(node, *keep, &mut std::io::stdout().lock()).map_err(bad_input_if_description)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn bad_input_if_description(e: anyhow::Error) -> Failure {
+    if e.downcast_ref::<simnode::DescError>().is_some() {
+        bad_input(e)
+    } else {
+        Failure { code: 1, error: e }
+    }
+}
+
+fn host_root(cli: &Cli) -> Result<HostRoot, Failure> {
+    HostRoot::new(&cli.host_root).map_err(|e| bad_input(anyhow::anyhow!("--host-root: {e}")))
+}
+
+fn load_policy(path: Option<&Path>) -> Result<Policy, Failure> {
+    match path {
+        Some(p) => Policy::from_file(p).map_err(bad_input),
+        None => Ok(Policy::default()),
+    }
+}
+
+fn node_view(cli: &Cli, host: &HostRoot) -> Result<NodeView, Failure> {
+    match &cli.simulate {
+        Some(name) => NodeView::simulated(name).map_err(|e| match e {
+            gpu_agent::source::SourceError::Description(_) => bad_input(e),
+            other => other.into(),
+        }),
+        None => Ok(NodeView::host(host, cli.nvml_lib.as_deref())),
+    }
+}
+
+fn print_json<T: Serialize>(value: &T) -> Result<(), Failure> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let view = node_view(cli, &host)?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
+        .context("cannot discover the node's GPUs")?;
+    match output {
+        Output::Json => print_json(&inv)?,
+        Output::Table => print!("{}", render::inventory(&inv)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
+    let policy = Policy::from_file(file).map_err(bad_input)?;
+    println!("{}: valid policy", file.display());
+    let rows: Vec<Vec<String>> = Stage::ALL
+        .iter()
+        .map(|s| {
+            let state = match s.disabled_by(&policy) {
+                Some(why) => format!("off ({why})"),
+                None => "on".into(),
+            };
+            vec![s.name().to_string(), state]
+        })
+        .collect();
+    print!("{}", render::table(&["STAGE", "BY THIS POLICY"], &rows));
+    if effective {
+        println!("---\n{}", serde_yaml_ng::to_string(&serde_json::json!({ "spec": policy }))?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let policy = load_policy(cli.policy.as_deref())?;
+    let caps = HeldCaps::read();
+    let view = node_view(cli, &host)?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        host_root = %host.path().display(),
+        simulated = view.simulated.as_deref().unwrap_or("no"),
+        caps = %caps.names().join(","),
+        "gpu-agent starting"
+    );
+    let pass = stages::run_pass(&Context {
+        policy: &policy,
+        caps: &caps,
+        sys: &view.sys,
+        backend: view.backend.as_ref(),
+    });
+    let ok = pass.ok();
+    let started = state::now();
+    let mut st = AgentState {
+        format: state::FORMAT,
+        pid: std::process::id(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        started_at: started,
+        updated_at: started,
+        stopped_at: None,
+        heartbeat_secs: heartbeat,
+        host_root: host.path().display().to_string(),
+        policy: cli.policy.as_ref().map(|p| p.display().to_string()),
+        simulated: view.simulated.clone(),
+        held_caps: caps.names(),
+        stages: pass.stages,
+        inventory: pass.inventory,
+    };
+    write_state(&st, &host);
+    if once {
+        st.stopped_at = Some(state::now());
+        write_state(&st, &host);
+        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    st.updated_at = state::now();
+                    write_state(&st, &host);
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+        Ok::<_, std::io::Error>(())
+    })?;
+    tracing::info!("gpu-agent stopping");
+    st.stopped_at = Some(state::now());
+    write_state(&st, &host);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write_state(st: &AgentState, host: &HostRoot) {
+    if let Err(e) = st.write(host) {
+        tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
+    }
+}
+
+/// What `status` shows, in either output form.
+#[derive(Debug, Serialize)]
+pub(crate) struct StatusReport {
+    /// `running-agent` or `host-inspection`.
+    source: &'static str,
+    /// Why the host was inspected, or which agent answered.
+    note: String,
+    held_caps: Vec<String>,
+    stages: Vec<StageStatus>,
+    inventory: Option<Inventory>,
+}
+
+impl StatusReport {
+    /// The report of a running agent, from its state file.
+    pub(crate) fn from_agent(st: AgentState, age_secs: u64) -> Self {
+        StatusReport {
+            source: "running-agent",
+            note: format!(
+                "from the running agent (pid {}, version {}, updated {age_secs} s ago{})",
+                st.pid,
+                st.version,
+                st.simulated.as_deref().map(|s| format!(", simulating {s}")).unwrap_or_default()
+            ),
+            held_caps: st.held_caps,
+            stages: st.stages,
+            inventory: st.inventory,
+        }
+    }
+}
+
+fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let now = state::now();
+    let note = match AgentState::read(&host) {
+        Ok(Some(st)) => match st.liveness(now) {
+            Liveness::Live { age_secs } => return print_status(&StatusReport::from_agent(st, age_secs), output),
+            Liveness::Stale { age_secs } => format!(
+                "the agent's state file is {age_secs} s old (pid {} stopped refreshing it): the agent is not running; inspecting the host",
+                st.pid
+            ),
+            Liveness::Stopped { age_secs } => {
+                format!("the agent (pid {}) stopped {age_secs} s ago; inspecting the host", st.pid)
+            }
+        },
+        Ok(None) => format!(
+            "no running agent ({} does not exist); inspecting the host",
+            host.resolve(state::STATE_FILE)?.display()
+        ),
+        Err(e) => format!("{e}; inspecting the host"),
+    };
+    let policy = load_policy(cli.policy.as_deref())?;
+    let caps = HeldCaps::read();
+    let view = node_view(cli, &host)?;
+    // Only read-only stages are built so far (discover); inspecting runs them.
+    let pass = stages::run_pass(&Context {
+        policy: &policy,
+        caps: &caps,
+        sys: &view.sys,
+        backend: view.backend.as_ref(),
+    });
+    let report = StatusReport {
+        source: "host-inspection",
+        note,
+        held_caps: caps.names(),
+        stages: pass.stages,
+        inventory: pass.inventory,
+    };
+    print_status(&report, output)
+}
+
+fn print_status(report: &StatusReport, output: Output) -> Result<ExitCode, Failure> {
+    match output {
+        Output::Json => print_json(report)?,
+        Output::Table => print!("{}", status_text(report)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn status_text(report: &StatusReport) -> String {
+    let mut out = format!("gpu-agent status: {}\n", report.note);
+    if let Some(inv) = &report.inventory {
+        out.push_str(&format!(
+            "node: {} · {} GPU(s){}\n",
+            render::node_line(inv),
+            inv.gpus.len(),
+            if inv.gpus.is_empty() { String::new() } else { format!(": {}", inv.models_summary()) }
+        ));
+    }
+    out.push('\n');
+    out.push_str(&render::stages(&report.stages));
+    if let Some(inv) = &report.inventory {
+        for w in &inv.warnings {
+            out.push_str(&format!("warning: {w}\n"));
+        }
+    }
+    out
+}

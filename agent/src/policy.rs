@@ -1,0 +1,336 @@
+//! The policy: what the agent should do on this node, in YAML shaped like the
+//! GPU Operator's ClusterPolicy (`spec.driver`, `spec.toolkit`,
+//! `spec.devicePlugin`, ...), so that a team moving from the operator can
+//! bring its values. Every key has a documented default (docs/policy.md);
+//! an empty file means all defaults. Unknown keys and wrong types are
+//! refused with the key's path.
+
+use std::path::Path;
+
+use hostlib::strict::{self, YamlError};
+use serde::{Deserialize, Serialize};
+
+/// A policy file: a ClusterPolicy-like object, or just its `spec`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PolicyFile {
+    /// Free text (e.g. `gpu-agent/v1alpha1`); not interpreted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_version: Option<String>,
+    /// `ClusterPolicy` or `GpuAgentPolicy`, if given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Kubernetes metadata, kept but not interpreted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<serde_yaml_ng::Value>,
+    #[serde(default)]
+    pub spec: Policy,
+}
+
+/// What the agent does. Field defaults are the documented ones.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Policy {
+    #[serde(default)]
+    pub operator: OperatorSpec,
+    #[serde(default)]
+    pub driver: DriverSpec,
+    #[serde(default)]
+    pub toolkit: Toggle,
+    #[serde(default)]
+    pub cdi: CdiSpec,
+    #[serde(default)]
+    pub device_plugin: DevicePluginSpec,
+    #[serde(default)]
+    pub dcgm_exporter: Toggle,
+    #[serde(default)]
+    pub gfd: Toggle,
+    #[serde(default)]
+    pub mig_manager: Toggle,
+    #[serde(default)]
+    pub validator: Toggle,
+    #[serde(default)]
+    pub mig: MigSpec,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `{enabled: bool}`, default enabled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Toggle {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+}
+
+impl Default for Toggle {
+    fn default() -> Self {
+        Toggle { enabled: true }
+    }
+}
+
+/// `spec.operator`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OperatorSpec {
+    /// The container runtime to configure: containerd (default), crio, docker.
+    #[serde(default)]
+    pub default_runtime: ContainerRuntime,
+    /// The runtime name (and RuntimeClass) to add, default `nvidia`.
+    #[serde(default = "default_runtime_class")]
+    pub runtime_class: String,
+}
+
+fn default_runtime_class() -> String {
+    "nvidia".into()
+}
+
+impl Default for OperatorSpec {
+    fn default() -> Self {
+        OperatorSpec {
+            default_runtime: ContainerRuntime::default(),
+            runtime_class: default_runtime_class(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContainerRuntime {
+    #[default]
+    Containerd,
+    Crio,
+    Docker,
+}
+
+/// `spec.driver`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DriverSpec {
+    /// Manage the driver. `false` when the host already has one (EKS's
+    /// AL2023 NVIDIA AMI): the agent then only checks it and makes device nodes.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The driver version to install, e.g. `550.127.08`; empty: keep what is loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Open kernel modules (`true`), proprietary (`false`), or by GPU
+    /// generation when unset (open for Turing and newer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_open_kernel_modules: Option<bool>,
+}
+
+impl Default for DriverSpec {
+    fn default() -> Self {
+        DriverSpec {
+            enabled: true,
+            version: None,
+            use_open_kernel_modules: None,
+        }
+    }
+}
+
+/// `spec.cdi`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CdiSpec {
+    /// Write CDI specs and enable CDI in the runtime (default true: gpu-agent
+    /// injects GPUs through CDI, so no NVIDIA toolkit is needed on the host).
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Make CDI the `nvidia` runtime's default injection mode.
+    #[serde(default)]
+    pub default: bool,
+}
+
+impl Default for CdiSpec {
+    fn default() -> Self {
+        CdiSpec {
+            enabled: true,
+            default: false,
+        }
+    }
+}
+
+/// `spec.devicePlugin`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DevicePluginSpec {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Sharing and plugin configuration (time-slicing, MPS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<DevicePluginConfig>,
+}
+
+impl Default for DevicePluginSpec {
+    fn default() -> Self {
+        DevicePluginSpec {
+            enabled: true,
+            config: None,
+        }
+    }
+}
+
+/// `spec.devicePlugin.config`: as in ClusterPolicy, a named set of configs
+/// and the default one; here the set is a directory of files.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DevicePluginConfig {
+    /// The ConfigMap name (in Kubernetes) holding the configs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The config used when the node has no `nvidia.com/device-plugin.config` label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+}
+
+/// `spec.mig`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigSpec {
+    #[serde(default)]
+    pub strategy: MigStrategy,
+}
+
+/// How MIG devices are advertised (as NVIDIA's device plugin does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// MIG devices are not advertised; whole GPUs are.
+    None,
+    /// All MIG devices are of one profile and advertised as `nvidia.com/gpu`
+    /// (ClusterPolicy's default).
+    #[default]
+    Single,
+    /// Each profile gets its own resource, `nvidia.com/mig-1g.10gb`.
+    Mixed,
+}
+
+/// A policy that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Invalid(#[from] YamlError),
+}
+
+impl Policy {
+    /// Parses a policy document; `origin` names it in errors.
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self, PolicyError> {
+        let file: PolicyFile = strict::from_yaml(text, origin)?;
+        if let Some(kind) = &file.kind {
+            if kind != "ClusterPolicy" && kind != "GpuAgentPolicy" {
+                return Err(YamlError::invalid(
+                    origin,
+                    "kind",
+                    format!("{kind:?} is not a policy (expected ClusterPolicy or GpuAgentPolicy)"),
+                )
+                .into());
+            }
+        }
+        let policy = file.spec;
+        policy.validate(origin)?;
+        Ok(policy)
+    }
+
+    /// Reads a policy file.
+    pub fn from_file(path: &Path) -> Result<Self, PolicyError> {
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_yaml(&text, &path.display().to_string())
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), YamlError> {
+        let rc = &self.operator.runtime_class;
+        let dns_label = !rc.is_empty()
+            && rc.len() <= 63
+            && rc.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !rc.starts_with('-')
+            && !rc.ends_with('-');
+        if !dns_label {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.operator.runtimeClass",
+                format!("{rc:?} is not a valid runtime name (lower-case letters, digits and '-', at most 63)"),
+            ));
+        }
+        if let Some(v) = &self.driver.version {
+            let ok = !v.is_empty() && v.split('.').all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()));
+            if !ok {
+                return Err(YamlError::invalid(
+                    origin,
+                    "spec.driver.version",
+                    format!("{v:?} is not a driver version like 550.127.08"),
+                ));
+            }
+        }
+        if self.cdi.default && !self.cdi.enabled {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.cdi.default",
+                "CDI cannot be the default while spec.cdi.enabled is false",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_policy_is_all_defaults() {
+        let p = Policy::from_yaml("", "p").unwrap();
+        assert_eq!(p, Policy::default());
+        assert!(p.driver.enabled && p.toolkit.enabled && p.device_plugin.enabled);
+        assert_eq!(p.mig.strategy, MigStrategy::Single);
+        assert_eq!(p.operator.default_runtime, ContainerRuntime::Containerd);
+        assert_eq!(p.operator.runtime_class, "nvidia");
+    }
+
+    #[test]
+    fn cluster_policy_shape_is_accepted() {
+        let text = "apiVersion: nvidia.com/v1\nkind: ClusterPolicy\nmetadata:\n  name: cluster-policy\nspec:\n  driver:\n    enabled: false\n  toolkit:\n    enabled: false\n  mig:\n    strategy: mixed\n";
+        let p = Policy::from_yaml(text, "p").unwrap();
+        assert!(!p.driver.enabled && !p.toolkit.enabled);
+        assert_eq!(p.mig.strategy, MigStrategy::Mixed);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Policy::from_yaml("spec:\n  devicePlugin:\n    enabeld: false\n", "p.yaml").unwrap_err();
+        assert!(
+            err.to_string().starts_with("p.yaml: spec.devicePlugin.enabeld: unknown key (expected one of: enabled, config)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn wrong_type_and_bad_values_are_named() {
+        let cases = [
+            ("spec:\n  driver:\n    enabled: \"yes please\"\n", "spec.driver.enabled"),
+            ("spec:\n  mig:\n    strategy: both\n", "spec.mig.strategy"),
+            ("spec:\n  operator:\n    defaultRuntime: podman\n", "spec.operator.defaultRuntime"),
+            ("spec:\n  operator:\n    runtimeClass: Nvidia_GPU\n", "spec.operator.runtimeClass"),
+            ("spec:\n  driver:\n    version: latest\n", "spec.driver.version"),
+            ("spec:\n  cdi:\n    enabled: false\n    default: true\n", "spec.cdi.default"),
+            ("kind: Deployment\n", "kind"),
+            ("spec: [1, 2]\n", "spec"),
+        ];
+        for (text, path) in cases {
+            let err = Policy::from_yaml(text, "p.yaml").unwrap_err().to_string();
+            assert!(err.starts_with(&format!("p.yaml: {path}: ")), "{path}: {err}");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Human output: the inventory and status tables.
+
+use std::fmt::Write;
+
+use crate::inventory::Inventory;
+use crate::stages::StageStatus;
+
+/// Left-aligned columns, two spaces apart; the last column is not padded.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let mut line = |cells: Vec<&str>| {
+        let last = cells.len() - 1;
+        let mut l = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i == last {
+                l.push_str(c);
+            } else {
+                let _ = write!(l, "{c:<w$}  ", w = widths[i]);
+            }
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(headers.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+fn or_dash<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_string(), |x| x.to_string())
+}
+
+/// One line about the node: machine, driver, CUDA, backend.
+pub fn node_line(inv: &Inventory) -> String {
+    let mut parts = Vec::new();
+    if let Some(m) = &inv.machine {
+        parts.push(m.clone());
+    }
+    match (&inv.driver.version, inv.driver.flavour) {
+        (Some(v), Some(f)) => parts.push(format!("driver {v} ({})", format!("{f:?}").to_lowercase())),
+        (Some(v), None) => parts.push(format!("driver {v}")),
+        _ => parts.push("no NVIDIA driver loaded".into()),
+    }
+    if let Some(c) = inv.cuda_version {
+        parts.push(format!("CUDA {c}"));
+    }
+    match &inv.backend.error {
+        None => parts.push(format!("GPU backend: {}", inv.backend.name)),
+        Some(e) => parts.push(format!("GPU backend {} unavailable: {e}", inv.backend.name)),
+    }
+    parts.join(" · ")
+}
+
+/// The inventory as people read it: node line, GPU table, topology matrix,
+/// warnings.
+pub fn inventory(inv: &Inventory) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "node: {}", node_line(inv));
+    if inv.gpus.is_empty() {
+        out.push_str("no NVIDIA GPU found on this node (no PCI function with vendor 0x10de and class 0x0300/0x0302)\n");
+    } else {
+        let rows: Vec<Vec<String>> = inv
+            .gpus
+            .iter()
+            .map(|g| {
+                vec![
+                    or_dash(g.index),
+                    g.bus_id.to_string(),
+                    g.model.clone().unwrap_or_else(|| "-".into()),
+                    g.uuid.clone().unwrap_or_else(|| "-".into()),
+                    g.memory_mib.map_or_else(|| "-".into(), |m| format!("{m} MiB")),
+                    or_dash(g.compute_capability),
+                    or_dash(g.numa_node()),
+                    match g.mig {
+                        None => "-".into(),
+                        Some(m) if m.current != m.pending => format!("{} (pending {})", onoff(m.current), onoff(m.pending)),
+                        Some(m) => onoff(m.current).into(),
+                    },
+                    g.pci.as_ref().and_then(|p| p.driver.clone()).unwrap_or_else(|| "-".into()),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &["IDX", "BUS ID", "MODEL", "UUID", "MEMORY", "CC", "NUMA", "MIG", "BOUND TO"],
+            &rows,
+        ));
+        out.push_str(&topology(inv));
+    }
+    for w in &inv.warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    out
+}
+
+fn onoff(b: bool) -> &'static str {
+    if b { "on" } else { "off" }
+}
+
+/// nvidia-smi-style matrix: NV<n> for NVLinks, else the PCIe level.
+fn topology(inv: &Inventory) -> String {
+    let indexed: Vec<u32> = inv.gpus.iter().filter_map(|g| g.index).collect();
+    if indexed.len() < 2 || inv.pairs.is_empty() {
+        return String::new();
+    }
+    let mut headers = vec![String::from("TOPOLOGY")];
+    headers.extend(indexed.iter().map(|i| format!("GPU{i}")));
+    let rows: Vec<Vec<String>> = indexed
+        .iter()
+        .map(|&a| {
+            let mut row = vec![format!("GPU{a}")];
+            for &b in &indexed {
+                row.push(if a == b {
+                    "X".into()
+                } else {
+                    match inv.pair(a, b) {
+                        Some(p) if p.nvlinks > 0 => format!("NV{}", p.nvlinks),
+                        Some(p) => p.pcie.map_or("-", |l| l.short()).to_string(),
+                        None => "-".into(),
+                    }
+                });
+            }
+            row
+        })
+        .collect();
+    let h: Vec<&str> = headers.iter().map(String::as_str).collect();
+    let mut out = String::from("\n");
+    out.push_str(&table(&h, &rows));
+    out.push_str("(NV<n>: n NVLinks; PIX: one PCIe switch; PXB: several switches; PHB: host bridge; NODE: same NUMA node; SYS: across sockets)\n");
+    out
+}
+
+/// The stage table.
+pub fn stages(stages: &[StageStatus]) -> String {
+    let rows: Vec<Vec<String>> = stages
+        .iter()
+        .map(|s| vec![s.stage.name().to_string(), s.state.label().to_string(), s.detail.clone()])
+        .collect();
+    table(&["STAGE", "STATE", "DETAIL"], &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn columns_align_and_last_is_not_padded() {
+        let t = table(&["A", "LONGER"], &[vec!["xyz".into(), "1".into()], vec!["q".into(), "22".into()]]);
+        assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+}

@@ -1,0 +1,370 @@
+//! The agent's ordered stages (ARCHITECTURE.md, "The data's way through one
+//! node"). Each stage says what it needs (capabilities, earlier stages) and
+//! whether the policy turns it on. A stage that is not built yet reports
+//! `not implemented`, never `done`.
+
+use hostlib::HostRoot;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::GpuBackend;
+use crate::caps::{Capability, HeldCaps};
+use crate::inventory::{self, Inventory};
+use crate::policy::Policy;
+
+/// Every stage, in the order the agent runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stage {
+    Discover,
+    Driver,
+    Devnodes,
+    Runtime,
+    Cdi,
+    Validate,
+    Plugin,
+    Health,
+    Labels,
+    Metrics,
+    Mig,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 11] = [
+        Stage::Discover,
+        Stage::Driver,
+        Stage::Devnodes,
+        Stage::Runtime,
+        Stage::Cdi,
+        Stage::Validate,
+        Stage::Plugin,
+        Stage::Health,
+        Stage::Labels,
+        Stage::Metrics,
+        Stage::Mig,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Stage::Discover => "discover",
+            Stage::Driver => "driver",
+            Stage::Devnodes => "devnodes",
+            Stage::Runtime => "runtime",
+            Stage::Cdi => "cdi",
+            Stage::Validate => "validate",
+            Stage::Plugin => "plugin",
+            Stage::Health => "health",
+            Stage::Labels => "labels",
+            Stage::Metrics => "metrics",
+            Stage::Mig => "mig",
+        }
+    }
+
+    /// What the stage does, in a few words.
+    pub fn purpose(self) -> &'static str {
+        match self {
+            Stage::Discover => "find GPUs (sysfs, /proc, NVML)",
+            Stage::Driver => "verify the driver bundle, load kernel modules",
+            Stage::Devnodes => "create /dev/nvidia* and /dev/char links",
+            Stage::Runtime => "configure containerd / CRI-O / Docker",
+            Stage::Cdi => "write CDI specs for every GPU",
+            Stage::Validate => "check every stage, write validation status",
+            Stage::Plugin => "serve the kubelet device-plugin API",
+            Stage::Health => "watch XIDs, ECC and temperature",
+            Stage::Labels => "write GPU feature-discovery labels",
+            Stage::Metrics => "export Prometheus metrics on :9400",
+            Stage::Mig => "apply the MIG layout",
+        }
+    }
+
+    /// Capabilities the stage's system calls need.
+    pub fn needs(self) -> &'static [Capability] {
+        match self {
+            Stage::Discover | Stage::Validate | Stage::Plugin | Stage::Labels | Stage::Metrics | Stage::Cdi => &[],
+            Stage::Driver => &[Capability::CAP_SYS_MODULE],
+            Stage::Devnodes => &[Capability::CAP_MKNOD],
+            // Reloading a runtime signals its daemon.
+            Stage::Runtime => &[Capability::CAP_KILL],
+            // Reading the kernel log for XIDs.
+            Stage::Health => &[Capability::CAP_SYSLOG],
+            // MIG reconfiguration through NVML is a privileged operation.
+            Stage::Mig => &[Capability::CAP_SYS_ADMIN],
+        }
+    }
+
+    /// Earlier stages this one waits on.
+    pub fn after(self) -> &'static [Stage] {
+        match self {
+            Stage::Discover => &[],
+            Stage::Driver => &[Stage::Discover],
+            Stage::Devnodes => &[Stage::Driver],
+            Stage::Runtime => &[Stage::Discover],
+            Stage::Cdi => &[Stage::Devnodes],
+            Stage::Validate => &[Stage::Driver, Stage::Devnodes, Stage::Runtime, Stage::Cdi],
+            Stage::Plugin | Stage::Labels | Stage::Metrics | Stage::Health => &[Stage::Validate],
+            Stage::Mig => &[Stage::Driver],
+        }
+    }
+
+    /// `Some(reason)` when the policy turns the stage off.
+    pub fn disabled_by(self, p: &Policy) -> Option<&'static str> {
+        match self {
+            Stage::Driver if !p.driver.enabled => Some("spec.driver.enabled is false: the host's driver is used"),
+            Stage::Runtime if !p.toolkit.enabled => Some("spec.toolkit.enabled is false"),
+            Stage::Cdi if !p.cdi.enabled => Some("spec.cdi.enabled is false"),
+            Stage::Validate if !p.validator.enabled => Some("spec.validator.enabled is false"),
+            Stage::Plugin if !p.device_plugin.enabled => Some("spec.devicePlugin.enabled is false"),
+            Stage::Health if !p.device_plugin.enabled && !p.dcgm_exporter.enabled => {
+                Some("both spec.devicePlugin and spec.dcgmExporter are disabled")
+            }
+            Stage::Labels if !p.gfd.enabled => Some("spec.gfd.enabled is false"),
+            Stage::Metrics if !p.dcgm_exporter.enabled => Some("spec.dcgmExporter.enabled is false"),
+            Stage::Mig if !p.mig_manager.enabled => Some("spec.migManager.enabled is false"),
+            _ => None,
+        }
+    }
+
+    /// Built and running for real.
+    pub fn implemented(self) -> bool {
+        matches!(self, Stage::Discover)
+    }
+}
+
+/// Where a stage stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StageState {
+    Done,
+    Failed,
+    /// A needed capability is missing.
+    Blocked,
+    /// Waiting on an earlier stage that failed or is blocked.
+    Waiting,
+    /// Turned off by the policy.
+    Disabled,
+    /// Not built yet.
+    NotImplemented,
+}
+
+impl StageState {
+    pub fn label(self) -> &'static str {
+        match self {
+            StageState::Done => "done",
+            StageState::Failed => "failed",
+            StageState::Blocked => "blocked",
+            StageState::Waiting => "waiting",
+            StageState::Disabled => "disabled",
+            StageState::NotImplemented => "not implemented",
+        }
+    }
+}
+
+/// One stage's status, as `gpu-agent status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageStatus {
+    pub stage: Stage,
+    pub state: StageState,
+    /// One line saying why, or what was done.
+    pub detail: String,
+    /// Capabilities the stage needs.
+    pub needs: Vec<String>,
+    /// Of those, the ones this process does not hold.
+    pub missing: Vec<String>,
+}
+
+/// What one pass produced.
+#[derive(Debug)]
+pub struct Pass {
+    pub stages: Vec<StageStatus>,
+    pub inventory: Option<Inventory>,
+}
+
+impl Pass {
+    /// True when no stage failed.
+    pub fn ok(&self) -> bool {
+        !self.stages.iter().any(|s| s.state == StageState::Failed)
+    }
+}
+
+/// Everything a pass reads.
+#[derive(Debug)]
+pub struct Context<'a> {
+    pub policy: &'a Policy,
+    pub caps: &'a HeldCaps,
+    /// Where sysfs and /proc are read (the host root, or a simulated tree).
+    pub sys: &'a HostRoot,
+    pub backend: &'a dyn GpuBackend,
+}
+
+/// Runs the stages in order, once.
+pub fn run_pass(ctx: &Context<'_>) -> Pass {
+    let mut stages: Vec<StageStatus> = Vec::new();
+    let mut inventory = None;
+    for stage in Stage::ALL {
+        let needs: Vec<String> = stage.needs().iter().map(|c| c.to_string()).collect();
+        let missing = ctx.caps.missing(stage.needs());
+        let (state, detail) = if let Some(gated) = gate(stage, stage.implemented(), ctx.policy, &missing, &stages) {
+            gated
+        } else {
+            let _span = tracing::info_span!("stage", stage = stage.name()).entered();
+            match stage {
+                Stage::Discover => match inventory::discover(ctx.sys, ctx.backend) {
+                    Ok(inv) => {
+                        let detail = discover_detail(&inv);
+                        for w in &inv.warnings {
+                            tracing::warn!(stage = "discover", "{w}");
+                        }
+                        for g in &inv.gpus {
+                            tracing::info!(stage = "discover", gpu = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
+                        }
+                        inventory = Some(inv);
+                        (StageState::Done, detail)
+                    }
+                    Err(e) => (StageState::Failed, e.to_string()),
+                },
+                other => unreachable!("stage {} is marked implemented but has no runner", other.name()),
+            }
+        };
+        match state {
+            StageState::Failed => tracing::error!(stage = stage.name(), "{detail}"),
+            StageState::Blocked | StageState::Waiting => tracing::warn!(stage = stage.name(), state = state.label(), "{detail}"),
+            _ => tracing::info!(stage = stage.name(), state = state.label(), "{detail}"),
+        }
+        stages.push(StageStatus {
+            stage,
+            state,
+            detail,
+            needs,
+            missing,
+        });
+    }
+    Pass { stages, inventory }
+}
+
+/// Why a stage does not run now, or `None` when it should run. `implemented`
+/// is a parameter so that tests can ask about stages not built yet.
+fn gate(
+    stage: Stage,
+    implemented: bool,
+    policy: &Policy,
+    missing: &[String],
+    earlier: &[StageStatus],
+) -> Option<(StageState, String)> {
+    if let Some(reason) = stage.disabled_by(policy) {
+        return Some((StageState::Disabled, reason.to_string()));
+    }
+    if !implemented {
+        let mut detail = format!("{} (not built yet)", stage.purpose());
+        if !missing.is_empty() {
+            detail.push_str(&format!("; will need {}, not held", missing.join(", ")));
+        }
+        return Some((StageState::NotImplemented, detail));
+    }
+    if !missing.is_empty() {
+        return Some((StageState::Blocked, format!("missing {}", missing.join(", "))));
+    }
+    let stuck_on = stage.after().iter().find(|dep| {
+        earlier.iter().any(|s| {
+            s.stage == **dep && matches!(s.state, StageState::Failed | StageState::Blocked | StageState::Waiting)
+        })
+    })?;
+    Some((StageState::Waiting, format!("waiting on {}", stuck_on.name())))
+}
+
+fn discover_detail(inv: &Inventory) -> String {
+    if inv.gpus.is_empty() {
+        return "no NVIDIA GPU on this node".into();
+    }
+    let mut s = format!("{} GPU(s): {}", inv.gpus.len(), inv.models_summary());
+    match (&inv.driver.version, &inv.backend.error) {
+        (Some(v), None) => s.push_str(&format!("; driver {v}")),
+        (None, None) => {}
+        (_, Some(e)) => s.push_str(&format!("; {} unavailable: {e}", inv.backend.name)),
+    }
+    if !inv.warnings.is_empty() {
+        s.push_str(&format!("; {} warning(s)", inv.warnings.len()));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimulatedBackend;
+    use simnode::NodeDescription;
+
+    fn pass(policy: &Policy, caps: &HeldCaps) -> Pass {
+        let dir = tempfile::tempdir().unwrap();
+        let desc = NodeDescription::load("h100-sxm-8").unwrap();
+        desc.materialize(dir.path()).unwrap();
+        let sys = HostRoot::new(dir.path()).unwrap();
+        let backend = SimulatedBackend::new(desc);
+        run_pass(&Context {
+            policy,
+            caps,
+            sys: &sys,
+            backend: &backend,
+        })
+    }
+
+    fn state_of(p: &Pass, stage: Stage) -> &StageStatus {
+        p.stages.iter().find(|s| s.stage == stage).unwrap()
+    }
+
+    #[test]
+    fn discover_runs_and_nothing_unbuilt_claims_done() {
+        let p = pass(&Policy::default(), &HeldCaps::from_caps(&[]));
+        assert!(p.ok());
+        assert_eq!(p.stages.len(), Stage::ALL.len());
+        let d = state_of(&p, Stage::Discover);
+        assert_eq!(d.state, StageState::Done);
+        assert_eq!(d.detail, "8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08");
+        assert_eq!(p.inventory.as_ref().unwrap().gpus.len(), 8);
+        for s in &p.stages {
+            if s.stage != Stage::Discover {
+                assert_eq!(s.state, StageState::NotImplemented, "{:?}", s.stage);
+            }
+        }
+        // The driver stage names what it will need even before it is built.
+        assert_eq!(state_of(&p, Stage::Driver).missing, vec!["CAP_SYS_MODULE"]);
+    }
+
+    #[test]
+    fn policy_turns_stages_off_with_the_reason() {
+        let policy = Policy::from_yaml("spec:\n  driver: {enabled: false}\n  toolkit: {enabled: false}\n", "p").unwrap();
+        let p = pass(&policy, &HeldCaps::from_caps(&[]));
+        let d = state_of(&p, Stage::Driver);
+        assert_eq!(d.state, StageState::Disabled);
+        assert!(d.detail.contains("spec.driver.enabled is false"));
+        assert_eq!(state_of(&p, Stage::Runtime).state, StageState::Disabled);
+    }
+
+    #[test]
+    fn missing_capability_blocks_and_later_stages_wait() {
+        let policy = Policy::default();
+        let missing = vec!["CAP_SYS_MODULE".to_string()];
+        let (state, detail) = gate(Stage::Driver, true, &policy, &missing, &[]).unwrap();
+        assert_eq!(state, StageState::Blocked);
+        assert_eq!(detail, "missing CAP_SYS_MODULE");
+        let earlier = vec![StageStatus {
+            stage: Stage::Driver,
+            state,
+            detail,
+            needs: missing.clone(),
+            missing,
+        }];
+        let (state, detail) = gate(Stage::Devnodes, true, &policy, &[], &earlier).unwrap();
+        assert_eq!(state, StageState::Waiting);
+        assert_eq!(detail, "waiting on driver");
+        assert_eq!(gate(Stage::Runtime, true, &policy, &[], &earlier), None);
+    }
+
+    #[test]
+    fn every_stage_after_only_names_earlier_stages() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            for dep in s.after() {
+                let j = Stage::ALL.iter().position(|x| x == dep).unwrap();
+                assert!(j < i, "{} waits on later stage {}", s.name(), dep.name());
+            }
+        }
+    }
+}

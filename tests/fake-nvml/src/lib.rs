@@ -1,0 +1,455 @@
+//! A fake `libnvidia-ml.so.1`.
+//!
+//! It exports the NVML C functions gpu-agent's nvml-wrapper backend calls and
+//! answers them from a node description (see the `simnode` crate) named by
+//! the environment variable `FAKE_NVML_NODE` (a file path or a built-in name).
+//! Anything the description does not say is answered with
+//! `NVML_ERROR_NOT_SUPPORTED`, never with made-up data. Functions that are not
+//! exported fail in nvml-wrapper with `FailedToLoadSymbol` when called.
+//!
+//! Without `FAKE_NVML_NODE`, or for a description with no driver, `nvmlInit`
+//! fails with `NVML_ERROR_DRIVER_NOT_LOADED`, as the real library does on a
+//! node without the driver.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::ffi::{c_char, c_int, c_uint};
+use std::sync::Mutex;
+
+use nvml_wrapper_sys::bindings::{
+    nvmlDevice_t, nvmlGpuTopologyLevel_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t,
+    nvmlReturn_t, nvmlUtilization_t,
+};
+use simnode::{GpuDesc, NodeDescription};
+
+const SUCCESS: nvmlReturn_t = 0;
+const ERROR_UNINITIALIZED: nvmlReturn_t = 1;
+const ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
+const ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
+const ERROR_NOT_FOUND: nvmlReturn_t = 6;
+const ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+const ERROR_DRIVER_NOT_LOADED: nvmlReturn_t = 9;
+const ERROR_UNKNOWN: nvmlReturn_t = 999;
+
+/// `NVML_TEMPERATURE_GPU`
+const TEMPERATURE_GPU: c_uint = 0;
+
+struct State {
+    node: NodeDescription,
+    inits: u32,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+/// Runs `f` with the loaded description, or returns `ERROR_UNINITIALIZED`.
+fn with_node(f: impl FnOnce(&NodeDescription) -> nvmlReturn_t) -> nvmlReturn_t {
+    let guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    match guard.as_ref() {
+        Some(s) if s.inits > 0 => f(&s.node),
+        _ => ERROR_UNINITIALIZED,
+    }
+}
+
+/// Runs `f` with the GPU behind `device`.
+fn with_gpu(device: nvmlDevice_t, f: impl FnOnce(&NodeDescription, usize, &GpuDesc) -> nvmlReturn_t) -> nvmlReturn_t {
+    with_node(|node| match handle_index(device, node) {
+        Some(i) => f(node, i, &node.gpus[i]),
+        None => ERROR_INVALID_ARGUMENT,
+    })
+}
+
+/// Handles are the GPU's index + 1 in disguise (never dereferenced).
+fn handle_for(index: usize) -> nvmlDevice_t {
+    (index + 1) as nvmlDevice_t
+}
+
+fn handle_index(device: nvmlDevice_t, node: &NodeDescription) -> Option<usize> {
+    let raw = device as usize;
+    (raw >= 1 && raw <= node.gpus.len()).then(|| raw - 1)
+}
+
+/// Copies `s` with its NUL into a C buffer of `len` bytes.
+unsafe fn write_cstr(s: &str, buf: *mut c_char, len: c_uint) -> nvmlReturn_t {
+    if buf.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    let bytes = s.as_bytes();
+    if bytes.len() + 1 > len as usize {
+        return ERROR_INSUFFICIENT_SIZE;
+    }
+    // SAFETY: the caller gave a buffer of `len` bytes; we write len(s)+1 <= len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), buf, bytes.len());
+        *buf.add(bytes.len()) = 0;
+    }
+    SUCCESS
+}
+
+fn fill_pci(addr: hostlib::PciAddress, device_id: Option<u16>, subsystem: Option<u16>) -> nvmlPciInfo_t {
+    // SAFETY: nvmlPciInfo_t is plain C data; all-zero is a valid value.
+    let mut info: nvmlPciInfo_t = unsafe { std::mem::zeroed() };
+    info.domain = addr.domain;
+    info.bus = u32::from(addr.bus);
+    info.device = u32::from(addr.device);
+    info.pciDeviceId = device_id.map_or(0, |d| (u32::from(d) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR));
+    info.pciSubSystemId = subsystem.map_or(0, |s| (u32::from(s) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR));
+    let full = addr.nvml_bus_id();
+    let legacy = format!("{:04X}:{:02X}:{:02X}.{:X}", addr.domain, addr.bus, addr.device, addr.function);
+    for (dst, src) in [(&mut info.busId[..], full), (&mut info.busIdLegacy[..], legacy)] {
+        for (d, s) in dst.iter_mut().zip(src.bytes()) {
+            *d = s as c_char;
+        }
+    }
+    info
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(s) = guard.as_mut() {
+        s.inits += 1;
+        return SUCCESS;
+    }
+    let Ok(name) = std::env::var("FAKE_NVML_NODE") else {
+        eprintln!("fake libnvidia-ml: FAKE_NVML_NODE is not set; behaving as a node without a driver");
+        return ERROR_DRIVER_NOT_LOADED;
+    };
+    match NodeDescription::load(&name) {
+        Ok(node) if node.driver.is_none() => ERROR_DRIVER_NOT_LOADED,
+        Ok(node) => {
+            *guard = Some(State { node, inits: 1 });
+            SUCCESS
+        }
+        Err(e) => {
+            eprintln!("fake libnvidia-ml: {e}");
+            ERROR_UNKNOWN
+        }
+    }
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
+    nvmlInit_v2()
+}
+
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    match guard.as_mut() {
+        Some(s) if s.inits > 1 => {
+            s.inits -= 1;
+            SUCCESS
+        }
+        Some(_) => {
+            *guard = None;
+            SUCCESS
+        }
+        None => ERROR_UNINITIALIZED,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    with_node(|n| match &n.driver {
+        // SAFETY: forwarded caller buffer.
+        Some(d) => unsafe { write_cstr(&d.version, version, length) },
+        None => ERROR_DRIVER_NOT_LOADED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
+    if version.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_node(|n| match n.driver.as_ref().and_then(|d| d.cuda_version_int()) {
+        Some(v) => {
+            // SAFETY: checked non-null above.
+            unsafe { *version = v };
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlSystemGetCudaDriverVersion_v2(version) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
+    if count.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_node(|n| {
+        // SAFETY: checked non-null above.
+        unsafe { *count = n.gpus.len() as c_uint };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+    if device.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_node(|n| {
+        if index as usize >= n.gpus.len() {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        // SAFETY: checked non-null above.
+        unsafe { *device = handle_for(index as usize) };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(bus_id: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+    if bus_id.is_null() || device.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    // SAFETY: the caller passes a NUL-terminated string.
+    let text = unsafe { std::ffi::CStr::from_ptr(bus_id) }.to_string_lossy().into_owned();
+    let Ok(addr) = text.parse::<hostlib::PciAddress>() else {
+        return ERROR_INVALID_ARGUMENT;
+    };
+    with_node(|n| match n.gpus.iter().position(|g| g.bus_id == addr) {
+        Some(i) => {
+            // SAFETY: checked non-null above.
+            unsafe { *device = handle_for(i) };
+            SUCCESS
+        }
+        None => ERROR_NOT_FOUND,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
+    if index.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, i, _| {
+        // SAFETY: checked non-null above.
+        unsafe { *index = i as c_uint };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor: *mut c_uint) -> nvmlReturn_t {
+    // SAFETY: same contract; /dev/nvidiaN's N is the index here.
+    unsafe { nvmlDeviceGetIndex(device, minor) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetName(device: nvmlDevice_t, name: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    // SAFETY: forwarded caller buffer.
+    with_gpu(device, |_, _, g| unsafe { write_cstr(&g.name, name, length) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t {
+    // SAFETY: forwarded caller buffer.
+    with_gpu(device, |_, _, g| unsafe { write_cstr(&g.uuid, uuid, length) })
+}
+
+fn memory_numbers(g: &GpuDesc) -> Option<(u64, u64)> {
+    let total = g.memory_mib * 1024 * 1024;
+    let used = g.memory_used_mib * 1024 * 1024;
+    (used <= total).then_some((total, used))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+    if memory.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match memory_numbers(g) {
+        Some((total, used)) => {
+            // SAFETY: checked non-null above; the caller set `version`.
+            unsafe {
+                (*memory).total = total;
+                (*memory).reserved = 0;
+                (*memory).used = used;
+                (*memory).free = total - used;
+            }
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+    if memory.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match memory_numbers(g) {
+        Some((total, used)) => {
+            // SAFETY: checked non-null above.
+            unsafe {
+                (*memory).total = total;
+                (*memory).used = used;
+                (*memory).free = total - used;
+            }
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+    if pci.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| {
+        // SAFETY: checked non-null above.
+        unsafe { *pci = fill_pci(g.bus_id, Some(g.device_id.0), g.subsystem_id.map(|s| s.0)) };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(device: nvmlDevice_t, major: *mut c_int, minor: *mut c_int) -> nvmlReturn_t {
+    if major.is_null() || minor.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match g.compute_capability() {
+        Some((a, b)) => {
+            // SAFETY: checked non-null above.
+            unsafe {
+                *major = a as c_int;
+                *minor = b as c_int;
+            }
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(device: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> nvmlReturn_t {
+    if current.is_null() || pending.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| {
+        if !g.mig.capable {
+            return ERROR_NOT_SUPPORTED;
+        }
+        // SAFETY: checked non-null above.
+        unsafe {
+            *current = c_uint::from(g.mig.enabled);
+            *pending = c_uint::from(g.mig.enabled);
+        }
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(device: nvmlDevice_t, link: c_uint, is_active: *mut c_uint) -> nvmlReturn_t {
+    if is_active.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| {
+        if g.nvlinks.is_empty() {
+            return ERROR_NOT_SUPPORTED;
+        }
+        if link >= simnode::MAX_NVLINKS {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        let active = (link as usize) < NodeDescription::nvlink_remotes(g).len();
+        // SAFETY: checked non-null above.
+        unsafe { *is_active = c_uint::from(active) };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device: nvmlDevice_t, link: c_uint, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+    if pci.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |node, _, g| {
+        if g.nvlinks.is_empty() {
+            return ERROR_NOT_SUPPORTED;
+        }
+        let remotes = NodeDescription::nvlink_remotes(g);
+        let Some(remote) = remotes.get(link as usize) else {
+            return ERROR_INVALID_ARGUMENT;
+        };
+        let device_id = node.gpu_by_bus(*remote).map(|r| r.device_id.0);
+        // SAFETY: checked non-null above.
+        unsafe { *pci = fill_pci(*remote, device_id, None) };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
+    device1: nvmlDevice_t,
+    device2: nvmlDevice_t,
+    path_info: *mut nvmlGpuTopologyLevel_t,
+) -> nvmlReturn_t {
+    if path_info.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_node(|node| match (handle_index(device1, node), handle_index(device2, node)) {
+        (Some(a), Some(b)) => {
+            // SAFETY: checked non-null above.
+            unsafe { *path_info = node.pcie_level(a, b) as nvmlGpuTopologyLevel_t };
+            SUCCESS
+        }
+        _ => ERROR_INVALID_ARGUMENT,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(device: nvmlDevice_t, sensor: c_uint, temp: *mut c_uint) -> nvmlReturn_t {
+    if temp.is_null() || sensor != TEMPERATURE_GPU {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match g.telemetry.temperature_c {
+        Some(t) => {
+            // SAFETY: checked non-null above.
+            unsafe { *temp = t };
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *mut c_uint) -> nvmlReturn_t {
+    if power.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match g.telemetry.power_mw {
+        Some(p) => {
+            // SAFETY: checked non-null above.
+            unsafe { *power = p };
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, util: *mut nvmlUtilization_t) -> nvmlReturn_t {
+    if util.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, _, g| match (g.telemetry.utilization_gpu, g.telemetry.utilization_memory) {
+        (Some(gpu), Some(memory)) => {
+            // SAFETY: checked non-null above.
+            unsafe {
+                (*util).gpu = gpu;
+                (*util).memory = memory;
+            }
+            SUCCESS
+        }
+        _ => ERROR_NOT_SUPPORTED,
+    })
+}
