@@ -77,7 +77,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     )?;
     let read_back = AgentState::read(&host)?.context("the state file just written is missing")?;
     for line in status_text(&StatusReport::from_agent(read_back, 0)).lines() {
-        writeln!(out, "   {line}")?;
+        writeln!(out, "{}", format!("   {line}").trim_end())?;
     }
     let done = st.stages.iter().filter(|s| s.state == StageState::Done).count();
     let unbuilt = st.stages.iter().filter(|s| s.state == StageState::NotImplemented).count();

@@ -49,12 +49,16 @@ pub struct BackendInfo {
 /// One whole GPU.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gpu {
-    /// NVML index (`/dev/nvidiaN` minor); `None` when only sysfs knows the GPU.
+    /// NVML index; `None` when NVML did not answer.
     pub index: Option<u32>,
+    /// `/dev/nvidiaN`'s N, from the driver's /proc files.
+    pub minor: Option<u32>,
     pub uuid: Option<String>,
     /// Product name, `NVIDIA H100 80GB HBM3`.
     pub model: Option<String>,
     pub bus_id: PciAddress,
+    /// NUMA node from sysfs; `None` where the platform reports none.
+    pub numa_node: Option<u32>,
     /// What sysfs shows of the PCI function; `None` if sysfs does not list it.
     pub pci: Option<PciFunction>,
     pub memory_mib: Option<u64>,
@@ -67,11 +71,6 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// NUMA node from sysfs.
-    pub fn numa_node(&self) -> Option<u32> {
-        self.pci.as_ref().and_then(|p| p.numa_node)
-    }
-
     /// A short name for logs: the UUID, else the bus id.
     pub fn id(&self) -> String {
         self.uuid.clone().unwrap_or_else(|| self.bus_id.to_string())
@@ -162,11 +161,14 @@ pub fn build(
                     g.index, g.bus_id
                 ));
             }
+            let proc_gpu = driver.gpus.iter().find(|p| p.bus_id == g.bus_id);
             gpus.push(Gpu {
                 index: Some(g.index),
+                minor: proc_gpu.and_then(|p| p.minor),
                 uuid: Some(g.uuid.clone()),
                 model: Some(g.name.clone()),
                 bus_id: g.bus_id,
+                numa_node: pci.as_ref().and_then(|p| p.numa_node),
                 pci,
                 memory_mib: g.memory_total_mib,
                 compute_capability: g.compute_capability,
@@ -201,11 +203,15 @@ pub fn build(
                 f.driver.as_deref().unwrap_or("no driver")
             ));
         }
+        // Without NVML, the driver's /proc files still name the GPU.
+        let proc_gpu = driver.gpus.iter().find(|p| p.bus_id == f.address);
         gpus.push(Gpu {
             index: None,
-            uuid: None,
-            model: None,
+            minor: proc_gpu.and_then(|p| p.minor),
+            uuid: proc_gpu.and_then(|p| p.uuid.clone()),
+            model: proc_gpu.and_then(|p| p.model.clone()),
             bus_id: f.address,
+            numa_node: f.numa_node,
             pci: Some(f),
             memory_mib: None,
             compute_capability: None,
@@ -300,7 +306,7 @@ mod tests {
         assert_eq!(inv.pair(3, 4).unwrap().pcie, Some(PcieLevel::CrossNuma));
         let g = &inv.gpus[0];
         assert_eq!(g.index, Some(0));
-        assert_eq!(g.numa_node(), Some(0));
+        assert_eq!(g.numa_node, Some(0));
         assert_eq!(g.pci.as_ref().unwrap().driver.as_deref(), Some("nvidia"));
         assert_eq!(g.mig, Some(MigMode { current: false, pending: false }));
         assert_eq!(inv.models_summary(), "8x NVIDIA H100 80GB HBM3");

@@ -54,6 +54,8 @@ pub fn node_line(inv: &Inventory) -> String {
     }
     match &inv.backend.error {
         None => parts.push(format!("GPU backend: {}", inv.backend.name)),
+        // On a node without GPUs the backend's absence is no news.
+        Some(_) if inv.gpus.is_empty() => {}
         Some(e) => parts.push(format!("GPU backend {} unavailable: {e}", inv.backend.name)),
     }
     parts.join(" · ")
@@ -78,7 +80,7 @@ pub fn inventory(inv: &Inventory) -> String {
                     g.uuid.clone().unwrap_or_else(|| "-".into()),
                     g.memory_mib.map_or_else(|| "-".into(), |m| format!("{m} MiB")),
                     or_dash(g.compute_capability),
-                    or_dash(g.numa_node()),
+                    or_dash(g.numa_node),
                     match g.mig {
                         None => "-".into(),
                         Some(m) if m.current != m.pending => format!("{} (pending {})", onoff(m.current), onoff(m.pending)),

@@ -8,11 +8,13 @@ use std::path::PathBuf;
 use procfs_core::{FromRead, KernelModules};
 use serde::{Deserialize, Serialize};
 
+use crate::pci::PciAddress;
 use crate::root::{HostError, HostRoot};
 
 const PROC_VERSION: &str = "/proc/driver/nvidia/version";
 const PROC_MODULES: &str = "/proc/modules";
 const PROC_DEVICES: &str = "/proc/devices";
+const PROC_GPUS: &str = "/proc/driver/nvidia/gpus";
 
 /// The kernel modules that belong to the NVIDIA driver stack, in load order.
 pub const NVIDIA_MODULES: &[&str] = &[
@@ -55,6 +57,20 @@ pub struct DriverState {
     pub char_majors: BTreeMap<String, u32>,
     /// `nouveau` is loaded: it claims the GPUs and the NVIDIA driver cannot.
     pub nouveau_loaded: bool,
+    /// What the loaded driver says of each GPU it drives
+    /// (`/proc/driver/nvidia/gpus/<bus>/information`).
+    pub gpus: Vec<ProcGpu>,
+}
+
+/// One GPU as `/proc/driver/nvidia/gpus/<bus>/information` shows it; known
+/// without NVML, as long as the kernel module is loaded.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcGpu {
+    pub bus_id: PciAddress,
+    pub model: Option<String>,
+    pub uuid: Option<String>,
+    /// `/dev/nvidiaN`'s N.
+    pub minor: Option<u32>,
 }
 
 /// Errors reading driver state. Each names the file.
@@ -107,6 +123,7 @@ impl DriverState {
                 state.char_majors.insert(d.name, d.major);
             }
         }
+        state.gpus = read_proc_gpus(root)?;
         Ok(state)
     }
 
@@ -123,6 +140,50 @@ impl DriverState {
             .or_else(|| self.char_majors.get("nvidia"))
             .copied()
     }
+}
+
+fn read_proc_gpus(root: &HostRoot) -> Result<Vec<ProcGpu>, DriverError> {
+    let names = match root.read_dir_names(PROC_GPUS) {
+        Ok(n) => n,
+        Err(e) if e.is_not_found() => return Ok(Vec::new()),
+        Err(e) => return Err(e.into()),
+    };
+    let mut gpus = Vec::new();
+    for name in names {
+        let path = format!("{PROC_GPUS}/{name}/information");
+        let Some(text) = root.read_optional(&path)? else {
+            continue;
+        };
+        let bus_id = name.parse().map_err(|_| DriverError::Parse {
+            path: resolved(root, &path),
+            message: format!("directory name {name:?} is not a PCI address"),
+        })?;
+        gpus.push(parse_information(bus_id, &text));
+    }
+    Ok(gpus)
+}
+
+/// Parses the `Key: value` lines of a GPU's `information` file.
+pub fn parse_information(bus_id: PciAddress, text: &str) -> ProcGpu {
+    let mut gpu = ProcGpu {
+        bus_id,
+        model: None,
+        uuid: None,
+        minor: None,
+    };
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        match key.trim() {
+            "Model" => gpu.model = Some(value.to_string()),
+            "GPU UUID" => gpu.uuid = Some(value.to_string()),
+            "Device Minor" => gpu.minor = value.parse().ok(),
+            _ => {}
+        }
+    }
+    gpu
 }
 
 fn resolved(root: &HostRoot, p: &str) -> PathBuf {
@@ -197,6 +258,15 @@ mod tests {
         assert_eq!(s.frontend_major(), Some(195));
         assert_eq!(s.char_majors.get("nvidia-uvm"), Some(&234));
         assert!(!s.nouveau_loaded);
+    }
+
+    #[test]
+    fn gpu_information_file() {
+        let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 310\nGPU UUID: \t GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01\nVideo BIOS: \t 96.00.74.00.01\nBus Type: \t PCIe\nDevice Minor: \t 3\nGPU Excluded:\t No\n";
+        let g = parse_information("0000:18:00.0".parse().unwrap(), text);
+        assert_eq!(g.model.as_deref(), Some("NVIDIA H100 80GB HBM3"));
+        assert_eq!(g.uuid.as_deref(), Some("GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"));
+        assert_eq!(g.minor, Some(3));
     }
 
     #[test]

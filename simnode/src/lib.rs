@@ -409,11 +409,15 @@ impl NodeDescription {
             let numa = numa.map_or("-1".to_string(), |n| n.to_string());
             fs::write(dir.join("numa_node"), format!("{numa}\n"))?;
             if let Some(group) = iommu {
-                fs::create_dir_all(root.join(format!("sys/kernel/iommu_groups/{group}")))?;
+                let gdir = root.join(format!("sys/kernel/iommu_groups/{group}"));
+                fs::create_dir_all(&gdir)?;
+                fs::write(gdir.join("type"), "DMA-FQ\n")?;
                 replace_symlink(&format!("../../../kernel/iommu_groups/{group}"), &dir.join("iommu_group"))?;
             }
             if let Some(drv) = driver {
-                fs::create_dir_all(root.join(format!("sys/bus/pci/drivers/{drv}")))?;
+                let ddir = root.join(format!("sys/bus/pci/drivers/{drv}"));
+                fs::create_dir_all(&ddir)?;
+                fs::write(ddir.join("uevent"), "")?;
                 replace_symlink(&format!("../../../bus/pci/drivers/{drv}"), &dir.join("driver"))?;
             }
             replace_symlink(&format!("../../../{rel}"), &devices.join(addr.to_string()))?;
@@ -451,6 +455,20 @@ impl NodeDescription {
                 } else {
                     modules.push_str(&format!("{m} 1527808 0 - Live 0x0000000000000000\n"));
                 }
+            }
+            for (i, g) in self.gpus.iter().enumerate() {
+                let dir = nv.join("gpus").join(g.bus_id.to_string());
+                fs::create_dir_all(&dir)?;
+                fs::write(
+                    dir.join("information"),
+                    format!(
+                        "Model: \t\t {}\nIRQ:   \t\t {}\nGPU UUID: \t {}\nVideo BIOS: \t ??.??.??.??.??\nBus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\nBus Location: \t {}\nDevice Minor: \t {i}\nGPU Excluded:\t No\n",
+                        g.name,
+                        200 + i,
+                        g.uuid,
+                        g.bus_id
+                    ),
+                )?;
             }
             devices_txt.push_str("195 nvidia-frontend\n");
             if d.modules.iter().any(|m| m == "nvidia_uvm") {

@@ -143,7 +143,7 @@ pub struct BackendSnapshot {
 /// A backend that could not answer.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("cannot load {lib}: {message}")]
+    #[error("cannot load the NVML library ({message})")]
     Library { lib: String, message: String },
     #[error("the NVIDIA driver is not loaded (NVML: {0})")]
     DriverNotLoaded(String),

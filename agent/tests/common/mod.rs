@@ -1,0 +1,54 @@
+//! Helpers shared by the end-to-end tests: the built binary, the fake NVML
+//! library, the fixture trees.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpu-agent"))
+}
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn host_fixture(name: &str) -> PathBuf {
+    repo().join("tests/fixtures/hosts").join(name)
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(rel)
+}
+
+/// The fake libnvidia-ml built by `cargo build -p fake-nvml` (the test
+/// command builds the whole workspace before testing), presented under the
+/// real library's name in a temp dir.
+pub fn fake_nvml() -> (tempfile::TempDir, PathBuf) {
+    // The test binary is target/<profile>/deps/<name>; the cdylib is in target/<profile>.
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    let built = profile_dir.join("libfake_nvml.so");
+    assert!(
+        built.exists(),
+        "{} is missing: build it with `cargo build -p fake-nvml` (scripts/test does)",
+        built.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let lib = dir.path().join("libnvidia-ml.so.1");
+    std::os::unix::fs::symlink(&built, &lib).unwrap();
+    (dir, lib)
+}
+
+pub fn run(cmd: &mut Command) -> (i32, String, String) {
+    let Output { status, stdout, stderr } = cmd.output().unwrap();
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8(stdout).unwrap(),
+        String::from_utf8(stderr).unwrap(),
+    )
+}
+
+pub fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+}
