@@ -43,12 +43,15 @@ pub fn from_yaml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T, Yam
     };
     let de = serde_yaml_ng::Deserializer::from_str(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
+        // serde_path_to_error writes `?` for a key it never got to read
+        // (a syntax error): report the part of the path that is known.
         let path = e.path().to_string();
+        let path = path.trim_end_matches('?').trim_end_matches('.').to_string();
         let inner = e.into_inner();
         let location = inner.location().map(|l| (l.line(), l.column()));
         YamlError {
             origin: origin.to_string(),
-            path: if path == "." || path.is_empty() { "(document)".into() } else { path },
+            path: if path.is_empty() { "(document)".into() } else { path },
             message: plain_message(&inner.to_string()),
             location,
         }
@@ -81,7 +84,11 @@ fn plain_message(raw: &str) -> String {
         let (value, expected) = rest.split_once("`, expected ").unwrap_or((rest, ""));
         return format!("unknown value {value:?} (expected one of: {})", choices(expected));
     }
-    msg.to_string()
+    // Rust type names mean nothing to the person editing the file.
+    match msg.find("expected struct ") {
+        Some(i) => format!("{}expected a mapping of keys", &msg[..i]),
+        None => msg.to_string(),
+    }
 }
 
 /// serde's "one of `a`, `b`" / "`a` or `b`" as "a, b".
@@ -141,6 +148,13 @@ mod tests {
         let err = from_yaml::<Top>("spec:\n  devicePlugin:\n    enabled: maybe\n", "p.yaml").unwrap_err();
         assert_eq!(err.path, "spec.devicePlugin.enabled");
         assert!(err.message.contains("expected a boolean"), "{}", err.message);
+    }
+
+    #[test]
+    fn section_of_the_wrong_shape_says_a_mapping_is_expected() {
+        let err = from_yaml::<Top>("spec:\n  devicePlugin: true\n", "p.yaml").unwrap_err();
+        assert_eq!(err.path, "spec.devicePlugin");
+        assert_eq!(err.message, "invalid type: boolean `true`, expected a mapping of keys");
     }
 
     #[test]

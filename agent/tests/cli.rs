@@ -1,0 +1,249 @@
+//! The `gpu-agent` binary end to end, over fixture host roots and temp dirs.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// Every path under `root` (to check that nothing was written).
+fn tree(root: &Path) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            out.insert(p.strip_prefix(root).unwrap().display().to_string());
+            if p.is_dir() && !p.is_symlink() {
+                stack.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn demo_runs_in_a_sandbox_and_cleans_up() {
+    let (code, out, err) = run(bin().arg("demo"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08"), "{out}");
+    assert!(out.contains("GPU0      X     NV18"), "{out}");
+    assert!(out.contains("from the running agent"), "{out}");
+    assert!(out.contains("driver    not implemented"), "{out}");
+    assert!(out.contains("1 stage(s) done, 10 not built yet"), "{out}");
+    let sandbox = out
+        .lines()
+        .find_map(|l| l.strip_prefix("1. Sandbox host root: "))
+        .expect("the demo names its sandbox");
+    assert!(!Path::new(sandbox).exists(), "sandbox {sandbox} was left behind");
+}
+
+#[test]
+fn demo_keep_leaves_a_host_root_that_status_reads() {
+    let (code, out, err) = run(bin().args(["demo", "--keep", "--node", "t4-4"]));
+    assert_eq!(code, 0, "{err}");
+    let sandbox = out
+        .lines()
+        .find_map(|l| l.strip_prefix("1. Sandbox host root: "))
+        .unwrap()
+        .to_string();
+    let (code, out, err) = run(bin().args(["--host-root", &sandbox, "status", "--output", "json"]));
+    fs::remove_dir_all(&sandbox).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let st = json(&out);
+    assert_eq!(st["source"], "running-agent");
+    assert_eq!(st["inventory"]["gpus"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn inventory_of_the_8_gpu_fixture() {
+    let (code, out, err) = run(bin()
+        .arg("--host-root")
+        .arg(host_fixture("h100-sxm-8"))
+        .args(["inventory", "--output", "json"]));
+    assert_eq!(code, 0, "{err}");
+    let inv = json(&out);
+    let gpus = inv["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8);
+    let buses: Vec<&str> = gpus.iter().map(|g| g["bus_id"].as_str().unwrap()).collect();
+    assert_eq!(
+        buses,
+        ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
+    );
+    let numa: Vec<u64> = gpus.iter().map(|g| g["numa_node"].as_u64().unwrap()).collect();
+    assert_eq!(numa, [0, 0, 0, 0, 1, 1, 1, 1]);
+    for g in gpus {
+        assert_eq!(g["model"], "NVIDIA H100 80GB HBM3");
+        assert!(g["uuid"].as_str().unwrap().starts_with("GPU-"));
+    }
+    let uuids: BTreeSet<&str> = gpus.iter().map(|g| g["uuid"].as_str().unwrap()).collect();
+    assert_eq!(uuids.len(), 8);
+}
+
+#[test]
+fn inventory_table_of_the_a10g_fixture() {
+    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("a10g-1")).arg("inventory"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("node: g5.xlarge · driver 550.127.05 (proprietary)"), "{out}");
+    assert!(out.contains("0000:00:1e.0  NVIDIA A10G  GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11"), "{out}");
+}
+
+#[test]
+fn no_gpu_node_says_so_and_exits_0() {
+    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("no-gpu")).arg("inventory"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("no NVIDIA GPU found on this node"), "{out}");
+    let (code, out, _) = run(bin()
+        .arg("--host-root")
+        .arg(host_fixture("no-gpu"))
+        .args(["inventory", "-o", "json"]));
+    assert_eq!(code, 0);
+    assert_eq!(json(&out)["gpus"], serde_json::json!([]));
+}
+
+#[test]
+fn every_valid_policy_fixture_passes() {
+    let dir = fixture("policies/valid");
+    let mut n = 0;
+    for e in fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let (code, out, err) = run(bin().arg("policy").arg("check").arg(&p));
+        assert_eq!(code, 0, "{}: {err}", p.display());
+        assert!(out.contains("valid policy"), "{out}");
+        n += 1;
+    }
+    assert!(n >= 4, "only {n} valid fixtures");
+}
+
+#[test]
+fn every_invalid_policy_fixture_fails_with_2_naming_the_key() {
+    let dir = fixture("policies/invalid");
+    let mut n = 0;
+    for e in fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        let text = fs::read_to_string(&p).unwrap();
+        let expect = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{}: first line must be `# expect: <text>`", p.display()));
+        let (code, out, err) = run(bin().arg("policy").arg("check").arg(&p));
+        assert_eq!(code, 2, "{}: {out}{err}", p.display());
+        assert!(err.contains(&p.display().to_string()), "{err}");
+        assert!(err.contains(expect), "{}: expected {expect:?} in {err}", p.display());
+        n += 1;
+    }
+    assert!(n >= 8, "only {n} invalid fixtures");
+}
+
+#[test]
+fn invalid_policy_stops_run_before_anything_is_written() {
+    let host = tempfile::tempdir().unwrap();
+    simnode::NodeDescription::load("a10g-1").unwrap().materialize(host.path()).unwrap();
+    let before = tree(host.path());
+    let (code, _, err) = run(bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .arg("--policy")
+        .arg(fixture("policies/invalid/unknown-key.yaml"))
+        .args(["run", "--once"]));
+    assert_eq!(code, 2);
+    assert!(err.contains("spec.devicePlugin.enabeld: unknown key"), "{err}");
+    assert_eq!(tree(host.path()), before, "an invalid policy changed the host root");
+}
+
+#[test]
+fn bad_simulation_and_host_root_are_bad_input() {
+    let (code, _, err) = run(bin().args(["--simulate", "h200-9", "inventory"]));
+    assert_eq!(code, 2);
+    assert!(err.contains("\"h200-9\" is neither a file nor a built-in"), "{err}");
+    let (code, _, err) = run(bin().args(["--host-root", "/nonexistent/root", "status"]));
+    assert_eq!(code, 2);
+    assert!(err.contains("/nonexistent/root"), "{err}");
+}
+
+#[test]
+fn status_without_an_agent_inspects_the_host() {
+    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("h100-sxm-8")).args(["status", "-o", "json"]));
+    assert_eq!(code, 0, "{err}");
+    let st = json(&out);
+    assert_eq!(st["source"], "host-inspection");
+    assert!(st["note"].as_str().unwrap().contains("no running agent"), "{}", st["note"]);
+    let stages = st["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 11);
+    assert_eq!(stages[0]["stage"], "discover");
+    assert_eq!(stages[0]["state"], "done");
+    for s in &stages[1..] {
+        assert_eq!(s["state"], "not-implemented", "{s}");
+    }
+    assert_eq!(stages[1]["needs"], serde_json::json!(["CAP_SYS_MODULE"]));
+}
+
+#[test]
+fn status_table_shows_policy_disabled_stages() {
+    let (code, out, err) = run(bin()
+        .arg("--host-root")
+        .arg(host_fixture("a10g-1"))
+        .arg("--policy")
+        .arg(fixture("policies/valid/eks-al2023.yaml"))
+        .arg("status"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("driver    disabled         spec.driver.enabled is false"), "{out}");
+    assert!(out.contains("runtime   disabled         spec.toolkit.enabled is false"), "{out}");
+}
+
+#[test]
+fn run_once_writes_state_that_status_reports_as_stopped() {
+    let host = tempfile::tempdir().unwrap();
+    let (code, _, err) = run(bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .args(["--simulate", "h100-sxm-8", "--log-format", "json", "run", "--once"]));
+    assert_eq!(code, 0, "{err}");
+    // Logs are JSON events with the stage as a field.
+    let events: Vec<Value> = err.lines().map(json).collect();
+    assert!(
+        events.iter().any(|e| e["fields"]["stage"] == "discover" && e["fields"]["gpu"].as_str().is_some_and(|g| g.starts_with("GPU-"))),
+        "{err}"
+    );
+    let state = json(&fs::read_to_string(host.path().join("run/gpu-agent/state.json")).unwrap());
+    assert_eq!(state["format"], 1);
+    assert!(state["stopped_at"].is_u64());
+    assert_eq!(state["simulated"], "8x H100 SXM");
+    let (code, out, _) = run(bin().arg("--host-root").arg(host.path()).args(["status", "-o", "json"]));
+    assert_eq!(code, 0);
+    let st = json(&out);
+    assert_eq!(st["source"], "host-inspection");
+    assert!(st["note"].as_str().unwrap().contains("stopped"), "{}", st["note"]);
+}
+
+#[test]
+fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
+    let host = tempfile::tempdir().unwrap();
+    let mut child = bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .args(["--simulate", "t4-4", "run", "--heartbeat", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let state_file = host.path().join("run/gpu-agent/state.json");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !state_file.exists() {
+        assert!(Instant::now() < deadline, "the agent wrote no state file");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, out, err) = run(bin().arg("--host-root").arg(host.path()).arg("status"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&format!("from the running agent (pid {}", child.id())), "{out}");
+    assert!(out.contains("simulating 4x T4"), "{out}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    let state = json(&fs::read_to_string(&state_file).unwrap());
+    assert!(state["stopped_at"].is_u64(), "{state}");
+}
