@@ -23,7 +23,9 @@ impl HeldCaps {
             },
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read capabilities; assuming none are held");
-                HeldCaps { held: BTreeSet::new() }
+                HeldCaps {
+                    held: BTreeSet::new(),
+                }
             }
         }
     }

@@ -24,10 +24,18 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         .tempdir()
         .context("cannot make the sandbox directory")?;
     let host = HostRoot::new(sandbox.path())?;
-    writeln!(out, "gpu-agent demo: a simulated \"{}\" node in a sandbox\n", desc.name)?;
+    writeln!(
+        out,
+        "gpu-agent demo: a simulated \"{}\" node in a sandbox\n",
+        desc.name
+    )?;
     writeln!(out, "1. Sandbox host root: {}", host.path().display())?;
-    desc.materialize(host.path())
-        .with_context(|| format!("cannot write the simulated node under {}", host.path().display()))?;
+    desc.materialize(host.path()).with_context(|| {
+        format!(
+            "cannot write the simulated node under {}",
+            host.path().display()
+        )
+    })?;
     writeln!(
         out,
         "2. Wrote what the node's kernel would show: /sys/bus/pci/devices ({} GPU(s), {} NVSwitch(es)), /proc/driver/nvidia/version, /proc/modules, /proc/devices",
@@ -79,8 +87,16 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     for line in status_text(&StatusReport::from_agent(read_back, 0)).lines() {
         writeln!(out, "{}", format!("   {line}").trim_end())?;
     }
-    let done = st.stages.iter().filter(|s| s.state == StageState::Done).count();
-    let unbuilt = st.stages.iter().filter(|s| s.state == StageState::NotImplemented).count();
+    let done = st
+        .stages
+        .iter()
+        .filter(|s| s.state == StageState::Done)
+        .count();
+    let unbuilt = st
+        .stages
+        .iter()
+        .filter(|s| s.state == StageState::NotImplemented)
+        .count();
     writeln!(
         out,
         "\n{done} stage(s) done, {unbuilt} not built yet (shown as such, never as done). Took {:.2} s.",
@@ -94,7 +110,10 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
             path.display()
         )?;
     } else {
-        writeln!(out, "Removed the sandbox (use --keep to look around in it).")?;
+        writeln!(
+            out,
+            "Removed the sandbox (use --keep to look around in it)."
+        )?;
     }
     Ok(())
 }

@@ -127,13 +127,13 @@ pub fn build(
         Ok(s) => (Some(s), None),
         Err(e) => (None, Some(e.to_string())),
     };
-    if let Some(err) = &error {
-        if !by_bus.is_empty() {
-            warnings.push(format!(
-                "{} GPU(s) on the PCI bus, but {backend_name} cannot describe them: {err}",
-                by_bus.len()
-            ));
-        }
+    if let Some(err) = &error
+        && !by_bus.is_empty()
+    {
+        warnings.push(format!(
+            "{} GPU(s) on the PCI bus, but {backend_name} cannot describe them: {err}",
+            by_bus.len()
+        ));
     }
     if driver.nouveau_loaded && !by_bus.is_empty() {
         warnings.push("the nouveau driver is loaded; it must be unloaded (and blacklisted) before the NVIDIA driver can bind the GPUs".into());
@@ -145,12 +145,12 @@ pub fn build(
     if let Some(snap) = snapshot {
         cuda_version = snap.cuda_version;
         driver_version = snap.driver_version.clone();
-        if let (Some(kernel), Some(lib)) = (&driver.version, &snap.driver_version) {
-            if kernel != lib {
-                warnings.push(format!(
+        if let (Some(kernel), Some(lib)) = (&driver.version, &snap.driver_version)
+            && kernel != lib
+        {
+            warnings.push(format!(
                     "kernel module is version {kernel} but NVML reports {lib}; the user-space driver does not match the loaded module"
                 ));
-            }
         }
         let gpu_buses: Vec<PciAddress> = snap.gpus.iter().map(|g| g.bus_id).collect();
         for g in &snap.gpus {
@@ -181,8 +181,16 @@ pub fn build(
             snap.pcie.iter().map(|&(a, b, l)| ((a, b), l)).collect();
         for (i, ga) in snap.gpus.iter().enumerate() {
             for gb in &snap.gpus[i + 1..] {
-                let nvlinks = nvlinks_between(&ga.nvlink_remotes, &gb.nvlink_remotes, gb.bus_id, ga.bus_id, &gpu_buses);
-                let level = pcie.get(&(ga.index.min(gb.index), ga.index.max(gb.index))).copied();
+                let nvlinks = nvlinks_between(
+                    &ga.nvlink_remotes,
+                    &gb.nvlink_remotes,
+                    gb.bus_id,
+                    ga.bus_id,
+                    &gpu_buses,
+                );
+                let level = pcie
+                    .get(&(ga.index.min(gb.index), ga.index.max(gb.index)))
+                    .copied();
                 if nvlinks > 0 || level.is_some() {
                     pairs.push(GpuPair {
                         a: ga.index.min(gb.index),
@@ -244,9 +252,15 @@ fn nvlinks_between(
     a_bus: PciAddress,
     gpu_buses: &[PciAddress],
 ) -> u32 {
-    let count = |remotes: &[PciAddress], target: PciAddress| remotes.iter().filter(|r| **r == target).count() as u32;
+    let count = |remotes: &[PciAddress], target: PciAddress| {
+        remotes.iter().filter(|r| **r == target).count() as u32
+    };
     let direct = count(a_remotes, b_bus).max(count(b_remotes, a_bus));
-    let mut switches: Vec<PciAddress> = a_remotes.iter().copied().filter(|r| !gpu_buses.contains(r)).collect();
+    let mut switches: Vec<PciAddress> = a_remotes
+        .iter()
+        .copied()
+        .filter(|r| !gpu_buses.contains(r))
+        .collect();
     switches.sort();
     switches.dedup();
     let via_switch: u32 = switches
@@ -308,7 +322,13 @@ mod tests {
         assert_eq!(g.index, Some(0));
         assert_eq!(g.numa_node, Some(0));
         assert_eq!(g.pci.as_ref().unwrap().driver.as_deref(), Some("nvidia"));
-        assert_eq!(g.mig, Some(MigMode { current: false, pending: false }));
+        assert_eq!(
+            g.mig,
+            Some(MigMode {
+                current: false,
+                pending: false
+            })
+        );
         assert_eq!(inv.models_summary(), "8x NVIDIA H100 80GB HBM3");
         assert_eq!(inv.cuda_version.unwrap().to_string(), "12.4");
     }
@@ -342,7 +362,11 @@ mod tests {
         assert_eq!(inv.gpus[0].uuid, None);
         assert_eq!(inv.gpus[0].bus_id.to_string(), "0000:00:1e.0");
         assert_eq!(inv.warnings.len(), 1);
-        assert!(inv.warnings[0].contains("driver is not loaded"), "{:?}", inv.warnings);
+        assert!(
+            inv.warnings[0].contains("driver is not loaded"),
+            "{:?}",
+            inv.warnings
+        );
     }
 
     #[test]

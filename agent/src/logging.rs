@@ -38,7 +38,9 @@ pub fn stderr_is_journal() -> bool {
 /// for the user when the journal was asked for but cannot be reached (we
 /// then log text to stderr rather than lose the logs).
 pub fn init(format: LogFormat, default_level: &str) -> Option<String> {
-    let filter = || EnvFilter::try_from_env("GPU_AGENT_LOG").unwrap_or_else(|_| EnvFilter::new(default_level));
+    let filter = || {
+        EnvFilter::try_from_env("GPU_AGENT_LOG").unwrap_or_else(|_| EnvFilter::new(default_level))
+    };
     let want_journal = match format {
         LogFormat::Journald => true,
         LogFormat::Auto => stderr_is_journal(),
@@ -49,22 +51,35 @@ pub fn init(format: LogFormat, default_level: &str) -> Option<String> {
         match tracing_journald::layer() {
             Ok(layer) => {
                 let layer = layer.with_syslog_identifier("gpu-agent".into());
-                let _ = tracing_subscriber::registry().with(filter()).with(layer).try_init();
+                let _ = tracing_subscriber::registry()
+                    .with(filter())
+                    .with(layer)
+                    .try_init();
                 return None;
             }
             Err(e) => {
-                note = Some(format!("cannot log to the journal ({e}); logging to stderr instead"));
+                note = Some(format!(
+                    "cannot log to the journal ({e}); logging to stderr instead"
+                ));
             }
         }
     }
     let registry = tracing_subscriber::registry().with(filter());
     let _ = if format == LogFormat::Json {
         registry
-            .with(tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_writer(std::io::stderr),
+            )
             .try_init()
     } else {
         registry
-            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_target(false),
+            )
             .try_init()
     };
     note

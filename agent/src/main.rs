@@ -31,20 +31,37 @@ const EXIT_BAD_INPUT: u8 = 2;
 )]
 struct Cli {
     /// Where the host's / is: / on bare metal, /host in a DaemonSet.
-    #[arg(long, global = true, env = "GPU_AGENT_HOST_ROOT", default_value = "/", value_name = "DIR")]
+    #[arg(
+        long,
+        global = true,
+        env = "GPU_AGENT_HOST_ROOT",
+        default_value = "/",
+        value_name = "DIR"
+    )]
     host_root: PathBuf,
     /// The policy file (ClusterPolicy-shaped YAML). Without one, every default applies.
     #[arg(long, global = true, env = "GPU_AGENT_POLICY", value_name = "FILE")]
     policy: Option<PathBuf>,
     /// Simulate the node's GPUs from a node description: a file, or a built-in
     /// name (h100-sxm-8, a10g-1, t4-4, no-gpu).
-    #[arg(long, global = true, env = "GPU_AGENT_SIMULATE", value_name = "FILE|NAME")]
+    #[arg(
+        long,
+        global = true,
+        env = "GPU_AGENT_SIMULATE",
+        value_name = "FILE|NAME"
+    )]
     simulate: Option<String>,
     /// The NVML library to load (default: the host's libnvidia-ml.so.1).
     #[arg(long, global = true, env = "GPU_AGENT_NVML_LIB", value_name = "PATH")]
     nvml_lib: Option<PathBuf>,
     /// How to log: auto (the journal under systemd, else text), text, json, journald.
-    #[arg(long, global = true, env = "GPU_AGENT_LOG_FORMAT", value_enum, default_value = "auto")]
+    #[arg(
+        long,
+        global = true,
+        env = "GPU_AGENT_LOG_FORMAT",
+        value_enum,
+        default_value = "auto"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -114,7 +131,10 @@ struct Failure {
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
     fn from(e: E) -> Self {
-        Failure { code: 1, error: e.into() }
+        Failure {
+            code: 1,
+            error: e.into(),
+        }
     }
 }
 
@@ -152,7 +172,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
             command: PolicyCommand::Check { file, effective },
         } => policy_check(file, *effective),
         Command::Demo { node, keep } => {
-            demo::run(node, *keep, &mut std::io::stdout().lock()).map_err(bad_input_if_description)?;
+            demo::run(node, *keep, &mut std::io::stdout().lock())
+                .map_err(bad_input_if_description)?;
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -221,7 +242,10 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
         .collect();
     print!("{}", render::table(&["STAGE", "BY THIS POLICY"], &rows));
     if effective {
-        println!("---\n{}", serde_yaml_ng::to_string(&serde_json::json!({ "spec": policy }))?);
+        println!(
+            "---\n{}",
+            serde_yaml_ng::to_string(&serde_json::json!({ "spec": policy }))?
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -265,9 +289,15 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     if once {
         st.stopped_at = Some(state::now());
         write_state(&st, &host);
-        return Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+        return Ok(if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
     }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
@@ -319,7 +349,10 @@ impl StatusReport {
                 "from the running agent (pid {}, version {}, updated {age_secs} s ago{})",
                 st.pid,
                 st.version,
-                st.simulated.as_deref().map(|s| format!(", simulating {s}")).unwrap_or_default()
+                st.simulated
+                    .as_deref()
+                    .map(|s| format!(", simulating {s}"))
+                    .unwrap_or_default()
             ),
             held_caps: st.held_caps,
             stages: st.stages,
@@ -333,13 +366,18 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let now = state::now();
     let note = match AgentState::read(&host) {
         Ok(Some(st)) => match st.liveness(now) {
-            Liveness::Live { age_secs } => return print_status(&StatusReport::from_agent(st, age_secs), output),
+            Liveness::Live { age_secs } => {
+                return print_status(&StatusReport::from_agent(st, age_secs), output);
+            }
             Liveness::Stale { age_secs } => format!(
                 "the agent's state file is {age_secs} s old (pid {} stopped refreshing it): the agent is not running; inspecting the host",
                 st.pid
             ),
             Liveness::Stopped { age_secs } => {
-                format!("the agent (pid {}) stopped {age_secs} s ago; inspecting the host", st.pid)
+                format!(
+                    "the agent (pid {}) stopped {age_secs} s ago; inspecting the host",
+                    st.pid
+                )
             }
         },
         Ok(None) => format!(
@@ -383,7 +421,11 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
             "node: {} · {} GPU(s){}\n",
             render::node_line(inv),
             inv.gpus.len(),
-            if inv.gpus.is_empty() { String::new() } else { format!(": {}", inv.models_summary()) }
+            if inv.gpus.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", inv.models_summary())
+            }
         ));
     }
     out.push('\n');

@@ -226,15 +226,16 @@ impl Policy {
     /// Parses a policy document; `origin` names it in errors.
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self, PolicyError> {
         let file: PolicyFile = strict::from_yaml(text, origin)?;
-        if let Some(kind) = &file.kind {
-            if kind != "ClusterPolicy" && kind != "GpuAgentPolicy" {
-                return Err(YamlError::invalid(
-                    origin,
-                    "kind",
-                    format!("{kind:?} is not a policy (expected ClusterPolicy or GpuAgentPolicy)"),
-                )
-                .into());
-            }
+        if let Some(kind) = &file.kind
+            && kind != "ClusterPolicy"
+            && kind != "GpuAgentPolicy"
+        {
+            return Err(YamlError::invalid(
+                origin,
+                "kind",
+                format!("{kind:?} is not a policy (expected ClusterPolicy or GpuAgentPolicy)"),
+            )
+            .into());
         }
         let policy = file.spec;
         policy.validate(origin)?;
@@ -254,18 +255,24 @@ impl Policy {
         let rc = &self.operator.runtime_class;
         let dns_label = !rc.is_empty()
             && rc.len() <= 63
-            && rc.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && rc
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
             && !rc.starts_with('-')
             && !rc.ends_with('-');
         if !dns_label {
             return Err(YamlError::invalid(
                 origin,
                 "spec.operator.runtimeClass",
-                format!("{rc:?} is not a valid runtime name (lower-case letters, digits and '-', at most 63)"),
+                format!(
+                    "{rc:?} is not a valid runtime name (lower-case letters, digits and '-', at most 63)"
+                ),
             ));
         }
         if let Some(v) = &self.driver.version {
-            let ok = !v.is_empty() && v.split('.').all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()));
+            let ok = !v.is_empty()
+                && v.split('.')
+                    .all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()));
             if !ok {
                 return Err(YamlError::invalid(
                     origin,
@@ -309,9 +316,12 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err = Policy::from_yaml("spec:\n  devicePlugin:\n    enabeld: false\n", "p.yaml").unwrap_err();
+        let err = Policy::from_yaml("spec:\n  devicePlugin:\n    enabeld: false\n", "p.yaml")
+            .unwrap_err();
         assert!(
-            err.to_string().starts_with("p.yaml: spec.devicePlugin.enabeld: unknown key (expected one of: enabled, config)"),
+            err.to_string().starts_with(
+                "p.yaml: spec.devicePlugin.enabeld: unknown key (expected one of: enabled, config)"
+            ),
             "{err}"
         );
     }
@@ -319,18 +329,36 @@ mod tests {
     #[test]
     fn wrong_type_and_bad_values_are_named() {
         let cases = [
-            ("spec:\n  driver:\n    enabled: \"yes please\"\n", "spec.driver.enabled"),
+            (
+                "spec:\n  driver:\n    enabled: \"yes please\"\n",
+                "spec.driver.enabled",
+            ),
             ("spec:\n  mig:\n    strategy: both\n", "spec.mig.strategy"),
-            ("spec:\n  operator:\n    defaultRuntime: podman\n", "spec.operator.defaultRuntime"),
-            ("spec:\n  operator:\n    runtimeClass: Nvidia_GPU\n", "spec.operator.runtimeClass"),
-            ("spec:\n  driver:\n    version: latest\n", "spec.driver.version"),
-            ("spec:\n  cdi:\n    enabled: false\n    default: true\n", "spec.cdi.default"),
+            (
+                "spec:\n  operator:\n    defaultRuntime: podman\n",
+                "spec.operator.defaultRuntime",
+            ),
+            (
+                "spec:\n  operator:\n    runtimeClass: Nvidia_GPU\n",
+                "spec.operator.runtimeClass",
+            ),
+            (
+                "spec:\n  driver:\n    version: latest\n",
+                "spec.driver.version",
+            ),
+            (
+                "spec:\n  cdi:\n    enabled: false\n    default: true\n",
+                "spec.cdi.default",
+            ),
             ("kind: Deployment\n", "kind"),
             ("spec: [1, 2]\n", "spec"),
         ];
         for (text, path) in cases {
             let err = Policy::from_yaml(text, "p.yaml").unwrap_err().to_string();
-            assert!(err.starts_with(&format!("p.yaml: {path}: ")), "{path}: {err}");
+            assert!(
+                err.starts_with(&format!("p.yaml: {path}: ")),
+                "{path}: {err}"
+            );
         }
     }
 }

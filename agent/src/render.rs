@@ -45,7 +45,9 @@ pub fn node_line(inv: &Inventory) -> String {
         parts.push(m.clone());
     }
     match (&inv.driver.version, inv.driver.flavour) {
-        (Some(v), Some(f)) => parts.push(format!("driver {v} ({})", format!("{f:?}").to_lowercase())),
+        (Some(v), Some(f)) => {
+            parts.push(format!("driver {v} ({})", format!("{f:?}").to_lowercase()))
+        }
         (Some(v), None) => parts.push(format!("driver {v}")),
         _ => parts.push("no NVIDIA driver loaded".into()),
     }
@@ -78,20 +80,28 @@ pub fn inventory(inv: &Inventory) -> String {
                     g.bus_id.to_string(),
                     g.model.clone().unwrap_or_else(|| "-".into()),
                     g.uuid.clone().unwrap_or_else(|| "-".into()),
-                    g.memory_mib.map_or_else(|| "-".into(), |m| format!("{m} MiB")),
+                    g.memory_mib
+                        .map_or_else(|| "-".into(), |m| format!("{m} MiB")),
                     or_dash(g.compute_capability),
                     or_dash(g.numa_node),
                     match g.mig {
                         None => "-".into(),
-                        Some(m) if m.current != m.pending => format!("{} (pending {})", onoff(m.current), onoff(m.pending)),
+                        Some(m) if m.current != m.pending => {
+                            format!("{} (pending {})", onoff(m.current), onoff(m.pending))
+                        }
                         Some(m) => onoff(m.current).into(),
                     },
-                    g.pci.as_ref().and_then(|p| p.driver.clone()).unwrap_or_else(|| "-".into()),
+                    g.pci
+                        .as_ref()
+                        .and_then(|p| p.driver.clone())
+                        .unwrap_or_else(|| "-".into()),
                 ]
             })
             .collect();
         out.push_str(&table(
-            &["IDX", "BUS ID", "MODEL", "UUID", "MEMORY", "CC", "NUMA", "MIG", "BOUND TO"],
+            &[
+                "IDX", "BUS ID", "MODEL", "UUID", "MEMORY", "CC", "NUMA", "MIG", "BOUND TO",
+            ],
             &rows,
         ));
         out.push_str(&topology(inv));
@@ -143,7 +153,13 @@ fn topology(inv: &Inventory) -> String {
 pub fn stages(stages: &[StageStatus]) -> String {
     let rows: Vec<Vec<String>> = stages
         .iter()
-        .map(|s| vec![s.stage.name().to_string(), s.state.label().to_string(), s.detail.clone()])
+        .map(|s| {
+            vec![
+                s.stage.name().to_string(),
+                s.state.label().to_string(),
+                s.detail.clone(),
+            ]
+        })
         .collect();
     table(&["STAGE", "STATE", "DETAIL"], &rows)
 }
@@ -154,7 +170,13 @@ mod tests {
 
     #[test]
     fn columns_align_and_last_is_not_padded() {
-        let t = table(&["A", "LONGER"], &[vec!["xyz".into(), "1".into()], vec!["q".into(), "22".into()]]);
+        let t = table(
+            &["A", "LONGER"],
+            &[
+                vec!["xyz".into(), "1".into()],
+                vec!["q".into(), "22".into()],
+            ],
+        );
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
     }
 }

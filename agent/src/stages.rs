@@ -79,7 +79,12 @@ impl Stage {
     /// Capabilities the stage's system calls need.
     pub fn needs(self) -> &'static [Capability] {
         match self {
-            Stage::Discover | Stage::Validate | Stage::Plugin | Stage::Labels | Stage::Metrics | Stage::Cdi => &[],
+            Stage::Discover
+            | Stage::Validate
+            | Stage::Plugin
+            | Stage::Labels
+            | Stage::Metrics
+            | Stage::Cdi => &[],
             Stage::Driver => &[Capability::CAP_SYS_MODULE],
             Stage::Devnodes => &[Capability::CAP_MKNOD],
             // Reloading a runtime signals its daemon.
@@ -108,7 +113,9 @@ impl Stage {
     /// `Some(reason)` when the policy turns the stage off.
     pub fn disabled_by(self, p: &Policy) -> Option<&'static str> {
         match self {
-            Stage::Driver if !p.driver.enabled => Some("spec.driver.enabled is false: the host's driver is used"),
+            Stage::Driver if !p.driver.enabled => {
+                Some("spec.driver.enabled is false: the host's driver is used")
+            }
             Stage::Runtime if !p.toolkit.enabled => Some("spec.toolkit.enabled is false"),
             Stage::Cdi if !p.cdi.enabled => Some("spec.cdi.enabled is false"),
             Stage::Validate if !p.validator.enabled => Some("spec.validator.enabled is false"),
@@ -117,7 +124,9 @@ impl Stage {
                 Some("both spec.devicePlugin and spec.dcgmExporter are disabled")
             }
             Stage::Labels if !p.gfd.enabled => Some("spec.gfd.enabled is false"),
-            Stage::Metrics if !p.dcgm_exporter.enabled => Some("spec.dcgmExporter.enabled is false"),
+            Stage::Metrics if !p.dcgm_exporter.enabled => {
+                Some("spec.dcgmExporter.enabled is false")
+            }
             Stage::Mig if !p.mig_manager.enabled => Some("spec.migManager.enabled is false"),
             _ => None,
         }
@@ -202,7 +211,9 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     for stage in Stage::ALL {
         let needs: Vec<String> = stage.needs().iter().map(|c| c.to_string()).collect();
         let missing = ctx.caps.missing(stage.needs());
-        let (state, detail) = if let Some(gated) = gate(stage, stage.implemented(), ctx.policy, &missing, &stages) {
+        let (state, detail) = if let Some(gated) =
+            gate(stage, stage.implemented(), ctx.policy, &missing, &stages)
+        {
             gated
         } else {
             let _span = tracing::info_span!("stage", stage = stage.name()).entered();
@@ -221,12 +232,17 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     }
                     Err(e) => (StageState::Failed, e.to_string()),
                 },
-                other => unreachable!("stage {} is marked implemented but has no runner", other.name()),
+                other => unreachable!(
+                    "stage {} is marked implemented but has no runner",
+                    other.name()
+                ),
             }
         };
         match state {
             StageState::Failed => tracing::error!(stage = stage.name(), "{detail}"),
-            StageState::Blocked | StageState::Waiting => tracing::warn!(stage = stage.name(), state = state.label(), "{detail}"),
+            StageState::Blocked | StageState::Waiting => {
+                tracing::warn!(stage = stage.name(), state = state.label(), "{detail}")
+            }
             _ => tracing::info!(stage = stage.name(), state = state.label(), "{detail}"),
         }
         stages.push(StageStatus {
@@ -260,14 +276,24 @@ fn gate(
         return Some((StageState::NotImplemented, detail));
     }
     if !missing.is_empty() {
-        return Some((StageState::Blocked, format!("missing {}", missing.join(", "))));
+        return Some((
+            StageState::Blocked,
+            format!("missing {}", missing.join(", ")),
+        ));
     }
     let stuck_on = stage.after().iter().find(|dep| {
         earlier.iter().any(|s| {
-            s.stage == **dep && matches!(s.state, StageState::Failed | StageState::Blocked | StageState::Waiting)
+            s.stage == **dep
+                && matches!(
+                    s.state,
+                    StageState::Failed | StageState::Blocked | StageState::Waiting
+                )
         })
     })?;
-    Some((StageState::Waiting, format!("waiting on {}", stuck_on.name())))
+    Some((
+        StageState::Waiting,
+        format!("waiting on {}", stuck_on.name()),
+    ))
 }
 
 fn discover_detail(inv: &Inventory) -> String {
@@ -317,7 +343,10 @@ mod tests {
         assert_eq!(p.stages.len(), Stage::ALL.len());
         let d = state_of(&p, Stage::Discover);
         assert_eq!(d.state, StageState::Done);
-        assert_eq!(d.detail, "8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08");
+        assert_eq!(
+            d.detail,
+            "8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08"
+        );
         assert_eq!(p.inventory.as_ref().unwrap().gpus.len(), 8);
         for s in &p.stages {
             if s.stage != Stage::Discover {
@@ -330,7 +359,11 @@ mod tests {
 
     #[test]
     fn policy_turns_stages_off_with_the_reason() {
-        let policy = Policy::from_yaml("spec:\n  driver: {enabled: false}\n  toolkit: {enabled: false}\n", "p").unwrap();
+        let policy = Policy::from_yaml(
+            "spec:\n  driver: {enabled: false}\n  toolkit: {enabled: false}\n",
+            "p",
+        )
+        .unwrap();
         let p = pass(&policy, &HeldCaps::from_caps(&[]));
         let d = state_of(&p, Stage::Driver);
         assert_eq!(d.state, StageState::Disabled);

@@ -95,10 +95,11 @@ impl AgentState {
             return Ok(None);
         };
         let path = host.resolve(STATE_FILE)?.display().to_string();
-        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| StateError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| StateError::Parse {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
         let format = value.get("format").and_then(|f| f.as_u64());
         if format != Some(u64::from(FORMAT)) {
             return Err(StateError::Parse {
@@ -153,9 +154,13 @@ mod tests {
         assert_eq!(AgentState::read(&host).unwrap(), None);
         sample().write(&host).unwrap();
         assert_eq!(AgentState::read(&host).unwrap(), Some(sample()));
-        host.write_atomic(STATE_FILE, b"{\"format\": 9}", 0o644).unwrap();
+        host.write_atomic(STATE_FILE, b"{\"format\": 9}", 0o644)
+            .unwrap();
         let err = AgentState::read(&host).unwrap_err().to_string();
-        assert!(err.contains("run/gpu-agent/state.json") && err.contains("format Some(9)"), "{err}");
+        assert!(
+            err.contains("run/gpu-agent/state.json") && err.contains("format Some(9)"),
+            "{err}"
+        );
         host.write_atomic(STATE_FILE, b"not json", 0o644).unwrap();
         assert!(AgentState::read(&host).is_err());
     }

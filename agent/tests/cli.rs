@@ -30,7 +30,10 @@ fn tree(root: &Path) -> BTreeSet<String> {
 fn demo_runs_in_a_sandbox_and_cleans_up() {
     let (code, out, err) = run(bin().arg("demo"));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08"), "{out}");
+    assert!(
+        out.contains("8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08"),
+        "{out}"
+    );
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
@@ -39,7 +42,10 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
         .lines()
         .find_map(|l| l.strip_prefix("1. Sandbox host root: "))
         .expect("the demo names its sandbox");
-    assert!(!Path::new(sandbox).exists(), "sandbox {sandbox} was left behind");
+    assert!(
+        !Path::new(sandbox).exists(),
+        "sandbox {sandbox} was left behind"
+    );
 }
 
 #[test]
@@ -72,9 +78,21 @@ fn inventory_of_the_8_gpu_fixture() {
     let buses: Vec<&str> = gpus.iter().map(|g| g["bus_id"].as_str().unwrap()).collect();
     assert_eq!(
         buses,
-        ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0", "0000:ab:00.0", "0000:ba:00.0", "0000:db:00.0"]
+        [
+            "0000:18:00.0",
+            "0000:2a:00.0",
+            "0000:3a:00.0",
+            "0000:5d:00.0",
+            "0000:9a:00.0",
+            "0000:ab:00.0",
+            "0000:ba:00.0",
+            "0000:db:00.0"
+        ]
     );
-    let numa: Vec<u64> = gpus.iter().map(|g| g["numa_node"].as_u64().unwrap()).collect();
+    let numa: Vec<u64> = gpus
+        .iter()
+        .map(|g| g["numa_node"].as_u64().unwrap())
+        .collect();
     assert_eq!(numa, [0, 0, 0, 0, 1, 1, 1, 1]);
     for g in gpus {
         assert_eq!(g["model"], "NVIDIA H100 80GB HBM3");
@@ -86,21 +104,34 @@ fn inventory_of_the_8_gpu_fixture() {
 
 #[test]
 fn inventory_table_of_the_a10g_fixture() {
-    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("a10g-1")).arg("inventory"));
+    let (code, out, err) = run(bin()
+        .arg("--host-root")
+        .arg(host_fixture("a10g-1"))
+        .arg("inventory"));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("node: g5.xlarge · driver 550.127.05 (proprietary)"), "{out}");
-    assert!(out.contains("0000:00:1e.0  NVIDIA A10G  GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11"), "{out}");
+    assert!(
+        out.contains("node: g5.xlarge · driver 550.127.05 (proprietary)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("0000:00:1e.0  NVIDIA A10G  GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11"),
+        "{out}"
+    );
 }
 
 #[test]
 fn no_gpu_node_says_so_and_exits_0() {
-    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("no-gpu")).arg("inventory"));
-    assert_eq!(code, 0, "{err}");
-    assert!(out.contains("no NVIDIA GPU found on this node"), "{out}");
-    let (code, out, _) = run(bin()
+    let (code, out, err) = run(bin()
         .arg("--host-root")
         .arg(host_fixture("no-gpu"))
-        .args(["inventory", "-o", "json"]));
+        .arg("inventory"));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("no NVIDIA GPU found on this node"), "{out}");
+    let (code, out, _) =
+        run(bin()
+            .arg("--host-root")
+            .arg(host_fixture("no-gpu"))
+            .args(["inventory", "-o", "json"]));
     assert_eq!(code, 0);
     assert_eq!(json(&out)["gpus"], serde_json::json!([]));
 }
@@ -134,7 +165,11 @@ fn every_invalid_policy_fixture_fails_with_2_naming_the_key() {
         let (code, out, err) = run(bin().arg("policy").arg("check").arg(&p));
         assert_eq!(code, 2, "{}: {out}{err}", p.display());
         assert!(err.contains(&p.display().to_string()), "{err}");
-        assert!(err.contains(expect), "{}: expected {expect:?} in {err}", p.display());
+        assert!(
+            err.contains(expect),
+            "{}: expected {expect:?} in {err}",
+            p.display()
+        );
         n += 1;
     }
     assert!(n >= 8, "only {n} invalid fixtures");
@@ -143,7 +178,10 @@ fn every_invalid_policy_fixture_fails_with_2_naming_the_key() {
 #[test]
 fn invalid_policy_stops_run_before_anything_is_written() {
     let host = tempfile::tempdir().unwrap();
-    simnode::NodeDescription::load("a10g-1").unwrap().materialize(host.path()).unwrap();
+    simnode::NodeDescription::load("a10g-1")
+        .unwrap()
+        .materialize(host.path())
+        .unwrap();
     let before = tree(host.path());
     let (code, _, err) = run(bin()
         .arg("--host-root")
@@ -152,15 +190,25 @@ fn invalid_policy_stops_run_before_anything_is_written() {
         .arg(fixture("policies/invalid/unknown-key.yaml"))
         .args(["run", "--once"]));
     assert_eq!(code, 2);
-    assert!(err.contains("spec.devicePlugin.enabeld: unknown key"), "{err}");
-    assert_eq!(tree(host.path()), before, "an invalid policy changed the host root");
+    assert!(
+        err.contains("spec.devicePlugin.enabeld: unknown key"),
+        "{err}"
+    );
+    assert_eq!(
+        tree(host.path()),
+        before,
+        "an invalid policy changed the host root"
+    );
 }
 
 #[test]
 fn bad_simulation_and_host_root_are_bad_input() {
     let (code, _, err) = run(bin().args(["--simulate", "h200-9", "inventory"]));
     assert_eq!(code, 2);
-    assert!(err.contains("\"h200-9\" is neither a file nor a built-in"), "{err}");
+    assert!(
+        err.contains("\"h200-9\" is neither a file nor a built-in"),
+        "{err}"
+    );
     let (code, _, err) = run(bin().args(["--host-root", "/nonexistent/root", "status"]));
     assert_eq!(code, 2);
     assert!(err.contains("/nonexistent/root"), "{err}");
@@ -168,11 +216,18 @@ fn bad_simulation_and_host_root_are_bad_input() {
 
 #[test]
 fn status_without_an_agent_inspects_the_host() {
-    let (code, out, err) = run(bin().arg("--host-root").arg(host_fixture("h100-sxm-8")).args(["status", "-o", "json"]));
+    let (code, out, err) = run(bin()
+        .arg("--host-root")
+        .arg(host_fixture("h100-sxm-8"))
+        .args(["status", "-o", "json"]));
     assert_eq!(code, 0, "{err}");
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
-    assert!(st["note"].as_str().unwrap().contains("no running agent"), "{}", st["note"]);
+    assert!(
+        st["note"].as_str().unwrap().contains("no running agent"),
+        "{}",
+        st["note"]
+    );
     let stages = st["stages"].as_array().unwrap();
     assert_eq!(stages.len(), 11);
     assert_eq!(stages[0]["stage"], "discover");
@@ -192,33 +247,53 @@ fn status_table_shows_policy_disabled_stages() {
         .arg(fixture("policies/valid/eks-al2023.yaml"))
         .arg("status"));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("driver    disabled         spec.driver.enabled is false"), "{out}");
-    assert!(out.contains("runtime   disabled         spec.toolkit.enabled is false"), "{out}");
+    assert!(
+        out.contains("driver    disabled         spec.driver.enabled is false"),
+        "{out}"
+    );
+    assert!(
+        out.contains("runtime   disabled         spec.toolkit.enabled is false"),
+        "{out}"
+    );
 }
 
 #[test]
 fn run_once_writes_state_that_status_reports_as_stopped() {
     let host = tempfile::tempdir().unwrap();
-    let (code, _, err) = run(bin()
-        .arg("--host-root")
-        .arg(host.path())
-        .args(["--simulate", "h100-sxm-8", "--log-format", "json", "run", "--once"]));
+    let (code, _, err) = run(bin().arg("--host-root").arg(host.path()).args([
+        "--simulate",
+        "h100-sxm-8",
+        "--log-format",
+        "json",
+        "run",
+        "--once",
+    ]));
     assert_eq!(code, 0, "{err}");
     // Logs are JSON events with the stage as a field.
     let events: Vec<Value> = err.lines().map(json).collect();
     assert!(
-        events.iter().any(|e| e["fields"]["stage"] == "discover" && e["fields"]["gpu"].as_str().is_some_and(|g| g.starts_with("GPU-"))),
+        events.iter().any(|e| e["fields"]["stage"] == "discover"
+            && e["fields"]["gpu"]
+                .as_str()
+                .is_some_and(|g| g.starts_with("GPU-"))),
         "{err}"
     );
     let state = json(&fs::read_to_string(host.path().join("run/gpu-agent/state.json")).unwrap());
     assert_eq!(state["format"], 1);
     assert!(state["stopped_at"].is_u64());
     assert_eq!(state["simulated"], "8x H100 SXM");
-    let (code, out, _) = run(bin().arg("--host-root").arg(host.path()).args(["status", "-o", "json"]));
+    let (code, out, _) = run(bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .args(["status", "-o", "json"]));
     assert_eq!(code, 0);
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
-    assert!(st["note"].as_str().unwrap().contains("stopped"), "{}", st["note"]);
+    assert!(
+        st["note"].as_str().unwrap().contains("stopped"),
+        "{}",
+        st["note"]
+    );
 }
 
 #[test]
@@ -239,9 +314,16 @@ fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
     }
     let (code, out, err) = run(bin().arg("--host-root").arg(host.path()).arg("status"));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains(&format!("from the running agent (pid {}", child.id())), "{out}");
+    assert!(
+        out.contains(&format!("from the running agent (pid {}", child.id())),
+        "{out}"
+    );
     assert!(out.contains("simulating 4x T4"), "{out}");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
     let state = json(&fs::read_to_string(&state_file).unwrap());

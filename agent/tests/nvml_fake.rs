@@ -52,8 +52,14 @@ fn h100_same_inventory_through_nvml_and_simulation() {
     assert_eq!(gpus[3]["uuid"], "GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04");
     assert_eq!(gpus[3]["model"], "NVIDIA H100 80GB HBM3");
     assert_eq!(gpus[3]["memory_mib"], 81559);
-    assert_eq!(gpus[3]["compute_capability"], serde_json::json!({"major": 9, "minor": 0}));
-    assert_eq!(gpus[3]["mig"], serde_json::json!({"current": false, "pending": false}));
+    assert_eq!(
+        gpus[3]["compute_capability"],
+        serde_json::json!({"major": 9, "minor": 0})
+    );
+    assert_eq!(
+        gpus[3]["mig"],
+        serde_json::json!({"current": false, "pending": false})
+    );
     assert_eq!(gpus[3]["nvlinks"], 18);
     assert_eq!(gpus[3]["telemetry"]["temperature_c"], 34);
     // 28 pairs, each with 18 NVLinks through the NVSwitches.
@@ -61,7 +67,10 @@ fn h100_same_inventory_through_nvml_and_simulation() {
     assert_eq!(pairs.len(), 28);
     assert!(pairs.iter().all(|p| p["nvlinks"] == 18));
     assert_eq!(inv["backend"]["driver_version"], "550.127.08");
-    assert_eq!(inv["cuda_version"], serde_json::json!({"major": 12, "minor": 4}));
+    assert_eq!(
+        inv["cuda_version"],
+        serde_json::json!({"major": 12, "minor": 4})
+    );
     assert_eq!(inv["warnings"], serde_json::json!([]));
 }
 
@@ -82,7 +91,10 @@ fn a10g_same_inventory_and_unsupported_is_absent_not_invented() {
 #[test]
 fn t4_same_inventory_with_pcie_topology() {
     let dir = tempfile::tempdir().unwrap();
-    simnode::NodeDescription::load("t4-4").unwrap().materialize(dir.path()).unwrap();
+    simnode::NodeDescription::load("t4-4")
+        .unwrap()
+        .materialize(dir.path())
+        .unwrap();
     assert_same_inventory("t4-4", dir.path());
     let (_, inv, _) = nvml_inventory("t4-4", dir.path());
     let level = |a: u64, b: u64| {
@@ -111,7 +123,10 @@ fn readings_the_description_leaves_out_are_not_supported() {
     )
     .unwrap();
     let root = dir.path().join("root");
-    simnode::NodeDescription::from_file(&desc_path).unwrap().materialize(&root).unwrap();
+    simnode::NodeDescription::from_file(&desc_path)
+        .unwrap()
+        .materialize(&root)
+        .unwrap();
     let (code, inv, err) = nvml_inventory(desc_path.to_str().unwrap(), &root);
     assert_eq!(code, 0, "{err}");
     let t = &inv["gpus"][0]["telemetry"];
@@ -135,10 +150,16 @@ fn without_a_driver_nvml_says_so_and_sysfs_gpus_are_still_listed() {
     assert_eq!(code, 0, "{err}");
     let inv = json(&out);
     assert!(
-        inv["backend"]["error"].as_str().unwrap().contains("driver is not loaded"),
+        inv["backend"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("driver is not loaded"),
         "{}",
         inv["backend"]
     );
-    assert_eq!(inv["gpus"][0]["uuid"], "GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11");
+    assert_eq!(
+        inv["gpus"][0]["uuid"],
+        "GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11"
+    );
     assert_eq!(inv["gpus"][0]["index"], Value::Null);
 }

@@ -87,19 +87,19 @@ impl DriverState {
     pub fn read(root: &HostRoot) -> Result<Self, DriverError> {
         let mut state = DriverState::default();
         if let Some(text) = root.read_optional(PROC_VERSION)? {
-            let (version, flavour) = parse_version_file(&text).ok_or_else(|| DriverError::Parse {
-                path: resolved(root, PROC_VERSION),
-                message: "no \"NVRM version:\" line with a version number".into(),
-            })?;
+            let (version, flavour) =
+                parse_version_file(&text).ok_or_else(|| DriverError::Parse {
+                    path: resolved(root, PROC_VERSION),
+                    message: "no \"NVRM version:\" line with a version number".into(),
+                })?;
             state.version = Some(version);
             state.flavour = Some(flavour);
         }
-        let modules = KernelModules::from_read(root.open(PROC_MODULES)?).map_err(|e| {
-            DriverError::Parse {
+        let modules =
+            KernelModules::from_read(root.open(PROC_MODULES)?).map_err(|e| DriverError::Parse {
                 path: resolved(root, PROC_MODULES),
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         for name in NVIDIA_MODULES {
             if let Some(m) = modules.0.get(*name) {
                 let mut used_by = m.used_by.clone();
@@ -221,11 +221,18 @@ mod tests {
             Some(("535.183.01".into(), DriverFlavour::Proprietary))
         );
         let open = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build  (dvs-builder@U16-I3-B03-4-3)  Tue Mar  5 22:19:11 UTC 2024\n";
-        assert_eq!(parse_version_file(open), Some(("550.54.15".into(), DriverFlavour::Open)));
+        assert_eq!(
+            parse_version_file(open),
+            Some(("550.54.15".into(), DriverFlavour::Open))
+        );
         assert_eq!(parse_version_file("garbage"), None);
     }
 
-    fn proc_tree(version: Option<&str>, modules: &str, devices: &str) -> (tempfile::TempDir, HostRoot) {
+    fn proc_tree(
+        version: Option<&str>,
+        modules: &str,
+        devices: &str,
+    ) -> (tempfile::TempDir, HostRoot) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path();
         fs::create_dir_all(p.join("proc/driver/nvidia")).unwrap();
@@ -244,7 +251,9 @@ mod tests {
     fn loaded_driver() {
         let modules = "nvidia_uvm 1527808 0 - Live 0x0000000000000000\nnvidia_modeset 1306624 0 - Live 0x0000000000000000\nnvidia 56524800 2 nvidia_uvm,nvidia_modeset, Live 0x0000000000000000\next4 1003520 1 - Live 0x0000000000000000\n";
         let (_d, root) = proc_tree(
-            Some("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build\n"),
+            Some(
+                "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.15  Release Build\n",
+            ),
             modules,
             DEVICES,
         );
@@ -265,13 +274,20 @@ mod tests {
         let text = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 310\nGPU UUID: \t GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01\nVideo BIOS: \t 96.00.74.00.01\nBus Type: \t PCIe\nDevice Minor: \t 3\nGPU Excluded:\t No\n";
         let g = parse_information("0000:18:00.0".parse().unwrap(), text);
         assert_eq!(g.model.as_deref(), Some("NVIDIA H100 80GB HBM3"));
-        assert_eq!(g.uuid.as_deref(), Some("GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"));
+        assert_eq!(
+            g.uuid.as_deref(),
+            Some("GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01")
+        );
         assert_eq!(g.minor, Some(3));
     }
 
     #[test]
     fn no_driver() {
-        let (_d, root) = proc_tree(None, "nouveau 2000 0 - Live 0x0\n", "Character devices:\n  1 mem\n\nBlock devices:\n");
+        let (_d, root) = proc_tree(
+            None,
+            "nouveau 2000 0 - Live 0x0\n",
+            "Character devices:\n  1 mem\n\nBlock devices:\n",
+        );
         let s = DriverState::read(&root).unwrap();
         assert!(!s.is_loaded());
         assert_eq!(s.version, None);

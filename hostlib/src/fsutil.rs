@@ -57,7 +57,10 @@ mod tests {
         fs::write(&p, "old contents that are longer").unwrap();
         write_atomic(&p, b"new", 0o644).unwrap();
         assert_eq!(fs::read_to_string(&p).unwrap(), "new");
-        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("f")]);
     }
 

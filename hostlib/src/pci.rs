@@ -141,7 +141,9 @@ pub enum PciError {
 /// Every NVIDIA GPU function under `/sys/bus/pci/devices`, sorted by address.
 /// Other NVIDIA functions (HDMI audio, NVSwitch bridges) are left out.
 pub fn discover_nvidia_gpus(root: &HostRoot) -> Result<Vec<PciFunction>, PciError> {
-    let names = root.read_dir_names(SYSFS_PCI_DEVICES).map_err(PciError::List)?;
+    let names = root
+        .read_dir_names(SYSFS_PCI_DEVICES)
+        .map_err(PciError::List)?;
     let mut out = Vec::new();
     for name in names {
         let Ok(address) = name.parse::<PciAddress>() else {
@@ -234,12 +236,25 @@ mod tests {
         assert_eq!(a.nvml_bus_id(), "00000000:18:00.0");
         let b: PciAddress = "0001:AB:1f.7".parse().unwrap();
         assert_eq!(b.to_string(), "0001:ab:1f.7");
-        for bad in ["", "18:00", "zz:00.0", "0000:18:20.0", "0000:18:00.8", "0000:180:00.0"] {
+        for bad in [
+            "",
+            "18:00",
+            "zz:00.0",
+            "0000:18:20.0",
+            "0000:18:00.8",
+            "0000:180:00.0",
+        ] {
             assert!(bad.parse::<PciAddress>().is_err(), "{bad}");
         }
     }
 
-    fn write_fn(root: &std::path::Path, addr: &str, vendor: &str, class: &str, driver: Option<&str>) {
+    fn write_fn(
+        root: &std::path::Path,
+        addr: &str,
+        vendor: &str,
+        class: &str,
+        driver: Option<&str>,
+    ) {
         let real = root.join("sys/devices/pci0000:00").join(addr);
         fs::create_dir_all(&real).unwrap();
         fs::write(real.join("vendor"), format!("{vendor}\n")).unwrap();
@@ -264,7 +279,13 @@ mod tests {
     fn finds_gpus_and_skips_other_functions() {
         let dir = tempfile::tempdir().unwrap();
         write_fn(dir.path(), "0000:00:02.0", "0x8086", "0x030000", None);
-        write_fn(dir.path(), "0000:18:00.0", "0x10de", "0x030200", Some("nvidia"));
+        write_fn(
+            dir.path(),
+            "0000:18:00.0",
+            "0x10de",
+            "0x030200",
+            Some("nvidia"),
+        );
         write_fn(dir.path(), "0000:18:00.1", "0x10de", "0x040300", None); // HDMI audio
         write_fn(dir.path(), "0000:03:00.0", "0x10de", "0x030000", None);
         let root = HostRoot::new(dir.path()).unwrap();

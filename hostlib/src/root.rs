@@ -279,7 +279,10 @@ mod tests {
         assert_eq!(r.resolve("/etc/../sys").unwrap(), r.path().join("sys"));
         let err = r.resolve("/etc/../../outside").unwrap_err();
         assert!(matches!(err, HostError::Escapes { .. }), "{err}");
-        assert!(err.to_string().starts_with("/etc/../../outside: escapes the host root"));
+        assert!(
+            err.to_string()
+                .starts_with("/etc/../../outside: escapes the host root")
+        );
     }
 
     #[test]
@@ -294,7 +297,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            r.resolve("/sys/bus/pci/devices/0000:00:01.0/vendor").unwrap(),
+            r.resolve("/sys/bus/pci/devices/0000:00:01.0/vendor")
+                .unwrap(),
             p.join("sys/devices/pci0000:00/0000:00:01.0/vendor")
         );
     }
@@ -357,15 +361,23 @@ mod tests {
     fn system_root_passes_paths_through() {
         let r = HostRoot::system();
         assert!(r.is_system());
-        assert_eq!(r.resolve("/etc/hostname").unwrap(), PathBuf::from("/etc/hostname"));
+        assert_eq!(
+            r.resolve("/etc/hostname").unwrap(),
+            PathBuf::from("/etc/hostname")
+        );
     }
 
     #[test]
     fn write_atomic_creates_parents_and_sets_mode() {
         use std::os::unix::fs::PermissionsExt;
         let (_d, r) = root();
-        let path = r.write_atomic("/run/gpu-agent/state.json", b"{}", 0o640).unwrap();
+        let path = r
+            .write_atomic("/run/gpu-agent/state.json", b"{}", 0o640)
+            .unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"{}");
-        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o640);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o640
+        );
     }
 }

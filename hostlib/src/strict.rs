@@ -36,7 +36,11 @@ impl YamlError {
 /// `origin` names the source in errors. An empty document parses as `T`'s
 /// empty map (so that a file with only comments means "all defaults").
 pub fn from_yaml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T, YamlError> {
-    let text = if text.trim().lines().all(|l| l.trim().is_empty() || l.trim_start().starts_with('#')) {
+    let text = if text
+        .trim()
+        .lines()
+        .all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'))
+    {
         "{}"
     } else {
         text
@@ -51,7 +55,11 @@ pub fn from_yaml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T, Yam
         let location = inner.location().map(|l| (l.line(), l.column()));
         YamlError {
             origin: origin.to_string(),
-            path: if path.is_empty() { "(document)".into() } else { path },
+            path: if path.is_empty() {
+                "(document)".into()
+            } else {
+                path
+            },
             message: plain_message(&inner.to_string()),
             location,
         }
@@ -66,15 +74,13 @@ fn plain_message(raw: &str) -> String {
         msg = &msg[..i];
     }
     // serde_yaml_ng prefixes nested errors with "path: ".
-    if let Some((head, rest)) = msg.split_once(": ") {
-        if !head.contains(' ') {
-            msg = rest;
-        }
+    if let Some((head, rest)) = msg.split_once(": ")
+        && !head.contains(' ')
+    {
+        msg = rest;
     }
     if let Some(rest) = msg.strip_prefix("unknown field `") {
-        let expected = rest
-            .split_once(", expected ")
-            .map(|(_, e)| choices(e));
+        let expected = rest.split_once(", expected ").map(|(_, e)| choices(e));
         return match expected {
             Some(e) => format!("unknown key (expected one of: {e})"),
             None => "unknown key (this section takes no keys)".to_string(),
@@ -82,7 +88,10 @@ fn plain_message(raw: &str) -> String {
     }
     if let Some(rest) = msg.strip_prefix("unknown variant `") {
         let (value, expected) = rest.split_once("`, expected ").unwrap_or((rest, ""));
-        return format!("unknown value {value:?} (expected one of: {})", choices(expected));
+        return format!(
+            "unknown value {value:?} (expected one of: {})",
+            choices(expected)
+        );
     }
     // Rust type names mean nothing to the person editing the file.
     match msg.find("expected struct ") {
@@ -133,7 +142,8 @@ mod tests {
 
     #[test]
     fn unknown_key_has_full_path_and_line() {
-        let err = from_yaml::<Top>("spec:\n  devicePlugin:\n    enabeld: true\n", "p.yaml").unwrap_err();
+        let err =
+            from_yaml::<Top>("spec:\n  devicePlugin:\n    enabeld: true\n", "p.yaml").unwrap_err();
         assert_eq!(err.path, "spec.devicePlugin.enabeld");
         assert_eq!(err.message, "unknown key (expected one of: enabled)");
         assert_eq!(err.location, Some((3, 5)));
@@ -145,29 +155,50 @@ mod tests {
 
     #[test]
     fn wrong_type_names_the_key() {
-        let err = from_yaml::<Top>("spec:\n  devicePlugin:\n    enabled: maybe\n", "p.yaml").unwrap_err();
+        let err =
+            from_yaml::<Top>("spec:\n  devicePlugin:\n    enabled: maybe\n", "p.yaml").unwrap_err();
         assert_eq!(err.path, "spec.devicePlugin.enabled");
-        assert!(err.message.contains("expected a boolean"), "{}", err.message);
+        assert!(
+            err.message.contains("expected a boolean"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
     fn section_of_the_wrong_shape_says_a_mapping_is_expected() {
         let err = from_yaml::<Top>("spec:\n  devicePlugin: true\n", "p.yaml").unwrap_err();
         assert_eq!(err.path, "spec.devicePlugin");
-        assert_eq!(err.message, "invalid type: boolean `true`, expected a mapping of keys");
+        assert_eq!(
+            err.message,
+            "invalid type: boolean `true`, expected a mapping of keys"
+        );
     }
 
     #[test]
     fn unknown_enum_value_lists_choices() {
         let err = from_yaml::<Top>("spec:\n  mode: both\n", "p.yaml").unwrap_err();
         assert_eq!(err.path, "spec.mode");
-        assert_eq!(err.message, "unknown value \"both\" (expected one of: single, mixed)");
+        assert_eq!(
+            err.message,
+            "unknown value \"both\" (expected one of: single, mixed)"
+        );
     }
 
     #[test]
     fn empty_and_comment_only_documents_are_defaults() {
-        assert_eq!(from_yaml::<Top>("", "e").unwrap(), Top { spec: Spec::default() });
-        assert_eq!(from_yaml::<Top>("# nothing\n\n", "e").unwrap(), Top { spec: Spec::default() });
+        assert_eq!(
+            from_yaml::<Top>("", "e").unwrap(),
+            Top {
+                spec: Spec::default()
+            }
+        );
+        assert_eq!(
+            from_yaml::<Top>("# nothing\n\n", "e").unwrap(),
+            Top {
+                spec: Spec::default()
+            }
+        );
     }
 
     #[test]

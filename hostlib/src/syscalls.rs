@@ -45,7 +45,13 @@ impl SyscallError {
 pub trait Syscalls: Send + Sync + fmt::Debug {
     /// `mknod(path, S_IFCHR | mode, makedev(major, minor))`. The umask applies;
     /// callers that need exact bits follow with [`Syscalls::chmod`].
-    fn mknod_char(&self, path: &Path, mode: u32, major: u32, minor: u32) -> Result<(), SyscallError>;
+    fn mknod_char(
+        &self,
+        path: &Path,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), SyscallError>;
     /// `finit_module` on the module file at `path` with the parameter string.
     fn finit_module(&self, path: &Path, params: &str) -> Result<(), SyscallError>;
     /// `delete_module(name, O_NONBLOCK)`: fails with `EWOULDBLOCK`/`EBUSY` while in use.
@@ -76,7 +82,13 @@ fn cstring(call: &'static str, s: &str) -> Result<CString, SyscallError> {
 }
 
 impl Syscalls for LinuxSyscalls {
-    fn mknod_char(&self, path: &Path, mode: u32, major: u32, minor: u32) -> Result<(), SyscallError> {
+    fn mknod_char(
+        &self,
+        path: &Path,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), SyscallError> {
         let dev = nix::sys::stat::makedev(u64::from(major), u64::from(minor));
         nix::sys::stat::mknod(path, SFlag::S_IFCHR, Mode::from_bits_truncate(mode), dev)
             .map_err(|e| SyscallError::new("mknod", path.display(), e))
@@ -114,8 +126,13 @@ impl Syscalls for LinuxSyscalls {
     }
 
     fn umount(&self, target: &Path, detach: bool) -> Result<(), SyscallError> {
-        let flags = if detach { MntFlags::MNT_DETACH } else { MntFlags::empty() };
-        nix::mount::umount2(target, flags).map_err(|e| SyscallError::new("umount", target.display(), e))
+        let flags = if detach {
+            MntFlags::MNT_DETACH
+        } else {
+            MntFlags::empty()
+        };
+        nix::mount::umount2(target, flags)
+            .map_err(|e| SyscallError::new("umount", target.display(), e))
     }
 
     fn chown(&self, path: &Path, uid: Option<u32>, gid: Option<u32>) -> Result<(), SyscallError> {
@@ -141,9 +158,19 @@ impl Syscalls for LinuxSyscalls {
 /// One recorded call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call {
-    MknodChar { path: PathBuf, mode: u32, major: u32, minor: u32 },
-    FinitModule { path: PathBuf, params: String },
-    DeleteModule { name: String },
+    MknodChar {
+        path: PathBuf,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    },
+    FinitModule {
+        path: PathBuf,
+        params: String,
+    },
+    DeleteModule {
+        name: String,
+    },
     Mount {
         source: Option<PathBuf>,
         target: PathBuf,
@@ -151,9 +178,19 @@ pub enum Call {
         flags: MsFlags,
         data: Option<String>,
     },
-    Umount { target: PathBuf, detach: bool },
-    Chown { path: PathBuf, uid: Option<u32>, gid: Option<u32> },
-    Chmod { path: PathBuf, mode: u32 },
+    Umount {
+        target: PathBuf,
+        detach: bool,
+    },
+    Chown {
+        path: PathBuf,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    },
+    Chmod {
+        path: PathBuf,
+        mode: u32,
+    },
 }
 
 impl Call {
@@ -177,7 +214,9 @@ impl Call {
             | Call::Chown { path, .. }
             | Call::Chmod { path, .. } => path.display().to_string(),
             Call::DeleteModule { name } => name.clone(),
-            Call::Mount { target, .. } | Call::Umount { target, .. } => target.display().to_string(),
+            Call::Mount { target, .. } | Call::Umount { target, .. } => {
+                target.display().to_string()
+            }
         }
     }
 }
@@ -226,7 +265,13 @@ impl RecordingSyscalls {
 }
 
 impl Syscalls for RecordingSyscalls {
-    fn mknod_char(&self, path: &Path, mode: u32, major: u32, minor: u32) -> Result<(), SyscallError> {
+    fn mknod_char(
+        &self,
+        path: &Path,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), SyscallError> {
         self.record(Call::MknodChar {
             path: path.to_path_buf(),
             mode,
@@ -243,7 +288,9 @@ impl Syscalls for RecordingSyscalls {
     }
 
     fn delete_module(&self, name: &str) -> Result<(), SyscallError> {
-        self.record(Call::DeleteModule { name: name.to_string() })
+        self.record(Call::DeleteModule {
+            name: name.to_string(),
+        })
     }
 
     fn mount(
@@ -295,10 +342,14 @@ mod tests {
     fn recorder_keeps_exact_calls_in_order() {
         let rec = RecordingSyscalls::new();
         let sys: &dyn Syscalls = &rec;
-        sys.mknod_char(Path::new("/r/dev/nvidiactl"), 0o666, 195, 255).unwrap();
-        sys.chmod(Path::new("/r/dev/nvidiactl"), 0o666).unwrap();
-        sys.finit_module(Path::new("/m/nvidia.ko"), "NVreg_OpenRmEnableUnsupportedGpus=1")
+        sys.mknod_char(Path::new("/r/dev/nvidiactl"), 0o666, 195, 255)
             .unwrap();
+        sys.chmod(Path::new("/r/dev/nvidiactl"), 0o666).unwrap();
+        sys.finit_module(
+            Path::new("/m/nvidia.ko"),
+            "NVreg_OpenRmEnableUnsupportedGpus=1",
+        )
+        .unwrap();
         sys.delete_module("nvidia_uvm").unwrap();
         assert_eq!(
             rec.calls(),
@@ -331,7 +382,10 @@ mod tests {
         rec.mknod_char(Path::new("/x"), 0o600, 1, 2).unwrap();
         let err = rec.delete_module("nvidia").unwrap_err();
         assert_eq!(err.errno, Errno::EBUSY);
-        assert_eq!(err.to_string(), "delete_module nvidia: EBUSY: Device or resource busy");
+        assert_eq!(
+            err.to_string(),
+            "delete_module nvidia: EBUSY: Device or resource busy"
+        );
         // Used once only.
         rec.delete_module("nvidia").unwrap();
         assert_eq!(rec.calls().len(), 3);

@@ -15,7 +15,7 @@ use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
 use hostlib::strict::YamlError;
-use hostlib::{DriverFlavour, PciAddress};
+use hostlib::{DriverFlavour, PciAddress, PciFunction};
 use serde::{Deserialize, Serialize};
 
 /// Most NVLinks one GPU has (`NVML_NVLINK_MAX_LINKS`).
@@ -287,7 +287,10 @@ impl NodeDescription {
                 ));
             }
             if g.name.is_empty() || g.name.len() >= 96 {
-                return Err(invalid(format!("gpus[{i}].name"), "must be 1 to 95 bytes".into()));
+                return Err(invalid(
+                    format!("gpus[{i}].name"),
+                    "must be 1 to 95 bytes".into(),
+                ));
             }
         }
         for (i, s) in self.nvswitches.iter().enumerate() {
@@ -345,7 +348,7 @@ impl NodeDescription {
         let (pa, pb) = (&ga.pcie, &gb.pcie);
         if a == b || (pa.board.is_some() && pa.board == pb.board) {
             INTERNAL
-        } else if pa.switches.first().is_some() && pa.switches.first() == pb.switches.first() {
+        } else if !pa.switches.is_empty() && pa.switches.first() == pb.switches.first() {
             SINGLE
         } else if pa.switches.iter().any(|s| pb.switches.contains(s)) {
             MULTIPLE
@@ -377,12 +380,39 @@ impl NodeDescription {
         let devices = root.join("sys/bus/pci/devices");
         fs::create_dir_all(&devices)?;
         let loaded = self.driver.is_some();
-        let mut functions: Vec<(PciAddress, u16, u16, u32, Option<u16>, Option<u32>, Option<u32>, Option<&str>)> =
-            vec![("0000:00:00.0".parse().expect("literal"), 0x8086, 0x09a2, 0x060000, None, None, None, None)];
+        let nvidia = hostlib::pci::NVIDIA_VENDOR;
+        let function = |address,
+                        vendor,
+                        device,
+                        class,
+                        subsystem_device,
+                        numa_node,
+                        iommu_group,
+                        driver: Option<&str>| PciFunction {
+            address,
+            vendor,
+            device,
+            class,
+            subsystem_vendor: Some(vendor),
+            subsystem_device,
+            numa_node,
+            iommu_group,
+            driver: driver.map(String::from),
+        };
+        let mut functions = vec![function(
+            "0000:00:00.0".parse().expect("literal"),
+            0x8086,
+            0x09a2,
+            0x060000,
+            None,
+            None,
+            None,
+            None,
+        )];
         for g in &self.gpus {
-            functions.push((
+            functions.push(function(
                 g.bus_id,
-                hostlib::pci::NVIDIA_VENDOR,
+                nvidia,
                 g.device_id.0,
                 u32::from(g.pci_class.0) << 8,
                 g.subsystem_id.map(|s| s.0),
@@ -392,33 +422,45 @@ impl NodeDescription {
             ));
         }
         for s in &self.nvswitches {
-            functions.push((*s, hostlib::pci::NVIDIA_VENDOR, 0x22a3, 0x068000, None, None, None, None));
+            functions.push(function(
+                *s, nvidia, 0x22a3, 0x068000, None, None, None, None,
+            ));
         }
-        for (addr, vendor, device, class, subsys, numa, iommu, driver) in functions {
+        for f in functions {
+            let addr = f.address;
             let rel = format!("devices/pci{:04x}:{:02x}/{addr}", addr.domain, 0);
             let dir = root.join("sys").join(&rel);
             fs::create_dir_all(&dir)?;
-            fs::write(dir.join("vendor"), format!("{vendor:#06x}\n"))?;
-            fs::write(dir.join("device"), format!("{device:#06x}\n"))?;
-            fs::write(dir.join("class"), format!("{class:#08x}\n"))?;
-            fs::write(dir.join("subsystem_vendor"), format!("{vendor:#06x}\n"))?;
+            fs::write(dir.join("vendor"), format!("{:#06x}\n", f.vendor))?;
+            fs::write(dir.join("device"), format!("{:#06x}\n", f.device))?;
+            fs::write(dir.join("class"), format!("{:#08x}\n", f.class))?;
+            fs::write(
+                dir.join("subsystem_vendor"),
+                format!("{:#06x}\n", f.subsystem_vendor.unwrap_or(0)),
+            )?;
             fs::write(
                 dir.join("subsystem_device"),
-                format!("{:#06x}\n", subsys.unwrap_or(0)),
+                format!("{:#06x}\n", f.subsystem_device.unwrap_or(0)),
             )?;
-            let numa = numa.map_or("-1".to_string(), |n| n.to_string());
+            let numa = f.numa_node.map_or("-1".to_string(), |n| n.to_string());
             fs::write(dir.join("numa_node"), format!("{numa}\n"))?;
-            if let Some(group) = iommu {
+            if let Some(group) = f.iommu_group {
                 let gdir = root.join(format!("sys/kernel/iommu_groups/{group}"));
                 fs::create_dir_all(&gdir)?;
                 fs::write(gdir.join("type"), "DMA-FQ\n")?;
-                replace_symlink(&format!("../../../kernel/iommu_groups/{group}"), &dir.join("iommu_group"))?;
+                replace_symlink(
+                    &format!("../../../kernel/iommu_groups/{group}"),
+                    &dir.join("iommu_group"),
+                )?;
             }
-            if let Some(drv) = driver {
+            if let Some(drv) = &f.driver {
                 let ddir = root.join(format!("sys/bus/pci/drivers/{drv}"));
                 fs::create_dir_all(&ddir)?;
                 fs::write(ddir.join("uevent"), "")?;
-                replace_symlink(&format!("../../../bus/pci/drivers/{drv}"), &dir.join("driver"))?;
+                replace_symlink(
+                    &format!("../../../bus/pci/drivers/{drv}"),
+                    &dir.join("driver"),
+                )?;
             }
             replace_symlink(&format!("../../../{rel}"), &devices.join(addr.to_string()))?;
         }
@@ -431,7 +473,8 @@ impl NodeDescription {
         let proc = root.join("proc");
         fs::create_dir_all(&proc)?;
         let mut modules = String::new();
-        let mut devices_txt = String::from("Character devices:\n  1 mem\n  4 /dev/vc/0\n  5 /dev/tty\n");
+        let mut devices_txt =
+            String::from("Character devices:\n  1 mem\n  4 /dev/vc/0\n  5 /dev/tty\n");
         if let Some(d) = &self.driver {
             let nv = root.join("proc/driver/nvidia");
             fs::create_dir_all(&nv)?;
@@ -447,11 +490,23 @@ impl NodeDescription {
                 ),
             )?;
             // nvidia is used by every other NVIDIA module loaded.
-            let users: Vec<&str> = d.modules.iter().map(String::as_str).filter(|m| *m != "nvidia").collect();
+            let users: Vec<&str> = d
+                .modules
+                .iter()
+                .map(String::as_str)
+                .filter(|m| *m != "nvidia")
+                .collect();
             for m in d.modules.iter().rev() {
                 if m == "nvidia" {
-                    let used = if users.is_empty() { "-".to_string() } else { format!("{},", users.join(",")) };
-                    modules.push_str(&format!("nvidia 56524800 {} {used} Live 0x0000000000000000\n", users.len()));
+                    let used = if users.is_empty() {
+                        "-".to_string()
+                    } else {
+                        format!("{},", users.join(","))
+                    };
+                    modules.push_str(&format!(
+                        "nvidia 56524800 {} {used} Live 0x0000000000000000\n",
+                        users.len()
+                    ));
                 } else {
                     modules.push_str(&format!("{m} 1527808 0 - Live 0x0000000000000000\n"));
                 }
@@ -539,24 +594,53 @@ mod tests {
     #[test]
     fn unknown_key_is_named_with_its_path() {
         let text = include_str!("../nodes/a10g-1.yaml").replace("memoryMib:", "memoryMibs:");
-        let err = NodeDescription::from_yaml(&text, "x.yaml").unwrap_err().to_string();
-        assert!(err.starts_with("x.yaml: gpus[0].memoryMibs: unknown key (expected one of: busId, name,"), "{err}");
+        let err = NodeDescription::from_yaml(&text, "x.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "x.yaml: gpus[0].memoryMibs: unknown key (expected one of: busId, name,"
+            ),
+            "{err}"
+        );
     }
 
     #[test]
     fn bad_values_are_named() {
         let base = include_str!("../nodes/t4-4.yaml");
         let cases = [
-            (base.replacen("computeCapability: \"7.5\"", "computeCapability: \"seven\"", 1), "gpus[0].computeCapability"),
-            (base.replacen("busId: \"0000:3b:00.0\"", "busId: \"0000:3b:00.0x\"", 1), "gpus[1].busId"),
+            (
+                base.replacen(
+                    "computeCapability: \"7.5\"",
+                    "computeCapability: \"seven\"",
+                    1,
+                ),
+                "gpus[0].computeCapability",
+            ),
+            (
+                base.replacen("busId: \"0000:3b:00.0\"", "busId: \"0000:3b:00.0x\"", 1),
+                "gpus[1].busId",
+            ),
         ];
         for (text, field) in cases {
-            let err = NodeDescription::from_yaml(&text, "t.yaml").unwrap_err().to_string();
+            let err = NodeDescription::from_yaml(&text, "t.yaml")
+                .unwrap_err()
+                .to_string();
             assert!(err.starts_with(&format!("t.yaml: {field}")), "{err}");
         }
-        let dup = base.replace("GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41", "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40");
-        let err = NodeDescription::from_yaml(&dup, "t.yaml").unwrap_err().to_string();
-        assert!(err.contains("gpus[1].uuid: GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40 is also gpus[0].uuid"), "{err}");
+        let dup = base.replace(
+            "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41",
+            "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40",
+        );
+        let err = NodeDescription::from_yaml(&dup, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "gpus[1].uuid: GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40 is also gpus[0].uuid"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

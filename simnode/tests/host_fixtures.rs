@@ -48,6 +48,9 @@ fn committed_host_fixtures_match_the_descriptions() {
         let committed = walk(&fixtures.join(name));
         let expected = walk(fresh.path());
         assert!(!committed.is_empty(), "{name}: fixture tree missing");
-        assert_eq!(committed, expected, "{name}: fixture tree differs from a fresh materialize");
+        assert_eq!(
+            committed, expected,
+            "{name}: fixture tree differs from a fresh materialize"
+        );
     }
 }

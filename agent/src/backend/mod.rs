@@ -38,7 +38,7 @@ pub struct CudaVersion {
 impl CudaVersion {
     /// From NVML's integer form (12040 is 12.4).
     pub fn from_nvml(v: i32) -> Option<Self> {
-        (v > 0).then(|| CudaVersion {
+        (v > 0).then_some(CudaVersion {
             major: (v / 1000) as u32,
             minor: ((v % 1000) / 10) as u32,
         })

@@ -12,8 +12,8 @@ use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel};
 use nvml_wrapper::error::NvmlError;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    MigMode, PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode,
+    PcieLevel, Telemetry,
 };
 
 /// The library name the dynamic loader looks for.
@@ -30,7 +30,9 @@ pub struct NvmlBackend {
 
 impl std::fmt::Debug for NvmlBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NvmlBackend").field("lib", &self.lib).finish()
+        f.debug_struct("NvmlBackend")
+            .field("lib", &self.lib)
+            .finish()
     }
 }
 
@@ -98,7 +100,8 @@ impl GpuBackend for NvmlBackend {
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
         let nvml = &self.nvml;
         let sys = |call: &'static str| move |source| BackendError::Nvml { call, source };
-        let driver_version = optional(nvml.sys_driver_version()).map_err(sys("nvmlSystemGetDriverVersion"))?;
+        let driver_version =
+            optional(nvml.sys_driver_version()).map_err(sys("nvmlSystemGetDriverVersion"))?;
         let cuda_version = optional(nvml.sys_cuda_driver_version())
             .map_err(sys("nvmlSystemGetCudaDriverVersion"))?
             .and_then(CudaVersion::from_nvml);
@@ -106,15 +109,24 @@ impl GpuBackend for NvmlBackend {
         let mut devices = Vec::with_capacity(count as usize);
         let mut gpus = Vec::with_capacity(count as usize);
         for index in 0..count {
-            let dev_err = |call: &'static str| move |source| BackendError::Device { index, call, source };
-            let device = nvml.device_by_index(index).map_err(dev_err("nvmlDeviceGetHandleByIndex"))?;
+            let dev_err = |call: &'static str| {
+                move |source| BackendError::Device {
+                    index,
+                    call,
+                    source,
+                }
+            };
+            let device = nvml
+                .device_by_index(index)
+                .map_err(dev_err("nvmlDeviceGetHandleByIndex"))?;
             let pci = device.pci_info().map_err(dev_err("nvmlDeviceGetPciInfo"))?;
             let bus_id: PciAddress = pci.bus_id.parse().map_err(|_| BackendError::Device {
                 index,
                 call: "nvmlDeviceGetPciInfo",
                 source: NvmlError::Unknown,
             })?;
-            let memory = optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
+            let memory =
+                optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
             let mig = optional(device.mig_mode())
                 .map_err(dev_err("nvmlDeviceGetMigMode"))?
                 .map(|m| MigMode {
@@ -131,10 +143,14 @@ impl GpuBackend for NvmlBackend {
                     Err(NvmlError::NotSupported | NvmlError::InvalidArg) => break,
                     Err(e) => return Err(dev_err("nvmlDeviceGetNvLinkState")(e)),
                 }
-                let remote = l.remote_pci_info().map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
+                let remote = l
+                    .remote_pci_info()
+                    .map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
                 match remote.bus_id.parse() {
                     Ok(addr) => nvlink_remotes.push(addr),
-                    Err(_) => tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address"),
+                    Err(_) => {
+                        tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address")
+                    }
                 }
             }
             let util = reading(index, "utilization", device.utilization_rates());
@@ -153,7 +169,11 @@ impl GpuBackend for NvmlBackend {
                 mig,
                 nvlink_remotes,
                 telemetry: Telemetry {
-                    temperature_c: reading(index, "temperature", device.temperature(TemperatureSensor::Gpu)),
+                    temperature_c: reading(
+                        index,
+                        "temperature",
+                        device.temperature(TemperatureSensor::Gpu),
+                    ),
                     power_mw: reading(index, "power", device.power_usage()),
                     utilization_gpu_pct: util.as_ref().map(|u| u.gpu),
                     utilization_memory_pct: util.as_ref().map(|u| u.memory),
@@ -168,12 +188,20 @@ impl GpuBackend for NvmlBackend {
                 // The wrapper takes the other device by value: ask for a second handle.
                 let other = match nvml.device_by_index(b as u32) {
                     Ok(d) => d,
-                    Err(e) => return Err(BackendError::Device { index: b as u32, call: "nvmlDeviceGetHandleByIndex", source: e }),
+                    Err(e) => {
+                        return Err(BackendError::Device {
+                            index: b as u32,
+                            call: "nvmlDeviceGetHandleByIndex",
+                            source: e,
+                        });
+                    }
                 };
                 match devices[a].topology_common_ancestor(other) {
                     Ok(level) => pcie.push((a as u32, b as u32, pcie_level(level))),
                     Err(NvmlError::NotSupported) => {}
-                    Err(e) => tracing::warn!(gpu_a = a, gpu_b = b, error = %e, "NVML topology query failed"),
+                    Err(e) => {
+                        tracing::warn!(gpu_a = a, gpu_b = b, error = %e, "NVML topology query failed")
+                    }
                 }
             }
         }

@@ -3,8 +3,8 @@
 use simnode::NodeDescription;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    MigMode, PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode,
+    PcieLevel, Telemetry,
 };
 
 /// Serves a [`NodeDescription`].
@@ -72,7 +72,8 @@ impl GpuBackend for SimulatedBackend {
         let mut pcie = Vec::new();
         for a in 0..n.gpus.len() {
             for b in (a + 1)..n.gpus.len() {
-                let level = PcieLevel::from_nvml(n.pcie_level(a, b)).expect("simnode returns NVML levels");
+                let level =
+                    PcieLevel::from_nvml(n.pcie_level(a, b)).expect("simnode returns NVML levels");
                 pcie.push((a as u32, b as u32, level));
             }
         }

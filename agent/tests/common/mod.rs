@@ -41,7 +41,11 @@ pub fn fake_nvml() -> (tempfile::TempDir, PathBuf) {
 }
 
 pub fn run(cmd: &mut Command) -> (i32, String, String) {
-    let Output { status, stdout, stderr } = cmd.output().unwrap();
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = cmd.output().unwrap();
     (
         status.code().unwrap_or(-1),
         String::from_utf8(stdout).unwrap(),

@@ -51,7 +51,10 @@ fn with_node(f: impl FnOnce(&NodeDescription) -> nvmlReturn_t) -> nvmlReturn_t {
 }
 
 /// Runs `f` with the GPU behind `device`.
-fn with_gpu(device: nvmlDevice_t, f: impl FnOnce(&NodeDescription, usize, &GpuDesc) -> nvmlReturn_t) -> nvmlReturn_t {
+fn with_gpu(
+    device: nvmlDevice_t,
+    f: impl FnOnce(&NodeDescription, usize, &GpuDesc) -> nvmlReturn_t,
+) -> nvmlReturn_t {
     with_node(|node| match handle_index(device, node) {
         Some(i) => f(node, i, &node.gpus[i]),
         None => ERROR_INVALID_ARGUMENT,
@@ -85,17 +88,31 @@ unsafe fn write_cstr(s: &str, buf: *mut c_char, len: c_uint) -> nvmlReturn_t {
     SUCCESS
 }
 
-fn fill_pci(addr: hostlib::PciAddress, device_id: Option<u16>, subsystem: Option<u16>) -> nvmlPciInfo_t {
+fn fill_pci(
+    addr: hostlib::PciAddress,
+    device_id: Option<u16>,
+    subsystem: Option<u16>,
+) -> nvmlPciInfo_t {
     // SAFETY: nvmlPciInfo_t is plain C data; all-zero is a valid value.
     let mut info: nvmlPciInfo_t = unsafe { std::mem::zeroed() };
     info.domain = addr.domain;
     info.bus = u32::from(addr.bus);
     info.device = u32::from(addr.device);
-    info.pciDeviceId = device_id.map_or(0, |d| (u32::from(d) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR));
-    info.pciSubSystemId = subsystem.map_or(0, |s| (u32::from(s) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR));
+    info.pciDeviceId = device_id.map_or(0, |d| {
+        (u32::from(d) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR)
+    });
+    info.pciSubSystemId = subsystem.map_or(0, |s| {
+        (u32::from(s) << 16) | u32::from(hostlib::pci::NVIDIA_VENDOR)
+    });
     let full = addr.nvml_bus_id();
-    let legacy = format!("{:04X}:{:02X}:{:02X}.{:X}", addr.domain, addr.bus, addr.device, addr.function);
-    for (dst, src) in [(&mut info.busId[..], full), (&mut info.busIdLegacy[..], legacy)] {
+    let legacy = format!(
+        "{:04X}:{:02X}:{:02X}.{:X}",
+        addr.domain, addr.bus, addr.device, addr.function
+    );
+    for (dst, src) in [
+        (&mut info.busId[..], full),
+        (&mut info.busIdLegacy[..], legacy),
+    ] {
         for (d, s) in dst.iter_mut().zip(src.bytes()) {
             *d = s as c_char;
         }
@@ -111,7 +128,9 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
         return SUCCESS;
     }
     let Ok(name) = std::env::var("FAKE_NVML_NODE") else {
-        eprintln!("fake libnvidia-ml: FAKE_NVML_NODE is not set; behaving as a node without a driver");
+        eprintln!(
+            "fake libnvidia-ml: FAKE_NVML_NODE is not set; behaving as a node without a driver"
+        );
         return ERROR_DRIVER_NOT_LOADED;
     };
     match NodeDescription::load(&name) {
@@ -149,7 +168,10 @@ pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
+    version: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
     with_node(|n| match &n.driver {
         // SAFETY: forwarded caller buffer.
         Some(d) => unsafe { write_cstr(&d.version, version, length) },
@@ -162,14 +184,16 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) 
     if version.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
-    with_node(|n| match n.driver.as_ref().and_then(|d| d.cuda_version_int()) {
-        Some(v) => {
-            // SAFETY: checked non-null above.
-            unsafe { *version = v };
-            SUCCESS
-        }
-        None => ERROR_NOT_SUPPORTED,
-    })
+    with_node(
+        |n| match n.driver.as_ref().and_then(|d| d.cuda_version_int()) {
+            Some(v) => {
+                // SAFETY: checked non-null above.
+                unsafe { *version = v };
+                SUCCESS
+            }
+            None => ERROR_NOT_SUPPORTED,
+        },
+    )
 }
 
 #[unsafe(no_mangle)]
@@ -191,7 +215,10 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     if device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -206,12 +233,17 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *m
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(bus_id: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
+    bus_id: *const c_char,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     if bus_id.is_null() || device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
     // SAFETY: the caller passes a NUL-terminated string.
-    let text = unsafe { std::ffi::CStr::from_ptr(bus_id) }.to_string_lossy().into_owned();
+    let text = unsafe { std::ffi::CStr::from_ptr(bus_id) }
+        .to_string_lossy()
+        .into_owned();
     let Ok(addr) = text.parse::<hostlib::PciAddress>() else {
         return ERROR_INVALID_ARGUMENT;
     };
@@ -226,7 +258,10 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(bus_id: *const c_char,
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetIndex(
+    device: nvmlDevice_t,
+    index: *mut c_uint,
+) -> nvmlReturn_t {
     if index.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -238,21 +273,36 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
+    device: nvmlDevice_t,
+    minor: *mut c_uint,
+) -> nvmlReturn_t {
     // SAFETY: same contract; /dev/nvidiaN's N is the index here.
     unsafe { nvmlDeviceGetIndex(device, minor) }
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetName(device: nvmlDevice_t, name: *mut c_char, length: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    device: nvmlDevice_t,
+    name: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
     // SAFETY: forwarded caller buffer.
-    with_gpu(device, |_, _, g| unsafe { write_cstr(&g.name, name, length) })
+    with_gpu(device, |_, _, g| unsafe {
+        write_cstr(&g.name, name, length)
+    })
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    device: nvmlDevice_t,
+    uuid: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
     // SAFETY: forwarded caller buffer.
-    with_gpu(device, |_, _, g| unsafe { write_cstr(&g.uuid, uuid, length) })
+    with_gpu(device, |_, _, g| unsafe {
+        write_cstr(&g.uuid, uuid, length)
+    })
 }
 
 fn memory_numbers(g: &GpuDesc) -> Option<(u64, u64)> {
@@ -262,7 +312,10 @@ fn memory_numbers(g: &GpuDesc) -> Option<(u64, u64)> {
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
     if memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -282,7 +335,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: nvmlDevice_t, memory
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
     if memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -301,7 +357,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
+    device: nvmlDevice_t,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     if pci.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -313,7 +372,11 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(device: nvmlDevice_t, pci: *mut
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(device: nvmlDevice_t, major: *mut c_int, minor: *mut c_int) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
+    device: nvmlDevice_t,
+    major: *mut c_int,
+    minor: *mut c_int,
+) -> nvmlReturn_t {
     if major.is_null() || minor.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -331,7 +394,11 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(device: nvmlDevice_t
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigMode(device: nvmlDevice_t, current: *mut c_uint, pending: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(
+    device: nvmlDevice_t,
+    current: *mut c_uint,
+    pending: *mut c_uint,
+) -> nvmlReturn_t {
     if current.is_null() || pending.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -349,7 +416,11 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(device: nvmlDevice_t, current: *mu
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(device: nvmlDevice_t, link: c_uint, is_active: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
+    device: nvmlDevice_t,
+    link: c_uint,
+    is_active: *mut c_uint,
+) -> nvmlReturn_t {
     if is_active.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -368,7 +439,11 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(device: nvmlDevice_t, link: c_
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device: nvmlDevice_t, link: c_uint, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
+    device: nvmlDevice_t,
+    link: c_uint,
+    pci: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     if pci.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -396,18 +471,24 @@ pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
     if path_info.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
-    with_node(|node| match (handle_index(device1, node), handle_index(device2, node)) {
-        (Some(a), Some(b)) => {
-            // SAFETY: checked non-null above.
-            unsafe { *path_info = node.pcie_level(a, b) as nvmlGpuTopologyLevel_t };
-            SUCCESS
-        }
-        _ => ERROR_INVALID_ARGUMENT,
-    })
+    with_node(
+        |node| match (handle_index(device1, node), handle_index(device2, node)) {
+            (Some(a), Some(b)) => {
+                // SAFETY: checked non-null above.
+                unsafe { *path_info = node.pcie_level(a, b) as nvmlGpuTopologyLevel_t };
+                SUCCESS
+            }
+            _ => ERROR_INVALID_ARGUMENT,
+        },
+    )
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTemperature(device: nvmlDevice_t, sensor: c_uint, temp: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(
+    device: nvmlDevice_t,
+    sensor: c_uint,
+    temp: *mut c_uint,
+) -> nvmlReturn_t {
     if temp.is_null() || sensor != TEMPERATURE_GPU {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -422,7 +503,10 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(device: nvmlDevice_t, sensor: 
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *mut c_uint) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
+    device: nvmlDevice_t,
+    power: *mut c_uint,
+) -> nvmlReturn_t {
     if power.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -437,19 +521,24 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *m
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(device: nvmlDevice_t, util: *mut nvmlUtilization_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    device: nvmlDevice_t,
+    util: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
     if util.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
-    with_gpu(device, |_, _, g| match (g.telemetry.utilization_gpu, g.telemetry.utilization_memory) {
-        (Some(gpu), Some(memory)) => {
-            // SAFETY: checked non-null above.
-            unsafe {
-                (*util).gpu = gpu;
-                (*util).memory = memory;
+    with_gpu(device, |_, _, g| {
+        match (g.telemetry.utilization_gpu, g.telemetry.utilization_memory) {
+            (Some(gpu), Some(memory)) => {
+                // SAFETY: checked non-null above.
+                unsafe {
+                    (*util).gpu = gpu;
+                    (*util).memory = memory;
+                }
+                SUCCESS
             }
-            SUCCESS
+            _ => ERROR_NOT_SUPPORTED,
         }
-        _ => ERROR_NOT_SUPPORTED,
     })
 }
