@@ -21,19 +21,25 @@ pub fn fixture(rel: &str) -> PathBuf {
     repo().join("tests/fixtures").join(rel)
 }
 
-/// The fake libnvidia-ml built by `cargo build -p fake-nvml` (the test
-/// command builds the whole workspace before testing), presented under the
-/// real library's name in a temp dir.
+/// The fake libnvidia-ml (tests/fake-nvml), presented under the real
+/// library's name in a temp dir. It is a dev-dependency of this crate, so
+/// cargo builds the .so (into target/<profile>/deps) before the tests run.
 pub fn fake_nvml() -> (tempfile::TempDir, PathBuf) {
-    // The test binary is target/<profile>/deps/<name>; the cdylib is in target/<profile>.
+    // The test binary is target/<profile>/deps/<name>.
     let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let built = profile_dir.join("libfake_nvml.so");
-    assert!(
-        built.exists(),
-        "{} is missing: build it with `cargo build -p fake-nvml` (scripts/test does)",
-        built.display()
-    );
+    let deps = exe.parent().unwrap();
+    let built = [
+        deps.join("libfake_nvml.so"),
+        deps.parent().unwrap().join("libfake_nvml.so"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .unwrap_or_else(|| {
+        panic!(
+            "libfake_nvml.so is not in {}: build it with `cargo build -p fake-nvml`",
+            deps.display()
+        )
+    });
     let dir = tempfile::tempdir().unwrap();
     let lib = dir.path().join("libnvidia-ml.so.1");
     std::os::unix::fs::symlink(&built, &lib).unwrap();
