@@ -50,7 +50,10 @@ pub fn init(format: LogFormat, default_level: &str) -> Option<String> {
     if want_journal {
         match tracing_journald::layer() {
             Ok(layer) => {
-                let layer = layer.with_syslog_identifier("gpu-agent".into());
+                // No field prefix: `journalctl STAGE=discover GPU=GPU-...` works.
+                let layer = layer
+                    .with_syslog_identifier("gpu-agent".into())
+                    .with_field_prefix(None);
                 let _ = tracing_subscriber::registry()
                     .with(filter())
                     .with(layer)

@@ -329,3 +329,40 @@ fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
     let state = json(&fs::read_to_string(&state_file).unwrap());
     assert!(state["stopped_at"].is_u64(), "{state}");
 }
+
+/// Under systemd, stderr is the journal stream named by JOURNAL_STREAM
+/// (`<dev>:<inode>`). `--log-format auto` then logs to the journal (or, where
+/// no journald listens, says so and falls back to text); a JOURNAL_STREAM
+/// that names another file is ignored.
+#[test]
+fn auto_log_format_follows_journal_stream() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let host = tempfile::tempdir().unwrap();
+    let run_with = |stream_of: &Path| {
+        let log = dir.path().join("stderr.log");
+        let file = fs::File::create(&log).unwrap();
+        let meta = fs::metadata(stream_of).unwrap_or_else(|_| fs::metadata(&log).unwrap());
+        let status = bin()
+            .arg("--host-root")
+            .arg(host.path())
+            .args(["--simulate", "a10g-1", "run", "--once"])
+            .env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()))
+            .stderr(file)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        fs::read_to_string(&log).unwrap()
+    };
+    // JOURNAL_STREAM names our stderr: journal (or the fallback note).
+    let err = run_with(&dir.path().join("stderr.log"));
+    let journal_reached = !err.contains("gpu-agent starting");
+    let fell_back = err.contains("cannot log to the journal");
+    assert!(journal_reached || fell_back, "{err}");
+    // JOURNAL_STREAM names some other file: plain text on stderr.
+    let other = dir.path().join("other");
+    fs::write(&other, "").unwrap();
+    let err = run_with(&other);
+    assert!(err.contains("gpu-agent starting"), "{err}");
+    assert!(!err.contains("cannot log to the journal"), "{err}");
+}
