@@ -61,6 +61,21 @@ fn with_gpu(
     })
 }
 
+/// Writes `value` through `out`: `SUCCESS`, or `NOT_SUPPORTED` for `None`.
+unsafe fn answer<T>(out: *mut T, value: Option<T>) -> nvmlReturn_t {
+    if out.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    match value {
+        Some(v) => {
+            // SAFETY: non-null, and the caller passes a pointer to a T.
+            unsafe { out.write(v) };
+            SUCCESS
+        }
+        None => ERROR_NOT_SUPPORTED,
+    }
+}
+
 /// Handles are the GPU's index + 1 in disguise (never dereferenced).
 fn handle_for(index: usize) -> nvmlDevice_t {
     (index + 1) as nvmlDevice_t
@@ -181,19 +196,13 @@ pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
-    if version.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_node(
-        |n| match n.driver.as_ref().and_then(|d| d.cuda_version_int()) {
-            Some(v) => {
-                // SAFETY: checked non-null above.
-                unsafe { *version = v };
-                SUCCESS
-            }
-            None => ERROR_NOT_SUPPORTED,
-        },
-    )
+    // SAFETY: `version` is the caller's out-pointer.
+    with_node(|n| unsafe {
+        answer(
+            version,
+            n.driver.as_ref().and_then(|d| d.cuda_version_int()),
+        )
+    })
 }
 
 #[unsafe(no_mangle)]
@@ -204,14 +213,8 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> 
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
-    if count.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_node(|n| {
-        // SAFETY: checked non-null above.
-        unsafe { *count = n.gpus.len() as c_uint };
-        SUCCESS
-    })
+    // SAFETY: `count` is the caller's out-pointer.
+    with_node(|n| unsafe { answer(count, Some(n.gpus.len() as c_uint)) })
 }
 
 #[unsafe(no_mangle)]
@@ -262,13 +265,9 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(
     device: nvmlDevice_t,
     index: *mut c_uint,
 ) -> nvmlReturn_t {
-    if index.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, i, _| {
-        // SAFETY: checked non-null above.
-        unsafe { *index = i as c_uint };
-        SUCCESS
+    // SAFETY: `index` is the caller's out-pointer.
+    with_gpu(device, |_, i, _| unsafe {
+        answer(index, Some(i as c_uint))
     })
 }
 
@@ -316,21 +315,22 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
-    if memory.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, _, g| match memory_numbers(g) {
-        Some((total, used)) => {
-            // SAFETY: checked non-null above; the caller set `version`.
-            unsafe {
-                (*memory).total = total;
-                (*memory).reserved = 0;
-                (*memory).used = used;
-                (*memory).free = total - used;
-            }
-            SUCCESS
-        }
-        None => ERROR_NOT_SUPPORTED,
+    with_gpu(device, |_, _, g| {
+        let info = memory_numbers(g).map(|(total, used)| nvmlMemory_v2_t {
+            // SAFETY: `memory` is non-null (checked in `answer` before any write);
+            // keep the version the caller set.
+            version: if memory.is_null() {
+                0
+            } else {
+                unsafe { (*memory).version }
+            },
+            total,
+            reserved: 0,
+            used,
+            free: total - used,
+        });
+        // SAFETY: `memory` is the caller's out-pointer.
+        unsafe { answer(memory, info) }
     })
 }
 
@@ -339,20 +339,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
-    if memory.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, _, g| match memory_numbers(g) {
-        Some((total, used)) => {
-            // SAFETY: checked non-null above.
-            unsafe {
-                (*memory).total = total;
-                (*memory).used = used;
-                (*memory).free = total - used;
-            }
-            SUCCESS
-        }
-        None => ERROR_NOT_SUPPORTED,
+    with_gpu(device, |_, _, g| {
+        let info = memory_numbers(g).map(|(total, used)| nvmlMemory_t {
+            total,
+            used,
+            free: total - used,
+        });
+        // SAFETY: `memory` is the caller's out-pointer.
+        unsafe { answer(memory, info) }
     })
 }
 
@@ -361,13 +355,16 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     device: nvmlDevice_t,
     pci: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
-    if pci.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, _, g| {
-        // SAFETY: checked non-null above.
-        unsafe { *pci = fill_pci(g.bus_id, Some(g.device_id.0), g.subsystem_id.map(|s| s.0)) };
-        SUCCESS
+    // SAFETY: `pci` is the caller's out-pointer.
+    with_gpu(device, |_, _, g| unsafe {
+        answer(
+            pci,
+            Some(fill_pci(
+                g.bus_id,
+                Some(g.device_id.0),
+                g.subsystem_id.map(|s| s.0),
+            )),
+        )
     })
 }
 
@@ -468,16 +465,15 @@ pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
     device2: nvmlDevice_t,
     path_info: *mut nvmlGpuTopologyLevel_t,
 ) -> nvmlReturn_t {
-    if path_info.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
     with_node(
         |node| match (handle_index(device1, node), handle_index(device2, node)) {
-            (Some(a), Some(b)) => {
-                // SAFETY: checked non-null above.
-                unsafe { *path_info = node.pcie_level(a, b) as nvmlGpuTopologyLevel_t };
-                SUCCESS
-            }
+            // SAFETY: `path_info` is the caller's out-pointer.
+            (Some(a), Some(b)) => unsafe {
+                answer(
+                    path_info,
+                    Some(node.pcie_level(a, b) as nvmlGpuTopologyLevel_t),
+                )
+            },
             _ => ERROR_INVALID_ARGUMENT,
         },
     )
@@ -489,16 +485,12 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
     sensor: c_uint,
     temp: *mut c_uint,
 ) -> nvmlReturn_t {
-    if temp.is_null() || sensor != TEMPERATURE_GPU {
+    if sensor != TEMPERATURE_GPU {
         return ERROR_INVALID_ARGUMENT;
     }
-    with_gpu(device, |_, _, g| match g.telemetry.temperature_c {
-        Some(t) => {
-            // SAFETY: checked non-null above.
-            unsafe { *temp = t };
-            SUCCESS
-        }
-        None => ERROR_NOT_SUPPORTED,
+    // SAFETY: `temp` is the caller's out-pointer.
+    with_gpu(device, |_, _, g| unsafe {
+        answer(temp, g.telemetry.temperature_c)
     })
 }
 
@@ -507,16 +499,9 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
     device: nvmlDevice_t,
     power: *mut c_uint,
 ) -> nvmlReturn_t {
-    if power.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, _, g| match g.telemetry.power_mw {
-        Some(p) => {
-            // SAFETY: checked non-null above.
-            unsafe { *power = p };
-            SUCCESS
-        }
-        None => ERROR_NOT_SUPPORTED,
+    // SAFETY: `power` is the caller's out-pointer.
+    with_gpu(device, |_, _, g| unsafe {
+        answer(power, g.telemetry.power_mw)
     })
 }
 
@@ -525,20 +510,13 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     device: nvmlDevice_t,
     util: *mut nvmlUtilization_t,
 ) -> nvmlReturn_t {
-    if util.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
     with_gpu(device, |_, _, g| {
-        match (g.telemetry.utilization_gpu, g.telemetry.utilization_memory) {
-            (Some(gpu), Some(memory)) => {
-                // SAFETY: checked non-null above.
-                unsafe {
-                    (*util).gpu = gpu;
-                    (*util).memory = memory;
-                }
-                SUCCESS
-            }
-            _ => ERROR_NOT_SUPPORTED,
-        }
+        let t = &g.telemetry;
+        let rates = t
+            .utilization_gpu
+            .zip(t.utilization_memory)
+            .map(|(gpu, memory)| nvmlUtilization_t { gpu, memory });
+        // SAFETY: `util` is the caller's out-pointer.
+        unsafe { answer(util, rates) }
     })
 }
