@@ -1,0 +1,25 @@
+//! Generated gRPC code for the APIs gpu-agent speaks.
+//!
+//! - [`deviceplugin::v1beta1`]: the kubelet device-plugin API (our servers,
+//!   and the kubelet's `Registration` service we call).
+//! - [`podresources::v1`]: the kubelet pod-resources API (read for metrics).
+
+#![allow(missing_debug_implementations, clippy::all, clippy::pedantic)]
+
+pub mod deviceplugin {
+    pub mod v1beta1 {
+        tonic::include_proto!("v1beta1");
+
+        /// The API version a plugin registers with.
+        pub const VERSION: &str = "v1beta1";
+        /// Device health values.
+        pub const HEALTHY: &str = "Healthy";
+        pub const UNHEALTHY: &str = "Unhealthy";
+    }
+}
+
+pub mod podresources {
+    pub mod v1 {
+        tonic::include_proto!("v1");
+    }
+}
