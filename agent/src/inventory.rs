@@ -297,15 +297,8 @@ impl Inventory {
 mod tests {
     use super::*;
     use crate::backend::sim::SimulatedBackend;
+    use crate::test_support::inventory_of;
     use simnode::NodeDescription;
-
-    fn inventory_of(name: &str) -> Inventory {
-        let dir = tempfile::tempdir().unwrap();
-        let desc = NodeDescription::load(name).unwrap();
-        desc.materialize(dir.path()).unwrap();
-        let root = HostRoot::new(dir.path()).unwrap();
-        discover(&root, &SimulatedBackend::new(desc)).unwrap()
-    }
 
     #[test]
     fn h100_node_all_to_all_nvlink() {

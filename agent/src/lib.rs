@@ -6,11 +6,14 @@ pub mod backend;
 pub mod caps;
 pub mod inventory;
 pub mod logging;
+pub mod plugin;
 pub mod policy;
 pub mod render;
 pub mod source;
 pub mod stages;
 pub mod state;
+#[cfg(test)]
+pub(crate) mod test_support;
 
 pub use inventory::Inventory;
 pub use policy::Policy;

@@ -315,15 +315,10 @@ fn discover_detail(inv: &Inventory) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::sim::SimulatedBackend;
-    use simnode::NodeDescription;
+    use crate::test_support::sim_node;
 
     fn pass(policy: &Policy, caps: &HeldCaps) -> Pass {
-        let dir = tempfile::tempdir().unwrap();
-        let desc = NodeDescription::load("h100-sxm-8").unwrap();
-        desc.materialize(dir.path()).unwrap();
-        let sys = HostRoot::new(dir.path()).unwrap();
-        let backend = SimulatedBackend::new(desc);
+        let (_dir, sys, backend) = sim_node("h100-sxm-8");
         run_pass(&Context {
             policy,
             caps,

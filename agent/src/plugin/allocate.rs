@@ -1,0 +1,258 @@
+//! `Allocate`: what the container runtime is told about the devices a
+//! container got, by the configured device-list strategies.
+
+use std::collections::BTreeSet;
+
+use gpu_agent_proto::deviceplugin::v1beta1::{
+    CdiDevice, ContainerAllocateResponse, DeviceSpec, Mount,
+};
+use hostlib::HostRoot;
+
+use super::config::{DeviceIdStrategy, DeviceListStrategy};
+use super::resources::{PluginDevice, PluginSettings, Resource};
+
+/// The CDI kind gpu-agent's specs use (as `nvidia-ctk cdi generate`'s default):
+/// devices `nvidia.com/gpu=<index>` and `nvidia.com/gpu=<UUID>`.
+pub const CDI_KIND: &str = "nvidia.com/gpu";
+/// Where the volume-mounts strategy lists devices inside the container.
+pub const VOLUME_MOUNT_DIR: &str = "/var/run/nvidia-container-devices";
+/// Control nodes passed with `passDeviceSpecs` when they exist.
+pub const CONTROL_NODES: &[&str] = &[
+    "/dev/nvidiactl",
+    "/dev/nvidia-uvm",
+    "/dev/nvidia-uvm-tools",
+    "/dev/nvidia-modeset",
+];
+
+/// A request the plugin refuses; nothing is allocated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocateError {
+    #[error("{resource}: unknown device ID {id:?}")]
+    Unknown { resource: String, id: String },
+    #[error("{resource}: device ID {id:?} requested twice")]
+    Duplicate { resource: String, id: String },
+    #[error("{resource}: empty request")]
+    Empty { resource: String },
+    #[error("{resource}: maximum request size for shared resources is 1 (asked for {asked})")]
+    TooManyShared { resource: String, asked: usize },
+}
+
+/// Checks a container's requested IDs against the resource and returns its
+/// devices in request order.
+pub fn validate<'r>(resource: &'r Resource, ids: &[String]) -> Result<Vec<&'r PluginDevice>, AllocateError> {
+    if ids.is_empty() {
+        return Err(AllocateError::Empty {
+            resource: resource.name.clone(),
+        });
+    }
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::with_capacity(ids.len());
+    for id in ids {
+        if !seen.insert(id.as_str()) {
+            return Err(AllocateError::Duplicate {
+                resource: resource.name.clone(),
+                id: id.clone(),
+            });
+        }
+        let dev = resource.devices.iter().find(|d| &d.id == id).ok_or_else(|| AllocateError::Unknown {
+            resource: resource.name.clone(),
+            id: id.clone(),
+        })?;
+        out.push(dev);
+    }
+    if resource.shared && resource.fail_requests_greater_than_one && ids.len() > 1 {
+        return Err(AllocateError::TooManyShared {
+            resource: resource.name.clone(),
+            asked: ids.len(),
+        });
+    }
+    Ok(out)
+}
+
+/// The response for one container. `dev_root` is where device nodes are on
+/// the host (control nodes that do not exist there are skipped).
+pub fn container_response(
+    resource: &Resource,
+    settings: &PluginSettings,
+    dev_root: &HostRoot,
+    ids: &[String],
+) -> Result<ContainerAllocateResponse, AllocateError> {
+    let devices = validate(resource, ids)?;
+    // Replicas of one GPU name the same GPU: each GPU once, in request order.
+    let mut gpus: Vec<&PluginDevice> = Vec::new();
+    for d in devices {
+        if !gpus.iter().any(|g| g.uuid == d.uuid) {
+            gpus.push(d);
+        }
+    }
+    let runtime_ids: Vec<String> = gpus
+        .iter()
+        .map(|g| match settings.id_strategy {
+            DeviceIdStrategy::Uuid => g.uuid.clone(),
+            DeviceIdStrategy::Index => g.index.to_string(),
+        })
+        .collect();
+    let mut resp = ContainerAllocateResponse::default();
+    let strategies = &settings.list_strategies;
+    let cdi_names: Vec<String> = runtime_ids.iter().map(|id| format!("{CDI_KIND}={id}")).collect();
+    if strategies.contains(&DeviceListStrategy::CdiAnnotations) {
+        let short = resource.name.strip_prefix("nvidia.com/").unwrap_or(&resource.name);
+        resp.annotations.insert(
+            format!("{}gpu-agent_{short}", settings.cdi_annotation_prefix),
+            cdi_names.join(","),
+        );
+    }
+    if strategies.contains(&DeviceListStrategy::CdiCri) {
+        resp.cdi_devices = cdi_names.iter().map(|name| CdiDevice { name: name.clone() }).collect();
+    }
+    if strategies.contains(&DeviceListStrategy::Envvar) {
+        resp.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), runtime_ids.join(","));
+    }
+    if strategies.contains(&DeviceListStrategy::VolumeMounts) {
+        resp.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), VOLUME_MOUNT_DIR.into());
+        for id in &runtime_ids {
+            resp.mounts.push(Mount {
+                container_path: format!("{VOLUME_MOUNT_DIR}/{id}"),
+                host_path: "/dev/null".into(),
+                read_only: true,
+            });
+        }
+    }
+    if settings.pass_device_specs {
+        let spec = |path: &str| DeviceSpec {
+            container_path: path.to_string(),
+            host_path: dev_root.resolve(path).map_or_else(|_| path.to_string(), |p| p.display().to_string()),
+            permissions: "rw".into(),
+        };
+        for node in CONTROL_NODES {
+            if dev_root.exists(node) {
+                resp.devices.push(spec(node));
+            }
+        }
+        for g in &gpus {
+            if let Some(minor) = g.minor {
+                resp.devices.push(spec(&format!("/dev/nvidia{minor}")));
+            }
+        }
+    }
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::resources::{PluginSettings, build};
+    use crate::plugin::test_support::inventory_of;
+
+    fn gpu_resource() -> Resource {
+        build(&inventory_of("h100-sxm-8"), &PluginSettings::default()).unwrap().remove(0)
+    }
+
+    fn ids(r: &Resource, idx: &[usize]) -> Vec<String> {
+        idx.iter().map(|&i| r.devices[i].id.clone()).collect()
+    }
+
+    #[test]
+    fn envvar_with_uuids() {
+        let r = gpu_resource();
+        let root = HostRoot::system();
+        let resp = container_response(&r, &PluginSettings::default(), &root, &ids(&r, &[2, 0])).unwrap();
+        assert_eq!(
+            resp.envs["NVIDIA_VISIBLE_DEVICES"],
+            "GPU-7c1f9e2d-3b4a-4d8e-a1f3-2b3c4d5e6f03,GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"
+        );
+        assert!(resp.mounts.is_empty() && resp.devices.is_empty() && resp.cdi_devices.is_empty());
+    }
+
+    #[test]
+    fn cdi_strategies_only_set_no_env() {
+        let r = gpu_resource();
+        let s = PluginSettings {
+            list_strategies: vec![DeviceListStrategy::CdiAnnotations, DeviceListStrategy::CdiCri],
+            id_strategy: DeviceIdStrategy::Index,
+            ..PluginSettings::default()
+        };
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[1, 3])).unwrap();
+        assert!(resp.envs.is_empty());
+        assert_eq!(resp.annotations["cdi.k8s.io/gpu-agent_gpu"], "nvidia.com/gpu=1,nvidia.com/gpu=3");
+        let names: Vec<&str> = resp.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["nvidia.com/gpu=1", "nvidia.com/gpu=3"]);
+    }
+
+    #[test]
+    fn volume_mounts() {
+        let r = gpu_resource();
+        let s = PluginSettings {
+            list_strategies: vec![DeviceListStrategy::VolumeMounts],
+            id_strategy: DeviceIdStrategy::Index,
+            ..PluginSettings::default()
+        };
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[4])).unwrap();
+        assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], VOLUME_MOUNT_DIR);
+        assert_eq!(
+            resp.mounts,
+            vec![Mount {
+                container_path: "/var/run/nvidia-container-devices/4".into(),
+                host_path: "/dev/null".into(),
+                read_only: true
+            }]
+        );
+    }
+
+    #[test]
+    fn pass_device_specs_skips_missing_control_nodes() {
+        let r = gpu_resource();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("dev")).unwrap();
+        for n in ["nvidiactl", "nvidia-uvm", "nvidia3"] {
+            std::fs::write(dir.path().join("dev").join(n), "").unwrap();
+        }
+        let root = HostRoot::new(dir.path()).unwrap();
+        let s = PluginSettings {
+            pass_device_specs: true,
+            ..PluginSettings::default()
+        };
+        let resp = container_response(&r, &s, &root, &ids(&r, &[3])).unwrap();
+        let paths: Vec<(&str, bool)> = resp
+            .devices
+            .iter()
+            .map(|d| (d.container_path.as_str(), d.host_path.starts_with(root.path().to_str().unwrap())))
+            .collect();
+        assert_eq!(paths, [("/dev/nvidiactl", true), ("/dev/nvidia-uvm", true), ("/dev/nvidia3", true)]);
+        assert!(resp.devices.iter().all(|d| d.permissions == "rw"));
+    }
+
+    #[test]
+    fn bad_requests_name_the_id() {
+        let r = gpu_resource();
+        let root = HostRoot::system();
+        let s = PluginSettings::default();
+        let err = container_response(&r, &s, &root, &["GPU-nope".into()]).unwrap_err();
+        assert_eq!(err.to_string(), "nvidia.com/gpu: unknown device ID \"GPU-nope\"");
+        let twice = vec![r.devices[0].id.clone(), r.devices[0].id.clone()];
+        assert!(matches!(container_response(&r, &s, &root, &twice), Err(AllocateError::Duplicate { .. })));
+        assert!(matches!(container_response(&r, &s, &root, &[]), Err(AllocateError::Empty { .. })));
+    }
+
+    #[test]
+    fn replicas_map_to_their_gpu_once_and_may_be_limited_to_one() {
+        let config = crate::plugin::config::PluginConfig::from_yaml(
+            "version: v1\nsharing:\n  timeSlicing:\n    failRequestsGreaterThanOne: true\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+            "c",
+        )
+        .unwrap();
+        let s = PluginSettings {
+            time_slicing: config.sharing.time_slicing,
+            ..PluginSettings::default()
+        };
+        let mut r = build(&inventory_of("t4-4"), &s).unwrap().remove(0);
+        let err = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1])).unwrap_err();
+        assert_eq!(err.to_string(), "nvidia.com/gpu: maximum request size for shared resources is 1 (asked for 2)");
+        r.fail_requests_greater_than_one = false;
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1, 5])).unwrap();
+        assert_eq!(
+            resp.envs["NVIDIA_VISIBLE_DEVICES"],
+            "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40,GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41"
+        );
+    }
+}

@@ -1,0 +1,380 @@
+//! The device plugin's configuration, in NVIDIA's device-plugin config
+//! schema (`version: v1`, `flags`, `sharing.timeSlicing` / `sharing.mps`),
+//! accepted as-is so existing configs carry over. Unlike NVIDIA's plugin we
+//! honour each sharing entry's `devices` selection and `rename`, so that GPUs
+//! can have different replica counts.
+
+use hostlib::strict::{self, YamlError};
+use serde::{Deserialize, Serialize};
+
+use crate::policy::MigStrategy;
+
+/// A whole config file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PluginConfig {
+    /// Must be `v1`.
+    pub version: String,
+    #[serde(default)]
+    pub flags: Flags,
+    /// NVIDIA ignores this section too (resource renaming through patterns);
+    /// accepted so that existing files parse, refused if non-empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<serde_yaml_ng::Value>,
+    #[serde(default)]
+    pub sharing: Sharing,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imex: Option<serde_yaml_ng::Value>,
+}
+
+/// `flags`: the plugin's command-line flags as config.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Flags {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_strategy: Option<MigStrategy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fail_on_init_error: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_root: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_driver_root: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_dev_root: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gdrcopy_enabled: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gds_enabled: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mofed_enabled: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_node_feature_api: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_discovery_strategy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<PluginFlags>,
+    /// GPU feature discovery's flags; read by the labels stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gfd: Option<serde_yaml_ng::Value>,
+}
+
+/// `flags.plugin`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PluginFlags {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_device_specs: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id_strategy: Option<DeviceIdStrategy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_annotation_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_ctk_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_driver_root: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_devices_allocation_policy: Option<AllocationPolicy>,
+}
+
+/// A value or a list of values (`deviceListStrategy: envvar` or `[envvar, cdi-cri]`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    pub fn to_vec(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(t) => vec![t.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// How allocated devices are passed to the container runtime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DeviceListStrategy {
+    /// `NVIDIA_VISIBLE_DEVICES=<ids>`.
+    Envvar,
+    /// `/dev/null` mounts under `/var/run/nvidia-container-devices/<id>`.
+    VolumeMounts,
+    /// CDI device names in a `cdi.k8s.io/...` annotation.
+    CdiAnnotations,
+    /// CDI device names in the CRI field (Kubernetes ≥ 1.28).
+    CdiCri,
+}
+
+/// How devices are named to the runtime.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceIdStrategy {
+    #[default]
+    Uuid,
+    Index,
+}
+
+/// Which GPU a shared (replicated) request prefers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllocationPolicy {
+    /// The GPU with the fewest replicas in use.
+    #[default]
+    Distributed,
+    /// The GPU with the most replicas in use.
+    Packed,
+}
+
+/// `sharing`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Sharing {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<SharingSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<SharingSpec>,
+}
+
+/// `sharing.timeSlicing` / `sharing.mps`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SharingSpec {
+    /// Name shared resources `<name>.shared` unless an entry renames them.
+    #[serde(default)]
+    pub rename_by_default: bool,
+    /// Refuse requests for more than one replica (default false for
+    /// time-slicing, as NVIDIA's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fail_requests_greater_than_one: Option<bool>,
+    #[serde(default)]
+    pub resources: Vec<ReplicatedResource>,
+}
+
+/// One sharing entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReplicatedResource {
+    /// The resource shared, `nvidia.com/gpu` (or a MIG resource).
+    pub name: String,
+    /// Advertise the replicas under this name instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rename: Option<String>,
+    /// Which GPUs: `all` (default), a count of the first N, or a list of
+    /// indices and UUIDs.
+    #[serde(default)]
+    pub devices: DeviceSelection,
+    /// Replicas of each selected GPU, at least 2.
+    pub replicas: u32,
+}
+
+/// `devices: all | N | [0, 1, "GPU-..."]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DeviceSelection {
+    #[default]
+    #[serde(skip)]
+    All,
+    Named(AllKeyword),
+    Count(u32),
+    List(Vec<DeviceRef>),
+}
+
+/// The literal `all`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllKeyword {
+    All,
+}
+
+/// One entry of a `devices` list.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum DeviceRef {
+    Index(u32),
+    Id(String),
+}
+
+impl DeviceSelection {
+    /// True when the GPU with this index and UUID is selected.
+    pub fn selects(&self, index: u32, uuid: &str) -> bool {
+        match self {
+            DeviceSelection::All | DeviceSelection::Named(AllKeyword::All) => true,
+            DeviceSelection::Count(n) => index < *n,
+            DeviceSelection::List(refs) => refs.iter().any(|r| match r {
+                DeviceRef::Index(i) => *i == index,
+                DeviceRef::Id(s) => s == uuid || s.parse::<u32>().ok() == Some(index),
+            }),
+        }
+    }
+}
+
+/// Which sharing is in force.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SharingStrategy {
+    None,
+    TimeSlicing,
+    Mps,
+}
+
+impl SharingStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SharingStrategy::None => "none",
+            SharingStrategy::TimeSlicing => "time-slicing",
+            SharingStrategy::Mps => "mps",
+        }
+    }
+}
+
+impl PluginConfig {
+    /// Parses and checks a config; `origin` names it in errors.
+    pub fn from_yaml(text: &str, origin: &str) -> Result<Self, YamlError> {
+        let config: PluginConfig = strict::from_yaml(text, origin)?;
+        config.validate(origin)?;
+        Ok(config)
+    }
+
+    fn validate(&self, origin: &str) -> Result<(), YamlError> {
+        let invalid = |path: String, msg: String| YamlError::invalid(origin, path, msg);
+        if self.version != "v1" {
+            return Err(invalid(
+                "version".into(),
+                format!("{:?} is not a supported config version (expected v1)", self.version),
+            ));
+        }
+        if let Some(r) = &self.resources
+            && !r.is_null()
+            && r.as_mapping().is_none_or(|m| !m.is_empty())
+        {
+            return Err(invalid(
+                "resources".into(),
+                "resource renaming by pattern is not supported (NVIDIA's plugin ignores it too); use sharing.timeSlicing.resources[].rename".into(),
+            ));
+        }
+        let f = &self.flags;
+        for (key, on) in [
+            ("flags.gdrcopyEnabled", f.gdrcopy_enabled),
+            ("flags.gdsEnabled", f.gds_enabled),
+            ("flags.mofedEnabled", f.mofed_enabled),
+        ] {
+            if on == Some(true) {
+                return Err(invalid(key.into(), "not supported by gpu-agent yet".into()));
+            }
+        }
+        if let Some(mps) = &self.sharing.mps
+            && mps.resources.iter().any(|r| r.replicas > 1)
+        {
+            return Err(invalid(
+                "sharing.mps".into(),
+                "MPS sharing is not supported by gpu-agent yet (it would need nvidia-cuda-mps-control managed per resource); use sharing.timeSlicing".into(),
+            ));
+        }
+        if let Some(ts) = &self.sharing.time_slicing {
+            for (i, r) in ts.resources.iter().enumerate() {
+                let at = |k: &str| format!("sharing.timeSlicing.resources[{i}].{k}");
+                if r.replicas < 2 {
+                    return Err(invalid(at("replicas"), format!("{} replicas; sharing needs at least 2", r.replicas)));
+                }
+                if !valid_resource_name(&r.name) {
+                    return Err(invalid(at("name"), format!("{:?} is not an nvidia.com/ resource name", r.name)));
+                }
+                if let Some(rename) = &r.rename
+                    && !valid_resource_name(rename)
+                    && !valid_resource_name(&format!("nvidia.com/{rename}"))
+                {
+                    return Err(invalid(at("rename"), format!("{rename:?} is not a valid resource name")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The sharing in force: time-slicing when it has entries, else none.
+    pub fn sharing_strategy(&self) -> SharingStrategy {
+        match &self.sharing.time_slicing {
+            Some(ts) if !ts.resources.is_empty() => SharingStrategy::TimeSlicing,
+            _ => SharingStrategy::None,
+        }
+    }
+}
+
+/// `nvidia.com/<name>` with a name of letters, digits, `-`, `_`, `.`.
+pub fn valid_resource_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("nvidia.com/") else {
+        return false;
+    };
+    !rest.is_empty()
+        && rest.len() <= 63
+        && rest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NVIDIA_EXAMPLE: &str = r#"
+version: v1
+flags:
+  migStrategy: none
+sharing:
+  timeSlicing:
+    renameByDefault: false
+    failRequestsGreaterThanOne: false
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 4
+"#;
+
+    #[test]
+    fn nvidia_time_slicing_example_parses_as_is() {
+        let c = PluginConfig::from_yaml(NVIDIA_EXAMPLE, "c").unwrap();
+        assert_eq!(c.sharing_strategy(), SharingStrategy::TimeSlicing);
+        let r = &c.sharing.time_slicing.as_ref().unwrap().resources[0];
+        assert_eq!(r.replicas, 4);
+        assert!(r.devices.selects(7, "GPU-x"));
+    }
+
+    #[test]
+    fn device_selections() {
+        let text = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, \"GPU-b\", \"3\"], replicas: 2}\n    - {name: nvidia.com/gpu, devices: 2, replicas: 8}\n    - {name: nvidia.com/gpu, devices: all, replicas: 3}\n";
+        let c = PluginConfig::from_yaml(text, "c").unwrap();
+        let rs = &c.sharing.time_slicing.unwrap().resources;
+        assert!(rs[0].devices.selects(0, "GPU-a"));
+        assert!(rs[0].devices.selects(1, "GPU-b"));
+        assert!(rs[0].devices.selects(3, "GPU-d"));
+        assert!(!rs[0].devices.selects(2, "GPU-c"));
+        assert!(rs[1].devices.selects(1, "x") && !rs[1].devices.selects(2, "x"));
+        assert!(rs[2].devices.selects(99, "x"));
+    }
+
+    #[test]
+    fn refusals_name_the_key() {
+        let cases = [
+            ("version: v2\n", "version"),
+            ("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n", "sharing.mps"),
+            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n", "sharing.timeSlicing.resources[0].replicas"),
+            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n", "sharing.timeSlicing.resources[0].name"),
+            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devcies: all}\n", "sharing.timeSlicing.resources[0].devcies"),
+            ("version: v1\nflags:\n  gdsEnabled: true\n", "flags.gdsEnabled"),
+            ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, magic]\n", "flags.plugin.deviceListStrategy"),
+        ];
+        for (text, path) in cases {
+            let err = PluginConfig::from_yaml(text, "c.yaml").unwrap_err();
+            assert_eq!(err.path, path, "{err}");
+        }
+    }
+
+    #[test]
+    fn device_list_strategy_one_or_many() {
+        let c = PluginConfig::from_yaml("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [cdi-annotations, cdi-cri]\n", "c").unwrap();
+        let s = c.flags.plugin.unwrap().device_list_strategy.unwrap().to_vec();
+        assert_eq!(s, [DeviceListStrategy::CdiAnnotations, DeviceListStrategy::CdiCri]);
+    }
+}
