@@ -1,7 +1,10 @@
 //! Compiles the .proto files in pure Rust (protox): no protoc needed.
 
 fn main() {
-    let protos = ["proto/deviceplugin_v1beta1.proto", "proto/podresources_v1.proto"];
+    let protos = [
+        "proto/deviceplugin_v1beta1.proto",
+        "proto/podresources_v1.proto",
+    ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -39,7 +39,10 @@ pub enum AllocateError {
 
 /// Checks a container's requested IDs against the resource and returns its
 /// devices in request order.
-pub fn validate<'r>(resource: &'r Resource, ids: &[String]) -> Result<Vec<&'r PluginDevice>, AllocateError> {
+pub fn validate<'r>(
+    resource: &'r Resource,
+    ids: &[String],
+) -> Result<Vec<&'r PluginDevice>, AllocateError> {
     if ids.is_empty() {
         return Err(AllocateError::Empty {
             resource: resource.name.clone(),
@@ -54,10 +57,14 @@ pub fn validate<'r>(resource: &'r Resource, ids: &[String]) -> Result<Vec<&'r Pl
                 id: id.clone(),
             });
         }
-        let dev = resource.devices.iter().find(|d| &d.id == id).ok_or_else(|| AllocateError::Unknown {
-            resource: resource.name.clone(),
-            id: id.clone(),
-        })?;
+        let dev = resource
+            .devices
+            .iter()
+            .find(|d| &d.id == id)
+            .ok_or_else(|| AllocateError::Unknown {
+                resource: resource.name.clone(),
+                id: id.clone(),
+            })?;
         out.push(dev);
     }
     if resource.shared && resource.fail_requests_greater_than_one && ids.len() > 1 {
@@ -94,22 +101,33 @@ pub fn container_response(
         .collect();
     let mut resp = ContainerAllocateResponse::default();
     let strategies = &settings.list_strategies;
-    let cdi_names: Vec<String> = runtime_ids.iter().map(|id| format!("{CDI_KIND}={id}")).collect();
+    let cdi_names: Vec<String> = runtime_ids
+        .iter()
+        .map(|id| format!("{CDI_KIND}={id}"))
+        .collect();
     if strategies.contains(&DeviceListStrategy::CdiAnnotations) {
-        let short = resource.name.strip_prefix("nvidia.com/").unwrap_or(&resource.name);
+        let short = resource
+            .name
+            .strip_prefix("nvidia.com/")
+            .unwrap_or(&resource.name);
         resp.annotations.insert(
             format!("{}gpu-agent_{short}", settings.cdi_annotation_prefix),
             cdi_names.join(","),
         );
     }
     if strategies.contains(&DeviceListStrategy::CdiCri) {
-        resp.cdi_devices = cdi_names.iter().map(|name| CdiDevice { name: name.clone() }).collect();
+        resp.cdi_devices = cdi_names
+            .iter()
+            .map(|name| CdiDevice { name: name.clone() })
+            .collect();
     }
     if strategies.contains(&DeviceListStrategy::Envvar) {
-        resp.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), runtime_ids.join(","));
+        resp.envs
+            .insert("NVIDIA_VISIBLE_DEVICES".into(), runtime_ids.join(","));
     }
     if strategies.contains(&DeviceListStrategy::VolumeMounts) {
-        resp.envs.insert("NVIDIA_VISIBLE_DEVICES".into(), VOLUME_MOUNT_DIR.into());
+        resp.envs
+            .insert("NVIDIA_VISIBLE_DEVICES".into(), VOLUME_MOUNT_DIR.into());
         for id in &runtime_ids {
             resp.mounts.push(Mount {
                 container_path: format!("{VOLUME_MOUNT_DIR}/{id}"),
@@ -121,7 +139,9 @@ pub fn container_response(
     if settings.pass_device_specs {
         let spec = |path: &str| DeviceSpec {
             container_path: path.to_string(),
-            host_path: dev_root.resolve(path).map_or_else(|_| path.to_string(), |p| p.display().to_string()),
+            host_path: dev_root
+                .resolve(path)
+                .map_or_else(|_| path.to_string(), |p| p.display().to_string()),
             permissions: "rw".into(),
         };
         for node in CONTROL_NODES {
@@ -145,7 +165,9 @@ mod tests {
     use crate::plugin::test_support::inventory_of;
 
     fn gpu_resource() -> Resource {
-        build(&inventory_of("h100-sxm-8"), &PluginSettings::default()).unwrap().remove(0)
+        build(&inventory_of("h100-sxm-8"), &PluginSettings::default())
+            .unwrap()
+            .remove(0)
     }
 
     fn ids(r: &Resource, idx: &[usize]) -> Vec<String> {
@@ -156,7 +178,8 @@ mod tests {
     fn envvar_with_uuids() {
         let r = gpu_resource();
         let root = HostRoot::system();
-        let resp = container_response(&r, &PluginSettings::default(), &root, &ids(&r, &[2, 0])).unwrap();
+        let resp =
+            container_response(&r, &PluginSettings::default(), &root, &ids(&r, &[2, 0])).unwrap();
         assert_eq!(
             resp.envs["NVIDIA_VISIBLE_DEVICES"],
             "GPU-7c1f9e2d-3b4a-4d8e-a1f3-2b3c4d5e6f03,GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"
@@ -168,13 +191,19 @@ mod tests {
     fn cdi_strategies_only_set_no_env() {
         let r = gpu_resource();
         let s = PluginSettings {
-            list_strategies: vec![DeviceListStrategy::CdiAnnotations, DeviceListStrategy::CdiCri],
+            list_strategies: vec![
+                DeviceListStrategy::CdiAnnotations,
+                DeviceListStrategy::CdiCri,
+            ],
             id_strategy: DeviceIdStrategy::Index,
             ..PluginSettings::default()
         };
         let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[1, 3])).unwrap();
         assert!(resp.envs.is_empty());
-        assert_eq!(resp.annotations["cdi.k8s.io/gpu-agent_gpu"], "nvidia.com/gpu=1,nvidia.com/gpu=3");
+        assert_eq!(
+            resp.annotations["cdi.k8s.io/gpu-agent_gpu"],
+            "nvidia.com/gpu=1,nvidia.com/gpu=3"
+        );
         let names: Vec<&str> = resp.cdi_devices.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["nvidia.com/gpu=1", "nvidia.com/gpu=3"]);
     }
@@ -216,9 +245,21 @@ mod tests {
         let paths: Vec<(&str, bool)> = resp
             .devices
             .iter()
-            .map(|d| (d.container_path.as_str(), d.host_path.starts_with(root.path().to_str().unwrap())))
+            .map(|d| {
+                (
+                    d.container_path.as_str(),
+                    d.host_path.starts_with(root.path().to_str().unwrap()),
+                )
+            })
             .collect();
-        assert_eq!(paths, [("/dev/nvidiactl", true), ("/dev/nvidia-uvm", true), ("/dev/nvidia3", true)]);
+        assert_eq!(
+            paths,
+            [
+                ("/dev/nvidiactl", true),
+                ("/dev/nvidia-uvm", true),
+                ("/dev/nvidia3", true)
+            ]
+        );
         assert!(resp.devices.iter().all(|d| d.permissions == "rw"));
     }
 
@@ -228,10 +269,19 @@ mod tests {
         let root = HostRoot::system();
         let s = PluginSettings::default();
         let err = container_response(&r, &s, &root, &["GPU-nope".into()]).unwrap_err();
-        assert_eq!(err.to_string(), "nvidia.com/gpu: unknown device ID \"GPU-nope\"");
+        assert_eq!(
+            err.to_string(),
+            "nvidia.com/gpu: unknown device ID \"GPU-nope\""
+        );
         let twice = vec![r.devices[0].id.clone(), r.devices[0].id.clone()];
-        assert!(matches!(container_response(&r, &s, &root, &twice), Err(AllocateError::Duplicate { .. })));
-        assert!(matches!(container_response(&r, &s, &root, &[]), Err(AllocateError::Empty { .. })));
+        assert!(matches!(
+            container_response(&r, &s, &root, &twice),
+            Err(AllocateError::Duplicate { .. })
+        ));
+        assert!(matches!(
+            container_response(&r, &s, &root, &[]),
+            Err(AllocateError::Empty { .. })
+        ));
     }
 
     #[test]
@@ -247,7 +297,10 @@ mod tests {
         };
         let mut r = build(&inventory_of("t4-4"), &s).unwrap().remove(0);
         let err = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1])).unwrap_err();
-        assert_eq!(err.to_string(), "nvidia.com/gpu: maximum request size for shared resources is 1 (asked for 2)");
+        assert_eq!(
+            err.to_string(),
+            "nvidia.com/gpu: maximum request size for shared resources is 1 (asked for 2)"
+        );
         r.fail_requests_greater_than_one = false;
         let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1, 5])).unwrap();
         assert_eq!(

@@ -244,7 +244,10 @@ impl PluginConfig {
         if self.version != "v1" {
             return Err(invalid(
                 "version".into(),
-                format!("{:?} is not a supported config version (expected v1)", self.version),
+                format!(
+                    "{:?} is not a supported config version (expected v1)",
+                    self.version
+                ),
             ));
         }
         if let Some(r) = &self.resources
@@ -278,16 +281,25 @@ impl PluginConfig {
             for (i, r) in ts.resources.iter().enumerate() {
                 let at = |k: &str| format!("sharing.timeSlicing.resources[{i}].{k}");
                 if r.replicas < 2 {
-                    return Err(invalid(at("replicas"), format!("{} replicas; sharing needs at least 2", r.replicas)));
+                    return Err(invalid(
+                        at("replicas"),
+                        format!("{} replicas; sharing needs at least 2", r.replicas),
+                    ));
                 }
                 if !valid_resource_name(&r.name) {
-                    return Err(invalid(at("name"), format!("{:?} is not an nvidia.com/ resource name", r.name)));
+                    return Err(invalid(
+                        at("name"),
+                        format!("{:?} is not an nvidia.com/ resource name", r.name),
+                    ));
                 }
                 if let Some(rename) = &r.rename
                     && !valid_resource_name(rename)
                     && !valid_resource_name(&format!("nvidia.com/{rename}"))
                 {
-                    return Err(invalid(at("rename"), format!("{rename:?} is not a valid resource name")));
+                    return Err(invalid(
+                        at("rename"),
+                        format!("{rename:?} is not a valid resource name"),
+                    ));
                 }
             }
         }
@@ -358,12 +370,30 @@ sharing:
     fn refusals_name_the_key() {
         let cases = [
             ("version: v2\n", "version"),
-            ("version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n", "sharing.mps"),
-            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n", "sharing.timeSlicing.resources[0].replicas"),
-            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n", "sharing.timeSlicing.resources[0].name"),
-            ("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devcies: all}\n", "sharing.timeSlicing.resources[0].devcies"),
-            ("version: v1\nflags:\n  gdsEnabled: true\n", "flags.gdsEnabled"),
-            ("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, magic]\n", "flags.plugin.deviceListStrategy"),
+            (
+                "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
+                "sharing.mps",
+            ),
+            (
+                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
+                "sharing.timeSlicing.resources[0].replicas",
+            ),
+            (
+                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n",
+                "sharing.timeSlicing.resources[0].name",
+            ),
+            (
+                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, devcies: all}\n",
+                "sharing.timeSlicing.resources[0].devcies",
+            ),
+            (
+                "version: v1\nflags:\n  gdsEnabled: true\n",
+                "flags.gdsEnabled",
+            ),
+            (
+                "version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, magic]\n",
+                "flags.plugin.deviceListStrategy",
+            ),
         ];
         for (text, path) in cases {
             let err = PluginConfig::from_yaml(text, "c.yaml").unwrap_err();
@@ -373,8 +403,24 @@ sharing:
 
     #[test]
     fn device_list_strategy_one_or_many() {
-        let c = PluginConfig::from_yaml("version: v1\nflags:\n  plugin:\n    deviceListStrategy: [cdi-annotations, cdi-cri]\n", "c").unwrap();
-        let s = c.flags.plugin.unwrap().device_list_strategy.unwrap().to_vec();
-        assert_eq!(s, [DeviceListStrategy::CdiAnnotations, DeviceListStrategy::CdiCri]);
+        let c = PluginConfig::from_yaml(
+            "version: v1\nflags:\n  plugin:\n    deviceListStrategy: [cdi-annotations, cdi-cri]\n",
+            "c",
+        )
+        .unwrap();
+        let s = c
+            .flags
+            .plugin
+            .unwrap()
+            .device_list_strategy
+            .unwrap()
+            .to_vec();
+        assert_eq!(
+            s,
+            [
+                DeviceListStrategy::CdiAnnotations,
+                DeviceListStrategy::CdiCri
+            ]
+        );
     }
 }

@@ -4,8 +4,11 @@
 
 pub mod allocate;
 pub mod config;
+pub mod kubelet;
+pub mod manager;
 pub mod preferred;
 pub mod resources;
+pub mod server;
 
 #[cfg(test)]
 pub(crate) use crate::test_support;

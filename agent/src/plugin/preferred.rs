@@ -27,7 +27,9 @@ pub enum PreferredError {
     Unknown { resource: String, id: String },
     #[error("{resource}: must-include device {id:?} is not among the available devices")]
     MustNotAvailable { resource: String, id: String },
-    #[error("{resource}: cannot pick {size} devices: {available} available, {must} must be included")]
+    #[error(
+        "{resource}: cannot pick {size} devices: {available} available, {must} must be included"
+    )]
     BadSize {
         resource: String,
         size: usize,
@@ -66,10 +68,14 @@ pub fn set_score(inv: &Inventory, set: &[u32]) -> u32 {
 }
 
 fn lookup<'r>(resource: &'r Resource, id: &str) -> Result<&'r PluginDevice, PreferredError> {
-    resource.devices.iter().find(|d| d.id == id).ok_or_else(|| PreferredError::Unknown {
-        resource: resource.name.clone(),
-        id: id.to_string(),
-    })
+    resource
+        .devices
+        .iter()
+        .find(|d| d.id == id)
+        .ok_or_else(|| PreferredError::Unknown {
+            resource: resource.name.clone(),
+            id: id.to_string(),
+        })
 }
 
 /// The preferred devices for one container request.
@@ -125,7 +131,12 @@ fn binomial(n: u64, k: u64) -> u64 {
     r
 }
 
-fn whole(inv: &Inventory, avail: &[&PluginDevice], must: &[&PluginDevice], size: usize) -> Vec<String> {
+fn whole(
+    inv: &Inventory,
+    avail: &[&PluginDevice],
+    must: &[&PluginDevice],
+    size: usize,
+) -> Vec<String> {
     let fixed: Vec<u32> = must.iter().map(|d| d.index).collect();
     let mut candidates: Vec<&PluginDevice> = avail
         .iter()
@@ -147,7 +158,12 @@ fn whole(inv: &Inventory, avail: &[&PluginDevice], must: &[&PluginDevice], size:
 
 /// Every k-subset of the candidates (in lexicographic order; the first of
 /// equal scores wins, so the answer is deterministic).
-fn best_combination(inv: &Inventory, fixed: &[u32], candidates: &[&PluginDevice], k: usize) -> Vec<usize> {
+fn best_combination(
+    inv: &Inventory,
+    fixed: &[u32],
+    candidates: &[&PluginDevice],
+    k: usize,
+) -> Vec<usize> {
     let n = candidates.len();
     let mut combo: Vec<usize> = (0..k).collect();
     let mut best = combo.clone();
@@ -181,7 +197,10 @@ fn greedy(inv: &Inventory, fixed: &[u32], candidates: &[&PluginDevice], k: usize
         let next = (0..candidates.len())
             .filter(|i| !chosen.contains(i))
             .max_by_key(|&i| {
-                let gain: u32 = set.iter().map(|&s| pair_score(inv, s, candidates[i].index)).sum();
+                let gain: u32 = set
+                    .iter()
+                    .map(|&s| pair_score(inv, s, candidates[i].index))
+                    .sum();
                 (gain, std::cmp::Reverse(i))
             })
             .expect("enough candidates");
@@ -191,7 +210,13 @@ fn greedy(inv: &Inventory, fixed: &[u32], candidates: &[&PluginDevice], k: usize
     chosen
 }
 
-fn replicas(resource: &Resource, policy: AllocationPolicy, avail: &[&PluginDevice], must: &[&PluginDevice], size: usize) -> Vec<String> {
+fn replicas(
+    resource: &Resource,
+    policy: AllocationPolicy,
+    avail: &[&PluginDevice],
+    must: &[&PluginDevice],
+    size: usize,
+) -> Vec<String> {
     let total = resource.replicas_per_gpu();
     let mut free: BTreeMap<u32, Vec<&PluginDevice>> = BTreeMap::new();
     for d in avail {
@@ -210,7 +235,9 @@ fn replicas(resource: &Resource, policy: AllocationPolicy, avail: &[&PluginDevic
     }
     while out.len() < size {
         // In use = replicas not available + picked in this request.
-        let candidates = free.iter().filter(|(_, ds)| ds.iter().any(|d| !taken.contains(d.id.as_str())));
+        let candidates = free
+            .iter()
+            .filter(|(_, ds)| ds.iter().any(|d| !taken.contains(d.id.as_str())));
         let key = |(gpu, ds): &(&u32, &Vec<&PluginDevice>)| {
             let in_use = total.get(gpu).copied().unwrap_or(0) - ds.len() as u32;
             let this_round = picked.get(gpu).copied().unwrap_or(0);
@@ -224,7 +251,10 @@ fn replicas(resource: &Resource, policy: AllocationPolicy, avail: &[&PluginDevic
             }),
         };
         let Some((gpu, ds)) = chosen else { break };
-        let d = ds.iter().find(|d| !taken.contains(d.id.as_str())).expect("filtered above");
+        let d = ds
+            .iter()
+            .find(|d| !taken.contains(d.id.as_str()))
+            .expect("filtered above");
         out.push(d.id.clone());
         taken.insert(&d.id);
         *picked.entry(*gpu).or_default() += 1;
@@ -251,23 +281,44 @@ mod tests {
     }
 
     fn indices(r: &Resource, ids: &[String]) -> Vec<u32> {
-        ids.iter().map(|id| r.devices.iter().find(|d| &d.id == id).unwrap().index).collect()
+        ids.iter()
+            .map(|id| r.devices.iter().find(|d| &d.id == id).unwrap().index)
+            .collect()
     }
 
     #[test]
     fn t4_pairs_stay_behind_one_switch() {
         let (inv, r) = setup("t4-4");
-        let got = preferred(&r, &inv, AllocationPolicy::Distributed, &all_ids(&r), &[], 2).unwrap();
+        let got = preferred(
+            &r,
+            &inv,
+            AllocationPolicy::Distributed,
+            &all_ids(&r),
+            &[],
+            2,
+        )
+        .unwrap();
         assert_eq!(indices(&r, &got), [0, 1]);
         // With GPU 2 required, its switch partner 3 joins it.
-        let got = preferred(&r, &inv, AllocationPolicy::Distributed, &all_ids(&r), &[r.devices[2].id.clone()], 2).unwrap();
+        let got = preferred(
+            &r,
+            &inv,
+            AllocationPolicy::Distributed,
+            &all_ids(&r),
+            &[r.devices[2].id.clone()],
+            2,
+        )
+        .unwrap();
         assert_eq!(indices(&r, &got), [2, 3]);
     }
 
     #[test]
     fn h100_prefers_the_same_pcie_switch_among_equal_nvlink() {
         let (inv, r) = setup("h100-sxm-8");
-        let avail: Vec<String> = [1, 2, 3, 5].iter().map(|&i| r.devices[i].id.clone()).collect();
+        let avail: Vec<String> = [1, 2, 3, 5]
+            .iter()
+            .map(|&i| r.devices[i].id.clone())
+            .collect();
         let got = preferred(&r, &inv, AllocationPolicy::Distributed, &avail, &[], 2).unwrap();
         assert_eq!(indices(&r, &got), [2, 3]);
     }
@@ -277,8 +328,14 @@ mod tests {
         let (inv, r) = setup("t4-4");
         let ids = all_ids(&r);
         let p = AllocationPolicy::Distributed;
-        assert!(matches!(preferred(&r, &inv, p, &ids, &[], 5), Err(PreferredError::BadSize { .. })));
-        assert!(matches!(preferred(&r, &inv, p, &["x".into()], &[], 1), Err(PreferredError::Unknown { .. })));
+        assert!(matches!(
+            preferred(&r, &inv, p, &ids, &[], 5),
+            Err(PreferredError::BadSize { .. })
+        ));
+        assert!(matches!(
+            preferred(&r, &inv, p, &["x".into()], &[], 1),
+            Err(PreferredError::Unknown { .. })
+        ));
         assert!(matches!(
             preferred(&r, &inv, p, &ids[..2], &[ids[3].clone()], 2),
             Err(PreferredError::MustNotAvailable { .. })
@@ -307,7 +364,9 @@ mod tests {
         let avail: Vec<String> = r
             .devices
             .iter()
-            .filter(|d| !(d.index == 0 && d.replica.unwrap() < 3) && !(d.index == 1 && d.replica == Some(0)))
+            .filter(|d| {
+                !(d.index == 0 && d.replica.unwrap() < 3) && !(d.index == 1 && d.replica == Some(0))
+            })
             .map(|d| d.id.clone())
             .collect();
         let got = preferred(&r, &inv, AllocationPolicy::Distributed, &avail, &[], 2).unwrap();
@@ -330,7 +389,11 @@ mod tests {
                 cur.pop();
             }
         }
-        let rest: Vec<u32> = avail.iter().copied().filter(|g| !must.contains(g)).collect();
+        let rest: Vec<u32> = avail
+            .iter()
+            .copied()
+            .filter(|g| !must.contains(g))
+            .collect();
         let mut best = 0;
         rec(inv, &rest, &mut must.to_vec(), k, &mut best);
         best
@@ -340,21 +403,42 @@ mod tests {
         let (inv, r) = setup(node);
         let n = r.devices.len();
         let avail: Vec<u32> = (0..n as u32).filter(|i| mask & (1 << i) != 0).collect();
-        let must: Vec<u32> = avail.iter().copied().filter(|i| must_mask & (1 << i) != 0).collect();
+        let must: Vec<u32> = avail
+            .iter()
+            .copied()
+            .filter(|i| must_mask & (1 << i) != 0)
+            .collect();
         prop_assume!(!avail.is_empty());
         let size = 1 + size % avail.len();
         prop_assume!(must.len() <= size);
         let id = |i: u32| r.devices[i as usize].id.clone();
         let avail_ids: Vec<String> = avail.iter().map(|&i| id(i)).collect();
         let must_ids: Vec<String> = must.iter().map(|&i| id(i)).collect();
-        let got = preferred(&r, &inv, AllocationPolicy::Distributed, &avail_ids, &must_ids, size).unwrap();
+        let got = preferred(
+            &r,
+            &inv,
+            AllocationPolicy::Distributed,
+            &avail_ids,
+            &must_ids,
+            size,
+        )
+        .unwrap();
         let got_idx = indices(&r, &got);
         prop_assert_eq!(got.len(), size);
-        prop_assert!(got_idx.iter().all(|g| avail.contains(g)), "not a subset of available");
-        prop_assert!(must.iter().all(|m| got_idx.contains(m)), "must-include missing");
+        prop_assert!(
+            got_idx.iter().all(|g| avail.contains(g)),
+            "not a subset of available"
+        );
+        prop_assert!(
+            must.iter().all(|m| got_idx.contains(m)),
+            "must-include missing"
+        );
         let unique: BTreeSet<u32> = got_idx.iter().copied().collect();
         prop_assert_eq!(unique.len(), size);
-        prop_assert_eq!(set_score(&inv, &got_idx), brute_force_best(&inv, &avail, &must, size));
+        prop_assert_eq!(
+            set_score(&inv, &got_idx),
+            brute_force_best(&inv, &avail, &must, size)
+        );
         Ok(())
     }
 

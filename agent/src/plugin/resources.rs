@@ -91,16 +91,22 @@ pub fn socket_name(resource: &str) -> String {
 /// The inventory cannot be advertised as configured.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResourceError {
-    #[error("GPU {index} ({uuid}) is selected by sharing entries {first} and {second}; each GPU may be shared by one entry")]
+    #[error(
+        "GPU {index} ({uuid}) is selected by sharing entries {first} and {second}; each GPU may be shared by one entry"
+    )]
     SelectedTwice {
         index: u32,
         uuid: String,
         first: usize,
         second: usize,
     },
-    #[error("resource {name} would mix whole GPUs and time-sliced replicas (GPU {whole} is not shared); give the shared GPUs a `rename` or select every GPU")]
+    #[error(
+        "resource {name} would mix whole GPUs and time-sliced replicas (GPU {whole} is not shared); give the shared GPUs a `rename` or select every GPU"
+    )]
     MixedSharing { name: String, whole: u32 },
-    #[error("GPU {index} ({uuid}) has MIG enabled, but MIG devices are not discovered yet; use mig.strategy none to advertise the whole GPU")]
+    #[error(
+        "GPU {index} ({uuid}) has MIG enabled, but MIG devices are not discovered yet; use mig.strategy none to advertise the whole GPU"
+    )]
     MigNotSupported { index: u32, uuid: String },
 }
 
@@ -160,19 +166,23 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
                     name,
                     devices: Vec::new(),
                     shared: true,
-                    fail_requests_greater_than_one: spec.fail_requests_greater_than_one.unwrap_or(false),
+                    fail_requests_greater_than_one: spec
+                        .fail_requests_greater_than_one
+                        .unwrap_or(false),
                 });
                 for n in 0..r.replicas {
                     res.devices.push(device(format!("{uuid}::{n}"), Some(n)));
                 }
             }
             _ => {
-                let res = by_name.entry(GPU_RESOURCE.to_string()).or_insert_with(|| Resource {
-                    name: GPU_RESOURCE.to_string(),
-                    devices: Vec::new(),
-                    shared: false,
-                    fail_requests_greater_than_one: false,
-                });
+                let res = by_name
+                    .entry(GPU_RESOURCE.to_string())
+                    .or_insert_with(|| Resource {
+                        name: GPU_RESOURCE.to_string(),
+                        devices: Vec::new(),
+                        shared: false,
+                        fail_requests_greater_than_one: false,
+                    });
                 res.devices.push(device(uuid.clone(), None));
             }
         }
@@ -190,7 +200,10 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
     for res in by_name.values_mut() {
         res.shared = res.devices.iter().any(|d| d.replica.is_some());
     }
-    Ok(by_name.into_values().filter(|r| !r.devices.is_empty()).collect())
+    Ok(by_name
+        .into_values()
+        .filter(|r| !r.devices.is_empty())
+        .collect())
 }
 
 #[cfg(test)]
@@ -215,19 +228,27 @@ mod tests {
         assert_eq!(rs[0].name, "nvidia.com/gpu");
         assert_eq!(rs[0].socket_name(), "nvidia-gpu.sock");
         assert_eq!(rs[0].devices.len(), 8);
-        assert_eq!(rs[0].devices[0].id, "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01");
+        assert_eq!(
+            rs[0].devices[0].id,
+            "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"
+        );
         assert_eq!(rs[0].devices[7].numa_node, Some(1));
         assert!(!rs[0].shared);
     }
 
     #[test]
     fn time_slicing_four_replicas() {
-        let s = with_sharing("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n");
+        let s = with_sharing(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+        );
         let rs = build(&inventory_of("t4-4"), &s).unwrap();
         assert_eq!(rs.len(), 1);
         assert_eq!(rs[0].name, "nvidia.com/gpu");
         assert_eq!(rs[0].devices.len(), 16);
-        assert_eq!(rs[0].devices[5].id, "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41::1");
+        assert_eq!(
+            rs[0].devices[5].id,
+            "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41::1"
+        );
         assert!(rs[0].shared);
     }
 
@@ -238,7 +259,14 @@ mod tests {
         );
         let rs = build(&inventory_of("t4-4"), &s).unwrap();
         let names: Vec<&str> = rs.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(names, ["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/gpu.small"]);
+        assert_eq!(
+            names,
+            [
+                "nvidia.com/gpu",
+                "nvidia.com/gpu.shared",
+                "nvidia.com/gpu.small"
+            ]
+        );
         assert_eq!(rs[0].devices.len(), 1); // GPU 3 stays whole
         assert_eq!(rs[1].replicas_per_gpu(), BTreeMap::from([(0, 4), (1, 4)]));
         assert_eq!(rs[2].replicas_per_gpu(), BTreeMap::from([(2, 2)]));
@@ -247,16 +275,41 @@ mod tests {
 
     #[test]
     fn conflicts_are_refused_with_the_gpu_named() {
-        let twice = with_sharing("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n    - {name: nvidia.com/gpu, devices: all, replicas: 3, rename: other}\n");
+        let twice = with_sharing(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n    - {name: nvidia.com/gpu, devices: all, replicas: 3, rename: other}\n",
+        );
         let err = build(&inventory_of("t4-4"), &twice).unwrap_err();
-        assert!(matches!(err, ResourceError::SelectedTwice { index: 0, first: 0, second: 1, .. }), "{err}");
-        let mixed = with_sharing("version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n");
+        assert!(
+            matches!(
+                err,
+                ResourceError::SelectedTwice {
+                    index: 0,
+                    first: 0,
+                    second: 1,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let mixed = with_sharing(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n",
+        );
         let err = build(&inventory_of("t4-4"), &mixed).unwrap_err();
-        assert_eq!(err, ResourceError::MixedSharing { name: "nvidia.com/gpu".into(), whole: 1 });
+        assert_eq!(
+            err,
+            ResourceError::MixedSharing {
+                name: "nvidia.com/gpu".into(),
+                whole: 1
+            }
+        );
     }
 
     #[test]
     fn no_gpu_no_resources() {
-        assert!(build(&inventory_of("no-gpu"), &PluginSettings::default()).unwrap().is_empty());
+        assert!(
+            build(&inventory_of("no-gpu"), &PluginSettings::default())
+                .unwrap()
+                .is_empty()
+        );
     }
 }

@@ -1,0 +1,181 @@
+//! gRPC over Unix sockets: dialing a socket, registering with the kubelet,
+//! and a mock kubelet (the `Registration` service) for the demo, the tests
+//! and the benchmark.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpu_agent_proto::deviceplugin::v1beta1::registration_client::RegistrationClient;
+use gpu_agent_proto::deviceplugin::v1beta1::registration_server::{
+    Registration, RegistrationServer,
+};
+use gpu_agent_proto::deviceplugin::v1beta1::{Empty, RegisterRequest, VERSION};
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Notify, oneshot};
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Request, Response, Status};
+
+/// How long a dial or a registration may take.
+pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A gRPC channel to the server listening on the Unix socket `path`.
+pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_path_buf();
+    // The URI is required by the API but unused: the connector dials the socket.
+    Endpoint::from_static("http://[::1]:50051")
+        .connect_timeout(DIAL_TIMEOUT)
+        .timeout(DIAL_TIMEOUT)
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+        }))
+        .await
+}
+
+/// Why a registration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("cannot reach the kubelet at {path}: {source}")]
+    Dial {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("the kubelet at {path} refused {resource}: {status}")]
+    Refused {
+        path: PathBuf,
+        resource: String,
+        status: Status,
+    },
+}
+
+/// Registers `resource`, served on `endpoint` (a socket name in the kubelet's
+/// device-plugins directory), with the kubelet listening on `kubelet_sock`.
+pub async fn register(
+    kubelet_sock: &Path,
+    endpoint: &str,
+    resource: &str,
+) -> Result<(), RegisterError> {
+    let channel = connect(kubelet_sock)
+        .await
+        .map_err(|source| RegisterError::Dial {
+            path: kubelet_sock.to_path_buf(),
+            source,
+        })?;
+    RegistrationClient::new(channel)
+        .register(RegisterRequest {
+            version: VERSION.to_string(),
+            endpoint: endpoint.to_string(),
+            resource_name: resource.to_string(),
+            options: Some(super::server::options()),
+        })
+        .await
+        .map_err(|status| RegisterError::Refused {
+            path: kubelet_sock.to_path_buf(),
+            resource: resource.to_string(),
+            status,
+        })?;
+    Ok(())
+}
+
+/// A stand-in for the kubelet's registration endpoint: it records every
+/// `RegisterRequest` and answers OK (or refuses, when told to).
+#[derive(Debug)]
+pub struct MockKubelet {
+    socket: PathBuf,
+    state: Arc<MockState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct MockState {
+    requests: Mutex<Vec<RegisterRequest>>,
+    refuse: Mutex<Option<String>>,
+    notify: Notify,
+}
+
+#[derive(Debug, Clone)]
+struct MockService(Arc<MockState>);
+
+#[tonic::async_trait]
+impl Registration for MockService {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let req = request.into_inner();
+        if let Some(why) = self.0.refuse.lock().unwrap().clone() {
+            return Err(Status::failed_precondition(why));
+        }
+        if req.version != VERSION {
+            return Err(Status::invalid_argument(format!(
+                "unsupported version {:?}",
+                req.version
+            )));
+        }
+        self.0.requests.lock().unwrap().push(req);
+        self.0.notify.notify_waiters();
+        Ok(Response::new(Empty {}))
+    }
+}
+
+impl MockKubelet {
+    /// Listens on `socket` (the kubelet's `kubelet.sock`), replacing a stale file.
+    pub fn start(socket: &Path) -> std::io::Result<Self> {
+        let _ = std::fs::remove_file(socket);
+        let listener = UnixListener::bind(socket)?;
+        let state = Arc::new(MockState::default());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let svc = RegistrationServer::new(MockService(state.clone()));
+        let task = tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let _ = Server::builder()
+                .add_service(svc)
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Ok(MockKubelet {
+            socket: socket.to_path_buf(),
+            state,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Every registration received, in order.
+    pub fn registrations(&self) -> Vec<RegisterRequest> {
+        self.state.requests.lock().unwrap().clone()
+    }
+
+    /// Refuse registrations with this message (`None`: accept again).
+    pub fn refuse(&self, why: Option<&str>) {
+        *self.state.refuse.lock().unwrap() = why.map(str::to_string);
+    }
+
+    /// Waits until at least `n` registrations were received, or `timeout`.
+    pub async fn wait_for(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.state.notify.notified();
+            if self.state.requests.lock().unwrap().len() >= n {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.state.requests.lock().unwrap().len() >= n;
+            }
+        }
+    }
+
+    /// Stops serving and removes the socket.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}

@@ -1,0 +1,384 @@
+//! Runs one device-plugin server per resource and keeps each registered.
+//!
+//! The kubelet deletes every socket in its device-plugins directory when it
+//! starts, then creates `kubelet.sock`. We watch the directory (inotify): on
+//! a new `kubelet.sock` every plugin binds a NEW socket and registers again;
+//! when only our own socket disappears, that plugin does the same. A failed
+//! registration is retried with backoff (100 ms doubling to 30 s) and the
+//! error is kept for `gpu-agent status`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_server::DevicePluginServer;
+use hostlib::HostRoot;
+use inotify::{EventMask, Inotify, WatchMask};
+use serde::{Deserialize, Serialize};
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::StreamExt;
+use tonic::transport::Server;
+
+use super::kubelet;
+use super::resources::{PluginSettings, Resource};
+use super::server::PluginService;
+use crate::inventory::Inventory;
+
+/// The kubelet's socket name in its device-plugins directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// The device-plugins directory, as a host path.
+pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
+
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+/// What `status` shows of one resource.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    pub resource: String,
+    pub socket: String,
+    pub devices: usize,
+    pub unhealthy: usize,
+    pub registered: bool,
+    /// Successful registrations so far (1 + re-registrations).
+    pub registrations: u64,
+    /// The last registration error, while not registered.
+    pub last_error: Option<String>,
+}
+
+/// Shared, live status of every resource.
+pub type StatusBoard = Arc<Mutex<Vec<ResourceStatus>>>;
+
+/// The plugin could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("{path}: cannot create the device-plugins directory: {source}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: cannot watch for kubelet restarts: {source}")]
+    Watch {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: cannot listen: {source}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+struct Plugin {
+    resource: watch::Sender<Resource>,
+    name: String,
+    socket: PathBuf,
+    server: Option<oneshot::Sender<()>>,
+    /// Bumped on every restart; registration results of older generations are ignored.
+    generation: u64,
+    retry_delay: Duration,
+    retry_at: Option<tokio::time::Instant>,
+}
+
+/// Runs the device plugins.
+pub struct PluginManager {
+    dir: PathBuf,
+    plugins: Vec<Plugin>,
+    inventory: Arc<Inventory>,
+    settings: Arc<PluginSettings>,
+    dev_root: HostRoot,
+    board: StatusBoard,
+}
+
+impl std::fmt::Debug for PluginManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginManager")
+            .field("dir", &self.dir)
+            .finish()
+    }
+}
+
+struct Registered {
+    index: usize,
+    generation: u64,
+    result: Result<(), String>,
+}
+
+impl PluginManager {
+    /// Plugins for `resources` in the device-plugins directory `dir` (a
+    /// resolved path). Resources without devices are not served.
+    pub fn new(
+        dir: PathBuf,
+        resources: Vec<Resource>,
+        inventory: Arc<Inventory>,
+        settings: Arc<PluginSettings>,
+        dev_root: HostRoot,
+    ) -> Self {
+        let resources: Vec<Resource> = resources
+            .into_iter()
+            .filter(|r| !r.devices.is_empty())
+            .collect();
+        let board = Arc::new(Mutex::new(
+            resources
+                .iter()
+                .map(|r| ResourceStatus {
+                    resource: r.name.clone(),
+                    socket: dir.join(r.socket_name()).display().to_string(),
+                    devices: r.devices.len(),
+                    unhealthy: r.devices.iter().filter(|d| !d.healthy).count(),
+                    registered: false,
+                    registrations: 0,
+                    last_error: None,
+                })
+                .collect(),
+        ));
+        let plugins = resources
+            .into_iter()
+            .map(|r| Plugin {
+                name: r.name.clone(),
+                socket: dir.join(r.socket_name()),
+                resource: watch::channel(r).0,
+                server: None,
+                generation: 0,
+                retry_delay: FIRST_RETRY,
+                retry_at: None,
+            })
+            .collect();
+        PluginManager {
+            dir,
+            plugins,
+            inventory,
+            settings,
+            dev_root,
+            board,
+        }
+    }
+
+    /// The live status of every resource.
+    pub fn board(&self) -> StatusBoard {
+        self.board.clone()
+    }
+
+    /// Senders that change a resource's devices (health): every
+    /// `ListAndWatch` stream of it gets the new list.
+    pub fn resource_senders(&self) -> HashMap<String, watch::Sender<Resource>> {
+        self.plugins
+            .iter()
+            .map(|p| (p.name.clone(), p.resource.clone()))
+            .collect()
+    }
+
+    fn kubelet_socket(&self) -> PathBuf {
+        self.dir.join(KUBELET_SOCKET)
+    }
+
+    /// Serves and keeps registered until `shutdown` resolves; then stops the
+    /// servers and removes their sockets.
+    pub async fn run(
+        mut self,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), PluginError> {
+        std::fs::create_dir_all(&self.dir).map_err(|source| PluginError::Dir {
+            path: self.dir.clone(),
+            source,
+        })?;
+        let watch_err = |source| PluginError::Watch {
+            path: self.dir.clone(),
+            source,
+        };
+        let inotify = Inotify::init().map_err(watch_err)?;
+        inotify
+            .watches()
+            .add(
+                &self.dir,
+                WatchMask::CREATE | WatchMask::DELETE | WatchMask::MOVED_TO | WatchMask::MOVED_FROM,
+            )
+            .map_err(watch_err)?;
+        let mut events = inotify.into_event_stream([0u8; 4096]).map_err(watch_err)?;
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Registered>();
+        if self.plugins.is_empty() {
+            tracing::info!(stage = "plugin", "no devices to advertise; waiting");
+        }
+        for i in 0..self.plugins.len() {
+            self.restart(i, &done_tx)?;
+        }
+        tokio::pin!(shutdown);
+        loop {
+            let next_retry = self.plugins.iter().filter_map(|p| p.retry_at).min();
+            let retry = async {
+                match next_retry {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = &mut shutdown => break,
+                Some(ev) = events.next() => {
+                    let Ok(ev) = ev else { continue };
+                    let Some(name) = ev.name.as_ref().map(|n| n.to_string_lossy().into_owned()) else { continue };
+                    let created = ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO);
+                    let deleted = ev.mask.intersects(EventMask::DELETE | EventMask::MOVED_FROM);
+                    if name == KUBELET_SOCKET && created {
+                        tracing::info!(stage = "plugin", "kubelet restarted; serving on new sockets and registering again");
+                        for i in 0..self.plugins.len() {
+                            self.restart(i, &done_tx)?;
+                        }
+                    } else if deleted && self.kubelet_socket().exists() {
+                        // (Without kubelet.sock the kubelet is restarting: its
+                        // new socket's creation restarts every plugin.)
+                        for i in 0..self.plugins.len() {
+                            let p = &self.plugins[i];
+                            // Our own restarts delete the old socket too: only
+                            // act when the socket is really gone.
+                            if p.socket.file_name().is_some_and(|f| f.to_string_lossy() == name) && !p.socket.exists() {
+                                tracing::warn!(stage = "plugin", resource = %p.name, "our socket was removed; serving on a new one");
+                                self.restart(i, &done_tx)?;
+                            }
+                        }
+                    }
+                }
+                Some(done) = done_rx.recv() => self.registered(done),
+                _ = retry => {
+                    let now = tokio::time::Instant::now();
+                    for i in 0..self.plugins.len() {
+                        if self.plugins[i].retry_at.is_some_and(|t| t <= now) {
+                            self.plugins[i].retry_at = None;
+                            self.register(i, &done_tx);
+                        }
+                    }
+                }
+            }
+        }
+        for p in &mut self.plugins {
+            if let Some(stop) = p.server.take() {
+                let _ = stop.send(());
+            }
+            let _ = std::fs::remove_file(&p.socket);
+        }
+        Ok(())
+    }
+
+    /// Stops plugin `i`'s server (if any), binds a new socket, serves, registers.
+    fn restart(
+        &mut self,
+        i: usize,
+        done: &mpsc::UnboundedSender<Registered>,
+    ) -> Result<(), PluginError> {
+        let p = &mut self.plugins[i];
+        if let Some(stop) = p.server.take() {
+            let _ = stop.send(());
+        }
+        let _ = std::fs::remove_file(&p.socket);
+        let listener = UnixListener::bind(&p.socket).map_err(|source| PluginError::Bind {
+            path: p.socket.clone(),
+            source,
+        })?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let svc = PluginService::new(
+            p.resource.subscribe(),
+            self.inventory.clone(),
+            self.settings.clone(),
+            self.dev_root.clone(),
+        );
+        let name = p.name.clone();
+        tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            if let Err(e) = Server::builder()
+                .add_service(DevicePluginServer::new(svc))
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stopped.await;
+                })
+                .await
+            {
+                tracing::error!(stage = "plugin", resource = %name, error = %e, "device-plugin server failed");
+            }
+        });
+        p.server = Some(stop);
+        p.generation += 1;
+        p.retry_delay = FIRST_RETRY;
+        p.retry_at = None;
+        self.set_status(i, |s| s.registered = false);
+        self.register(i, done);
+        Ok(())
+    }
+
+    fn register(&self, i: usize, done: &mpsc::UnboundedSender<Registered>) {
+        let p = &self.plugins[i];
+        let kubelet = self.kubelet_socket();
+        let endpoint = p
+            .socket
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let resource = p.name.clone();
+        let generation = p.generation;
+        let done = done.clone();
+        tokio::spawn(async move {
+            let result = kubelet::register(&kubelet, &endpoint, &resource)
+                .await
+                .map_err(|e| e.to_string());
+            let _ = done.send(Registered {
+                index: i,
+                generation,
+                result,
+            });
+        });
+    }
+
+    fn registered(&mut self, done: Registered) {
+        let p = &mut self.plugins[done.index];
+        if done.generation != p.generation {
+            return;
+        }
+        match done.result {
+            Ok(()) => {
+                p.retry_delay = FIRST_RETRY;
+                tracing::info!(stage = "plugin", resource = %p.name, socket = %p.socket.display(), "registered with the kubelet");
+                self.set_status(done.index, |s| {
+                    s.registered = true;
+                    s.registrations += 1;
+                    s.last_error = None;
+                });
+            }
+            Err(e) => {
+                // A kubelet that is not there yet will announce itself by
+                // creating kubelet.sock; keep retrying anyway in case the
+                // event was missed.
+                let delay = p.retry_delay;
+                p.retry_at = Some(tokio::time::Instant::now() + delay);
+                p.retry_delay = (delay * 2).min(MAX_RETRY);
+                if delay >= Duration::from_secs(1) {
+                    tracing::warn!(stage = "plugin", resource = %p.name, error = %e, retry_in = ?delay, "registration failed");
+                } else {
+                    tracing::debug!(stage = "plugin", resource = %p.name, error = %e, "registration failed");
+                }
+                self.set_status(done.index, |s| {
+                    s.registered = false;
+                    s.last_error = Some(e.clone());
+                });
+            }
+        }
+    }
+
+    fn set_status(&self, i: usize, f: impl FnOnce(&mut ResourceStatus)) {
+        if let Some(s) = self.board.lock().unwrap().get_mut(i) {
+            f(s);
+        }
+    }
+}
+
+/// The device-plugins directory under `host`, as this process sees it.
+pub fn plugin_dir(host: &HostRoot) -> Result<PathBuf, hostlib::HostError> {
+    host.resolve(DEVICE_PLUGIN_DIR)
+}
+
+/// True when `path` is a socket (for tests and status).
+pub fn is_socket(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}

@@ -1,0 +1,379 @@
+//! The device plugin against a mock kubelet over real Unix sockets:
+//! registration, allocation flows, kubelet restarts, lost sockets,
+//! registration retries, health updates.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_agent::backend::sim::SimulatedBackend;
+use gpu_agent::inventory::{self, Inventory};
+use gpu_agent::plugin::config::PluginConfig;
+use gpu_agent::plugin::kubelet::{self, MockKubelet};
+use gpu_agent::plugin::manager::{KUBELET_SOCKET, PluginManager, StatusBoard, is_socket};
+use gpu_agent::plugin::resources::{self, PluginSettings, Resource};
+use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
+use gpu_agent_proto::deviceplugin::v1beta1::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    PreferredAllocationRequest,
+};
+use hostlib::HostRoot;
+use tokio::sync::{oneshot, watch};
+use tokio_stream::StreamExt;
+
+struct Node {
+    _dir: tempfile::TempDir,
+    plugin_dir: std::path::PathBuf,
+    inventory: Arc<Inventory>,
+    host: HostRoot,
+}
+
+fn node(name: &str) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = simnode::NodeDescription::load(name).unwrap();
+    desc.materialize(dir.path()).unwrap();
+    let host = HostRoot::new(dir.path()).unwrap();
+    let inventory = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)).unwrap());
+    let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    Node {
+        _dir: dir,
+        plugin_dir,
+        inventory,
+        host,
+    }
+}
+
+struct Running {
+    board: StatusBoard,
+    senders: std::collections::HashMap<String, watch::Sender<Resource>>,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+fn start(n: &Node, settings: PluginSettings) -> Running {
+    let resources = resources::build(&n.inventory, &settings).unwrap();
+    let mgr = PluginManager::new(
+        n.plugin_dir.clone(),
+        resources,
+        n.inventory.clone(),
+        Arc::new(settings),
+        n.host.clone(),
+    );
+    let board = mgr.board();
+    let senders = mgr.resource_senders();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        mgr.run(async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+    });
+    Running {
+        board,
+        senders,
+        stop,
+        task,
+    }
+}
+
+async fn client(sock: &Path) -> DevicePluginClient<tonic::transport::Channel> {
+    DevicePluginClient::new(kubelet::connect(sock).await.unwrap())
+}
+
+async fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registers_then_serves_every_call() {
+    let n = node("h100-sxm-8");
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    let run = start(&n, PluginSettings::default());
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(5)).await,
+        "no registration"
+    );
+    let reg = &kubelet.registrations()[0];
+    assert_eq!(reg.version, "v1beta1");
+    assert_eq!(reg.endpoint, "nvidia-gpu.sock");
+    assert_eq!(reg.resource_name, "nvidia.com/gpu");
+    assert!(
+        reg.options
+            .as_ref()
+            .unwrap()
+            .get_preferred_allocation_available
+    );
+    wait_until("status registered", Duration::from_secs(2), || {
+        run.board.lock().unwrap()[0].registered
+    })
+    .await;
+
+    let sock = n.plugin_dir.join("nvidia-gpu.sock");
+    assert!(is_socket(&sock));
+    let mut c = client(&sock).await;
+    let opts = c
+        .get_device_plugin_options(Empty {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(opts.get_preferred_allocation_available && !opts.pre_start_required);
+
+    let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 8);
+    assert!(first.devices.iter().all(|d| d.health == "Healthy"));
+    assert_eq!(
+        first.devices[0].id,
+        "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"
+    );
+    assert_eq!(first.devices[6].topology.as_ref().unwrap().nodes[0].id, 1);
+
+    let ids: Vec<String> = first.devices.iter().map(|d| d.id.clone()).collect();
+    let resp = c
+        .allocate(AllocateRequest {
+            container_requests: vec![
+                ContainerAllocateRequest {
+                    devices_ids: vec![ids[0].clone()],
+                },
+                ContainerAllocateRequest {
+                    devices_ids: vec![ids[2].clone(), ids[3].clone()],
+                },
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.container_responses.len(), 2);
+    assert_eq!(
+        resp.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"],
+        ids[0]
+    );
+    assert_eq!(
+        resp.container_responses[1].envs["NVIDIA_VISIBLE_DEVICES"],
+        format!("{},{}", ids[2], ids[3])
+    );
+
+    let err = c
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec!["GPU-bogus".into()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("\"GPU-bogus\""), "{}", err.message());
+
+    let pref = c
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: vec![
+                    ids[1].clone(),
+                    ids[2].clone(),
+                    ids[3].clone(),
+                    ids[5].clone(),
+                ],
+                must_include_device_i_ds: vec![],
+                allocation_size: 2,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        pref.container_responses[0].device_i_ds,
+        vec![ids[2].clone(), ids[3].clone()]
+    );
+
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    assert!(!sock.exists(), "socket left behind after stop");
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_kubelet_restarts_each_reregister_within_a_second() {
+    let n = node("t4-4");
+    let ksock = n.plugin_dir.join(KUBELET_SOCKET);
+    let mut kubelet = MockKubelet::start(&ksock).unwrap();
+    let run = start(&n, PluginSettings::default());
+    assert!(kubelet.wait_for(1, Duration::from_secs(5)).await);
+    let mut reregistered = 0;
+    let mut worst = Duration::ZERO;
+    for round in 0..100 {
+        kubelet.stop().await;
+        // A restarting kubelet removes every socket in the directory.
+        for e in std::fs::read_dir(&n.plugin_dir).unwrap() {
+            let _ = std::fs::remove_file(e.unwrap().path());
+        }
+        let t0 = Instant::now();
+        kubelet = MockKubelet::start(&ksock).unwrap();
+        if kubelet.wait_for(1, Duration::from_secs(1)).await {
+            reregistered += 1;
+            worst = worst.max(t0.elapsed());
+        } else {
+            panic!("round {round}: no re-registration within 1 s");
+        }
+    }
+    assert_eq!(reregistered, 100);
+    eprintln!("100 kubelet restarts, 100 re-registrations, slowest {worst:?}");
+    // The plugin still serves on its new socket.
+    wait_until("status registered", Duration::from_secs(2), || {
+        run.board.lock().unwrap()[0].registered
+    })
+    .await;
+    let mut c = client(&n.plugin_dir.join("nvidia-gpu.sock")).await;
+    let list = c
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .next()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(list.devices.len(), 4);
+    assert!(run.board.lock().unwrap()[0].registrations >= 1);
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_socket_is_replaced_and_registered_again() {
+    let n = node("a10g-1");
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    let run = start(&n, PluginSettings::default());
+    assert!(kubelet.wait_for(1, Duration::from_secs(5)).await);
+    let sock = n.plugin_dir.join("nvidia-gpu.sock");
+    std::fs::remove_file(&sock).unwrap();
+    assert!(
+        kubelet.wait_for(2, Duration::from_secs(1)).await,
+        "no re-registration after losing the socket"
+    );
+    assert!(is_socket(&sock));
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_registration_is_retried_and_reported() {
+    let n = node("a10g-1");
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    kubelet.refuse(Some("not today"));
+    let run = start(&n, PluginSettings::default());
+    wait_until("the error in status", Duration::from_secs(5), || {
+        run.board.lock().unwrap()[0]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("not today"))
+    })
+    .await;
+    assert!(!run.board.lock().unwrap()[0].registered);
+    kubelet.refuse(None);
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(5)).await,
+        "no retry after the kubelet accepted again"
+    );
+    wait_until("status registered", Duration::from_secs(2), || {
+        run.board.lock().unwrap()[0].registered
+    })
+    .await;
+    assert_eq!(run.board.lock().unwrap()[0].last_error, None);
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_change_reaches_list_and_watch() {
+    let n = node("t4-4");
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    let run = start(&n, PluginSettings::default());
+    assert!(kubelet.wait_for(1, Duration::from_secs(5)).await);
+    let mut c = client(&n.plugin_dir.join("nvidia-gpu.sock")).await;
+    let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
+    assert!(
+        stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .devices
+            .iter()
+            .all(|d| d.health == "Healthy")
+    );
+    run.senders["nvidia.com/gpu"].send_modify(|r| r.devices[2].healthy = false);
+    let update = stream.next().await.unwrap().unwrap();
+    let health: Vec<&str> = update.devices.iter().map(|d| d.health.as_str()).collect();
+    assert_eq!(health, ["Healthy", "Healthy", "Unhealthy", "Healthy"]);
+    run.senders["nvidia.com/gpu"].send_modify(|r| r.devices[2].healthy = true);
+    assert!(
+        stream
+            .next()
+            .await
+            .unwrap()
+            .unwrap()
+            .devices
+            .iter()
+            .all(|d| d.health == "Healthy")
+    );
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_slicing_with_rename_serves_two_resources() {
+    let n = node("t4-4");
+    let config = PluginConfig::from_yaml(
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.shared}\n",
+        "c",
+    )
+    .unwrap();
+    let settings = PluginSettings {
+        time_slicing: config.sharing.time_slicing,
+        ..PluginSettings::default()
+    };
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    let run = start(&n, settings);
+    assert!(kubelet.wait_for(2, Duration::from_secs(5)).await);
+    let mut names: Vec<(String, String)> = kubelet
+        .registrations()
+        .into_iter()
+        .map(|r| (r.resource_name, r.endpoint))
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            ("nvidia.com/gpu".to_string(), "nvidia-gpu.sock".to_string()),
+            (
+                "nvidia.com/gpu.shared".to_string(),
+                "nvidia-gpu.shared.sock".to_string()
+            )
+        ]
+    );
+    let mut c = client(&n.plugin_dir.join("nvidia-gpu.shared.sock")).await;
+    let list = c
+        .list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .next()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(list.devices.len(), 8);
+    assert!(list.devices[0].id.ends_with("::0"));
+    let _ = run.stop.send(());
+    run.task.await.unwrap();
+    kubelet.stop().await;
+}
