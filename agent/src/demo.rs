@@ -9,12 +9,12 @@ use gpu_agent::backend::sim::SimulatedBackend;
 use gpu_agent::caps::HeldCaps;
 use gpu_agent::policy::Policy;
 use gpu_agent::render;
-use gpu_agent::stages::{self, Context, StageState};
+use gpu_agent::stages::{self, Context, PluginPlan, StageState};
 use gpu_agent::state::{self, AgentState};
 use hostlib::HostRoot;
 use simnode::NodeDescription;
 
-use crate::{StatusReport, status_text};
+use crate::{RunningPlugin, StatusReport, status_text};
 
 pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     let t0 = Instant::now();
@@ -60,27 +60,21 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
             writeln!(out, "{}", format!("   {line}").trim_end())?;
         }
     }
-    let now = state::now();
-    let st = AgentState {
-        format: state::FORMAT,
-        pid: std::process::id(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        started_at: now,
-        updated_at: now,
-        stopped_at: None,
-        heartbeat_secs: 10,
-        host_root: host.path().display().to_string(),
-        policy: None,
-        simulated: Some(desc.name.clone()),
-        held_caps: caps.names(),
-        stages: pass.stages,
-        inventory: pass.inventory,
-    };
+    let mut st = AgentState::new(&host, 10, caps.names());
+    st.simulated = Some(desc.name.clone());
+    st.stages = pass.stages;
+    st.inventory = pass.inventory;
+    if let (Some(plan), Some(inv)) = (pass.plugin, st.inventory.clone()) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(serve_plugin(&host, plan, inv, &mut st, out))?;
+    }
     st.write(&host)?;
     let written = host.resolve(state::STATE_FILE)?;
     writeln!(
         out,
-        "\n4. Wrote the agent's state to {}; `gpu-agent status` reads it back:\n",
+        "\n5. Wrote the agent's state to {}; `gpu-agent status` reads it back:\n",
         written.display()
     )?;
     let read_back = AgentState::read(&host)?.context("the state file just written is missing")?;
@@ -115,5 +109,89 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
             "Removed the sandbox (use --keep to look around in it)."
         )?;
     }
+    Ok(())
+}
+
+/// Step 4: the device plugin registers with an in-process mock kubelet in the
+/// sandbox, and the kubelet's side of one allocation is shown.
+async fn serve_plugin(
+    host: &HostRoot,
+    plan: PluginPlan,
+    inventory: gpu_agent::Inventory,
+    st: &mut AgentState,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    use gpu_agent::plugin::kubelet::{self, MockKubelet};
+    use gpu_agent::plugin::manager::{self, KUBELET_SOCKET};
+    use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
+    use gpu_agent_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest};
+
+    let Some(first) = plan.resources.first().cloned() else {
+        writeln!(
+            out,
+            "\n4. No devices to advertise: the device plugin has nothing to register."
+        )?;
+        return Ok(());
+    };
+    let dir = manager::plugin_dir(host)?;
+    std::fs::create_dir_all(&dir)?;
+    let mock =
+        MockKubelet::start(&dir.join(KUBELET_SOCKET)).context("cannot start the mock kubelet")?;
+    let mut plugin = RunningPlugin::start(host, plan, inventory).map_err(|f| f.error)?;
+    let registered = mock.wait_for(1, std::time::Duration::from_secs(5)).await;
+    // Let the plugin record the kubelet's answer.
+    for _ in 0..100 {
+        plugin.refresh(st);
+        if st.plugin.iter().all(|r| r.registered) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    writeln!(
+        out,
+        "\n4. Device plugin: served {} on {} and {} with a mock kubelet at {}.",
+        first.name,
+        dir.join(first.socket_name()).display(),
+        if registered {
+            "registered"
+        } else {
+            "could NOT register"
+        },
+        dir.join(KUBELET_SOCKET).display()
+    )?;
+    let id = first.devices[0].id.clone();
+    let mut client =
+        DevicePluginClient::new(kubelet::connect(&dir.join(first.socket_name())).await?);
+    let resp = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec![id.clone()],
+            }],
+        })
+        .await?
+        .into_inner();
+    writeln!(
+        out,
+        "   The kubelet allocates {id} to a container; the plugin answers:"
+    )?;
+    let c = &resp.container_responses[0];
+    let mut envs: Vec<_> = c.envs.iter().collect();
+    envs.sort();
+    for (k, v) in envs {
+        writeln!(out, "     env {k}={v}")?;
+    }
+    for d in &c.devices {
+        writeln!(
+            out,
+            "     device {} (host {}, {})",
+            d.container_path, d.host_path, d.permissions
+        )?;
+    }
+    for d in &c.cdi_devices {
+        writeln!(out, "     CDI device {}", d.name)?;
+    }
+    plugin.refresh(st);
+    plugin.stop().await;
+    mock.stop().await;
     Ok(())
 }

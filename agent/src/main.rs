@@ -5,15 +5,17 @@ mod demo;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpu_agent::caps::HeldCaps;
 use gpu_agent::logging::{self, LogFormat};
+use gpu_agent::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
 use gpu_agent::policy::Policy;
 use gpu_agent::source::NodeView;
-use gpu_agent::stages::{self, Context, Stage, StageStatus};
+use gpu_agent::stages::{self, Context, PluginPlan, Stage, StageState, StageStatus};
 use gpu_agent::state::{self, AgentState, Liveness};
 use gpu_agent::{Inventory, render};
 use hostlib::HostRoot;
@@ -191,11 +193,14 @@ fn host_root(cli: &Cli) -> Result<HostRoot, Failure> {
     HostRoot::new(&cli.host_root).map_err(|e| bad_input(anyhow::anyhow!("--host-root: {e}")))
 }
 
+/// The policy, and the device-plugin config it names, or exit 2.
 fn load_policy(path: Option<&Path>) -> Result<Policy, Failure> {
-    match path {
-        Some(p) => Policy::from_file(p).map_err(bad_input),
-        None => Ok(Policy::default()),
-    }
+    let policy = match path {
+        Some(p) => Policy::from_file(p).map_err(bad_input)?,
+        None => Policy::default(),
+    };
+    gpu_agent::plugin::settings(&policy).map_err(bad_input)?;
+    Ok(policy)
 }
 
 fn node_view(cli: &Cli, host: &HostRoot) -> Result<NodeView, Failure> {
@@ -228,7 +233,7 @@ fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
 }
 
 fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
-    let policy = Policy::from_file(file).map_err(bad_input)?;
+    let policy = load_policy(Some(file))?;
     println!("{}: valid policy", file.display());
     let rows: Vec<Vec<String>> = Stage::ALL
         .iter()
@@ -269,23 +274,11 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         backend: view.backend.as_ref(),
     });
     let ok = pass.ok();
-    let started = state::now();
-    let mut st = AgentState {
-        format: state::FORMAT,
-        pid: std::process::id(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        started_at: started,
-        updated_at: started,
-        stopped_at: None,
-        heartbeat_secs: heartbeat,
-        host_root: host.path().display().to_string(),
-        policy: cli.policy.as_ref().map(|p| p.display().to_string()),
-        simulated: view.simulated.clone(),
-        held_caps: caps.names(),
-        stages: pass.stages,
-        inventory: pass.inventory,
-    };
-    write_state(&st, &host);
+    let mut st = AgentState::new(&host, heartbeat, caps.names());
+    st.policy = cli.policy.as_ref().map(|p| p.display().to_string());
+    st.simulated = view.simulated.clone();
+    st.stages = pass.stages;
+    st.inventory = pass.inventory;
     if once {
         st.stopped_at = Some(state::now());
         write_state(&st, &host);
@@ -295,6 +288,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             ExitCode::FAILURE
         });
     }
+    write_state(&st, &host);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -302,11 +296,17 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
+        let mut plugin = match (pass.plugin, &st.inventory) {
+            (Some(plan), Some(inv)) => Some(RunningPlugin::start(&host, plan, inv.clone())?),
+            _ => None,
+        };
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
-        tick.tick().await;
         loop {
             tokio::select! {
                 _ = tick.tick() => {
+                    if let Some(p) = &mut plugin {
+                        p.refresh(&mut st);
+                    }
                     st.updated_at = state::now();
                     write_state(&st, &host);
                 }
@@ -314,12 +314,71 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 _ = int.recv() => break,
             }
         }
-        Ok::<_, std::io::Error>(())
+        if let Some(p) = plugin {
+            p.stop().await;
+        }
+        Ok::<_, Failure>(())
     })?;
     tracing::info!("gpu-agent stopping");
     st.stopped_at = Some(state::now());
     write_state(&st, &host);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The device plugin, served in the background of `run`.
+struct RunningPlugin {
+    board: StatusBoard,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), PluginError>>,
+}
+
+impl RunningPlugin {
+    fn start(host: &HostRoot, plan: PluginPlan, inventory: Inventory) -> Result<Self, Failure> {
+        let dir = manager::plugin_dir(host)?;
+        let mgr = PluginManager::new(
+            dir,
+            plan.resources,
+            Arc::new(inventory),
+            Arc::new(plan.settings),
+            host.clone(),
+        );
+        let board = mgr.board();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(mgr.run(async {
+            let _ = stopped.await;
+        }));
+        Ok(RunningPlugin {
+            board,
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Copies the plugins' status into the agent state.
+    fn refresh(&mut self, st: &mut AgentState) {
+        if self.task.is_finished() {
+            if let Some(s) = st.stages.iter_mut().find(|s| s.stage == Stage::Plugin)
+                && s.state != StageState::Failed
+            {
+                s.state = StageState::Failed;
+                s.detail = "the device plugin stopped; see the log".into();
+            }
+            return;
+        }
+        st.plugin = self.board.lock().unwrap().clone();
+        stages::apply_plugin_status(&mut st.stages, &st.plugin);
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.task.await {
+            Ok(Err(e)) => tracing::error!(stage = "plugin", error = %e, "device plugin failed"),
+            Err(e) => tracing::error!(stage = "plugin", error = %e, "device plugin task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
 }
 
 fn write_state(st: &AgentState, host: &HostRoot) {
@@ -338,6 +397,8 @@ pub(crate) struct StatusReport {
     held_caps: Vec<String>,
     stages: Vec<StageStatus>,
     inventory: Option<Inventory>,
+    /// The device plugin's resources (running agent only).
+    plugin: Vec<ResourceStatus>,
 }
 
 impl StatusReport {
@@ -357,6 +418,7 @@ impl StatusReport {
             held_caps: st.held_caps,
             stages: st.stages,
             inventory: st.inventory,
+            plugin: st.plugin,
         }
     }
 }
@@ -402,6 +464,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         held_caps: caps.names(),
         stages: pass.stages,
         inventory: pass.inventory,
+        plugin: Vec::new(),
     };
     print_status(&report, output)
 }
@@ -430,6 +493,10 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     }
     out.push('\n');
     out.push_str(&render::stages(&report.stages));
+    if !report.plugin.is_empty() {
+        out.push('\n');
+        out.push_str(&render::plugin_resources(&report.plugin));
+    }
     if let Some(inv) = &report.inventory {
         for w in &inv.warnings {
             out.push_str(&format!("warning: {w}\n"));

@@ -10,6 +10,10 @@ use std::path::Path;
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
+use crate::plugin::config::{
+    AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, OneOrMany, PluginConfig,
+};
+
 /// A policy file: a ClusterPolicy-like object, or just its `spec`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -154,15 +158,30 @@ impl Default for CdiSpec {
     }
 }
 
-/// `spec.devicePlugin`.
+/// `spec.devicePlugin`. Keys set here win over the config file's `flags`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct DevicePluginSpec {
     #[serde(default = "yes")]
     pub enabled: bool,
-    /// Sharing and plugin configuration (time-slicing, MPS).
+    /// Sharing and plugin configuration (NVIDIA's config schema).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<DevicePluginConfig>,
+    /// `envvar` (default), `volume-mounts`, `cdi-annotations`, `cdi-cri`, or a list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
+    /// `uuid` (default) or `index`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id_strategy: Option<DeviceIdStrategy>,
+    /// Also pass device nodes (`/dev/nvidiaN` and control nodes) to the runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_device_specs: Option<bool>,
+    /// `distributed` (default) or `packed`, for shared GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_devices_allocation_policy: Option<AllocationPolicy>,
+    /// Prefix of the CDI annotation key (default `cdi.k8s.io/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_annotation_prefix: Option<String>,
 }
 
 impl Default for DevicePluginSpec {
@@ -170,12 +189,17 @@ impl Default for DevicePluginSpec {
         DevicePluginSpec {
             enabled: true,
             config: None,
+            device_list_strategy: None,
+            device_id_strategy: None,
+            pass_device_specs: None,
+            shared_devices_allocation_policy: None,
+            cdi_annotation_prefix: None,
         }
     }
 }
 
 /// `spec.devicePlugin.config`: as in ClusterPolicy, a named set of configs
-/// and the default one; here the set is a directory of files.
+/// and the default one; plus the config itself, from a file or inline.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct DevicePluginConfig {
@@ -185,6 +209,12 @@ pub struct DevicePluginConfig {
     /// The config used when the node has no `nvidia.com/device-plugin.config` label.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default: Option<String>,
+    /// A config file in NVIDIA's schema (`version: v1`, `flags`, `sharing`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<std::path::PathBuf>,
+    /// The same config, inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<PluginConfig>,
 }
 
 /// `spec.mig`.
@@ -281,6 +311,27 @@ impl Policy {
                 ));
             }
         }
+        if let Some(c) = self.device_plugin.config.as_ref() {
+            if c.file.is_some() && c.inline.is_some() {
+                return Err(YamlError::invalid(
+                    origin,
+                    "spec.devicePlugin.config",
+                    "give the config as `file` or `inline`, not both",
+                ));
+            }
+            if let Some(inline) = &c.inline {
+                inline.check(origin, "spec.devicePlugin.config.inline.")?;
+            }
+        }
+        if let Some(p) = &self.device_plugin.cdi_annotation_prefix
+            && !p.ends_with('/')
+        {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.devicePlugin.cdiAnnotationPrefix",
+                format!("{p:?} must end with '/' (e.g. cdi.k8s.io/)"),
+            ));
+        }
         if self.cdi.default && !self.cdi.enabled {
             return Err(YamlError::invalid(
                 origin,
@@ -320,7 +371,7 @@ mod tests {
             .unwrap_err();
         assert!(
             err.to_string().starts_with(
-                "p.yaml: spec.devicePlugin.enabeld: unknown key (expected one of: enabled, config)"
+                "p.yaml: spec.devicePlugin.enabeld: unknown key (expected one of: enabled, config, deviceListStrategy,"
             ),
             "{err}"
         );

@@ -3,6 +3,7 @@
 use std::fmt::Write;
 
 use crate::inventory::Inventory;
+use crate::plugin::manager::ResourceStatus;
 use crate::stages::StageStatus;
 
 /// Left-aligned columns, two spaces apart; the last column is not padded.
@@ -147,6 +148,26 @@ fn topology(inv: &Inventory) -> String {
     out.push_str(&table(&h, &rows));
     out.push_str("(NV<n>: n NVLinks; PIX: one PCIe switch; PXB: several switches; PHB: host bridge; NODE: same NUMA node; SYS: across sockets)\n");
     out
+}
+
+/// The device plugin's resources.
+pub fn plugin_resources(board: &[ResourceStatus]) -> String {
+    let rows: Vec<Vec<String>> = board
+        .iter()
+        .map(|r| {
+            vec![
+                r.resource.clone(),
+                r.socket.clone(),
+                format!("{}/{}", r.devices - r.unhealthy, r.devices),
+                match (&r.registered, &r.last_error) {
+                    (true, _) => format!("yes ({}x)", r.registrations),
+                    (false, Some(e)) => format!("no: {e}"),
+                    (false, None) => "not yet".into(),
+                },
+            ]
+        })
+        .collect();
+    table(&["RESOURCE", "SOCKET", "HEALTHY", "REGISTERED"], &rows)
 }
 
 /// The stage table.

@@ -9,6 +9,11 @@ use serde::{Deserialize, Serialize};
 use crate::backend::GpuBackend;
 use crate::caps::{Capability, HeldCaps};
 use crate::inventory::{self, Inventory};
+use crate::plugin::manager::ResourceStatus;
+use crate::plugin::{
+    self,
+    resources::{self, PluginSettings, Resource},
+};
 use crate::policy::Policy;
 
 /// Every stage, in the order the agent runs them.
@@ -134,7 +139,7 @@ impl Stage {
 
     /// Built and running for real.
     pub fn implemented(self) -> bool {
-        matches!(self, Stage::Discover)
+        matches!(self, Stage::Discover | Stage::Plugin)
     }
 }
 
@@ -143,6 +148,9 @@ impl Stage {
 #[serde(rename_all = "kebab-case")]
 pub enum StageState {
     Done,
+    /// Worked out, but it takes a running agent to carry out (e.g. the
+    /// device plugin's resources when `status` inspects the host).
+    Ready,
     Failed,
     /// A needed capability is missing.
     Blocked,
@@ -158,6 +166,7 @@ impl StageState {
     pub fn label(self) -> &'static str {
         match self {
             StageState::Done => "done",
+            StageState::Ready => "ready",
             StageState::Failed => "failed",
             StageState::Blocked => "blocked",
             StageState::Waiting => "waiting",
@@ -185,6 +194,29 @@ pub struct StageStatus {
 pub struct Pass {
     pub stages: Vec<StageStatus>,
     pub inventory: Option<Inventory>,
+    /// The device plugin's resources, for `run` to serve.
+    pub plugin: Option<PluginPlan>,
+}
+
+/// What the device plugin will advertise.
+#[derive(Debug, Clone)]
+pub struct PluginPlan {
+    pub settings: PluginSettings,
+    pub resources: Vec<Resource>,
+}
+
+impl PluginPlan {
+    /// `nvidia.com/gpu: 8 device(s)`, or that there is nothing to advertise.
+    pub fn summary(&self) -> String {
+        if self.resources.is_empty() {
+            return "no devices to advertise".into();
+        }
+        self.resources
+            .iter()
+            .map(|r| format!("{}: {} device(s)", r.name, r.devices.len()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 impl Pass {
@@ -207,7 +239,8 @@ pub struct Context<'a> {
 /// Runs the stages in order, once.
 pub fn run_pass(ctx: &Context<'_>) -> Pass {
     let mut stages: Vec<StageStatus> = Vec::new();
-    let mut inventory = None;
+    let mut inventory: Option<Inventory> = None;
+    let mut plugin_plan = None;
     for stage in Stage::ALL {
         let needs: Vec<String> = stage.needs().iter().map(|c| c.to_string()).collect();
         let missing = ctx.caps.missing(stage.needs());
@@ -232,6 +265,31 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     }
                     Err(e) => (StageState::Failed, e.to_string()),
                 },
+                Stage::Plugin => match (inventory.as_ref(), plugin::settings(ctx.policy)) {
+                    (None, _) => (StageState::Waiting, "waiting on discover".to_string()),
+                    (_, Err(e)) => (StageState::Failed, e.to_string()),
+                    (Some(inv), Ok(settings)) => match resources::build(inv, &settings) {
+                        Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => (
+                            StageState::Waiting,
+                            format!(
+                                "{} GPU(s) on the node, none can be advertised until {} describes them: {}",
+                                inv.gpus.len(),
+                                inv.backend.name,
+                                inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
+                            ),
+                        ),
+                        Ok(resources) => {
+                            let plan = PluginPlan {
+                                settings,
+                                resources,
+                            };
+                            let detail = plan.summary();
+                            plugin_plan = Some(plan);
+                            (StageState::Ready, detail)
+                        }
+                        Err(e) => (StageState::Failed, e.to_string()),
+                    },
+                },
                 other => unreachable!(
                     "stage {} is marked implemented but has no runner",
                     other.name()
@@ -253,7 +311,38 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
             missing,
         });
     }
-    Pass { stages, inventory }
+    Pass {
+        stages,
+        inventory,
+        plugin: plugin_plan,
+    }
+}
+
+/// Sets the plugin stage from the running plugins' status: `done` when every
+/// resource is registered, `waiting` (with the kubelet's answer) otherwise.
+pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus]) {
+    let Some(st) = stages.iter_mut().find(|s| s.stage == Stage::Plugin) else {
+        return;
+    };
+    if board.is_empty() {
+        st.state = StageState::Done;
+        st.detail = "no devices to advertise; nothing registered".into();
+        return;
+    }
+    let parts: Vec<String> = board
+        .iter()
+        .map(|r| match (&r.registered, &r.last_error) {
+            (true, _) => format!("{}: {} device(s), registered", r.resource, r.devices),
+            (false, Some(e)) => format!("{}: not registered ({e}); retrying", r.resource),
+            (false, None) => format!("{}: registering", r.resource),
+        })
+        .collect();
+    st.state = if board.iter().all(|r| r.registered) {
+        StageState::Done
+    } else {
+        StageState::Waiting
+    };
+    st.detail = parts.join("; ");
 }
 
 /// Why a stage does not run now, or `None` when it should run. `implemented`
@@ -332,7 +421,7 @@ mod tests {
     }
 
     #[test]
-    fn discover_runs_and_nothing_unbuilt_claims_done() {
+    fn discover_and_plugin_run_and_nothing_unbuilt_claims_done() {
         let p = pass(&Policy::default(), &HeldCaps::from_caps(&[]));
         assert!(p.ok());
         assert_eq!(p.stages.len(), Stage::ALL.len());
@@ -343,8 +432,12 @@ mod tests {
             "8 GPU(s): 8x NVIDIA H100 80GB HBM3; driver 550.127.08"
         );
         assert_eq!(p.inventory.as_ref().unwrap().gpus.len(), 8);
+        let plugin = state_of(&p, Stage::Plugin);
+        assert_eq!(plugin.state, StageState::Ready);
+        assert_eq!(plugin.detail, "nvidia.com/gpu: 8 device(s)");
+        assert_eq!(p.plugin.as_ref().unwrap().resources[0].devices.len(), 8);
         for s in &p.stages {
-            if s.stage != Stage::Discover {
+            if !s.stage.implemented() {
                 assert_eq!(s.state, StageState::NotImplemented, "{:?}", s.stage);
             }
         }

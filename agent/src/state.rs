@@ -9,6 +9,7 @@ use hostlib::{HostError, HostRoot};
 use serde::{Deserialize, Serialize};
 
 use crate::inventory::Inventory;
+use crate::plugin::manager::ResourceStatus;
 use crate::stages::StageStatus;
 
 /// Where the state file lives, as a host path.
@@ -36,6 +37,9 @@ pub struct AgentState {
     pub held_caps: Vec<String>,
     pub stages: Vec<StageStatus>,
     pub inventory: Option<Inventory>,
+    /// The device plugin's resources: socket, registration, device health.
+    #[serde(default)]
+    pub plugin: Vec<ResourceStatus>,
 }
 
 /// A state file that cannot be used.
@@ -67,6 +71,27 @@ pub enum Liveness {
 }
 
 impl AgentState {
+    /// A fresh state for this process, started now.
+    pub fn new(host_root: &HostRoot, heartbeat_secs: u64, held_caps: Vec<String>) -> Self {
+        let now = now();
+        AgentState {
+            format: FORMAT,
+            pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            started_at: now,
+            updated_at: now,
+            stopped_at: None,
+            heartbeat_secs,
+            host_root: host_root.path().display().to_string(),
+            policy: None,
+            simulated: None,
+            held_caps,
+            stages: Vec::new(),
+            inventory: None,
+            plugin: Vec::new(),
+        }
+    }
+
     /// How fresh the state is at `now`.
     pub fn liveness(&self, now: u64) -> Liveness {
         if let Some(at) = self.stopped_at {
@@ -135,6 +160,7 @@ mod tests {
             held_caps: vec![],
             stages: vec![],
             inventory: None,
+            plugin: vec![],
         }
     }
 

@@ -37,7 +37,15 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
-    assert!(out.contains("1 stage(s) done, 10 not built yet"), "{out}");
+    assert!(out.contains("2 stage(s) done, 9 not built yet"), "{out}");
+    assert!(
+        out.contains("plugin    done             nvidia.com/gpu: 8 device(s), registered"),
+        "{out}"
+    );
+    assert!(
+        out.contains("env NVIDIA_VISIBLE_DEVICES=GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"),
+        "{out}"
+    );
     let sandbox = out
         .lines()
         .find_map(|l| l.strip_prefix("1. Sandbox host root: "))
@@ -233,9 +241,37 @@ fn status_without_an_agent_inspects_the_host() {
     assert_eq!(stages[0]["stage"], "discover");
     assert_eq!(stages[0]["state"], "done");
     for s in &stages[1..] {
-        assert_eq!(s["state"], "not-implemented", "{s}");
+        if s["stage"] == "plugin" {
+            // The fixture has no NVML: GPUs without UUIDs cannot be advertised.
+            assert_eq!(s["state"], "waiting", "{s}");
+            assert!(
+                s["detail"].as_str().unwrap().starts_with(
+                    "8 GPU(s) on the node, none can be advertised until nvml describes them"
+                ),
+                "{s}"
+            );
+        } else {
+            assert_eq!(s["state"], "not-implemented", "{s}");
+        }
     }
     assert_eq!(stages[1]["needs"], serde_json::json!(["CAP_SYS_MODULE"]));
+}
+
+#[test]
+fn status_with_a_simulated_node_plans_the_plugin() {
+    let (code, out, err) = run(bin().args(["--simulate", "t4-4", "status", "-o", "json"]));
+    assert_eq!(code, 0, "{err}");
+    let st = json(&out);
+    let plugin = st["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "plugin")
+        .unwrap()
+        .clone();
+    // Worked out, but nothing serves it without a running agent.
+    assert_eq!(plugin["state"], "ready");
+    assert_eq!(plugin["detail"], "nvidia.com/gpu: 4 device(s)");
 }
 
 #[test]
@@ -365,4 +401,65 @@ fn auto_log_format_follows_journal_stream() {
     let err = run_with(&other);
     assert!(err.contains("gpu-agent starting"), "{err}");
     assert!(!err.contains("cannot log to the journal"), "{err}");
+}
+
+/// `gpu-agent run` serves the device plugin: it registers with a kubelet
+/// listening in the host root, and `status` shows the resource registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_registers_the_device_plugin_with_the_kubelet() {
+    use gpu_agent::plugin::kubelet::MockKubelet;
+    let host = tempfile::tempdir().unwrap();
+    let dir = host.path().join("var/lib/kubelet/device-plugins");
+    fs::create_dir_all(&dir).unwrap();
+    let kubelet = MockKubelet::start(&dir.join("kubelet.sock")).unwrap();
+    let mut child = bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .args(["--simulate", "h100-sxm-8", "run", "--heartbeat", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(10)).await,
+        "the agent did not register"
+    );
+    assert_eq!(kubelet.registrations()[0].resource_name, "nvidia.com/gpu");
+    // The next heartbeat records it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let (_, out, _) = run(bin()
+            .arg("--host-root")
+            .arg(host.path())
+            .args(["status", "-o", "json"]));
+        let st = json(&out);
+        if st["plugin"][0]["registered"] == true {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "status never showed the registration: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(st["source"], "running-agent");
+    assert_eq!(st["plugin"][0]["devices"], 8);
+    let plugin = st["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "plugin")
+        .unwrap()
+        .clone();
+    assert_eq!(plugin["state"], "done");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert!(
+        !dir.join("nvidia-gpu.sock").exists(),
+        "the agent left its socket behind"
+    );
+    kubelet.stop().await;
 }

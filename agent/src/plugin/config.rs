@@ -235,12 +235,15 @@ impl PluginConfig {
     /// Parses and checks a config; `origin` names it in errors.
     pub fn from_yaml(text: &str, origin: &str) -> Result<Self, YamlError> {
         let config: PluginConfig = strict::from_yaml(text, origin)?;
-        config.validate(origin)?;
+        config.check(origin, "")?;
         Ok(config)
     }
 
-    fn validate(&self, origin: &str) -> Result<(), YamlError> {
-        let invalid = |path: String, msg: String| YamlError::invalid(origin, path, msg);
+    /// Checks the rules the schema cannot express; error paths get `prefix`
+    /// (for a config inline in a policy).
+    pub fn check(&self, origin: &str, prefix: &str) -> Result<(), YamlError> {
+        let invalid =
+            |path: String, msg: String| YamlError::invalid(origin, format!("{prefix}{path}"), msg);
         if self.version != "v1" {
             return Err(invalid(
                 "version".into(),

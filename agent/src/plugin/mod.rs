@@ -12,3 +12,141 @@ pub mod server;
 
 #[cfg(test)]
 pub(crate) use crate::test_support;
+
+use hostlib::strict::YamlError;
+
+use crate::policy::Policy;
+use config::PluginConfig;
+use resources::PluginSettings;
+
+/// The device-plugin config named by the policy cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error(
+        "{path}: cannot read the device-plugin config (spec.devicePlugin.config.file): {source}"
+    )]
+    Read {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Invalid(#[from] YamlError),
+}
+
+/// The device plugin's effective settings: the policy's `spec.devicePlugin`
+/// keys, then the config's `flags.plugin`, then the defaults. The MIG
+/// strategy is the policy's `spec.mig.strategy`.
+pub fn settings(policy: &Policy) -> Result<PluginSettings, SettingsError> {
+    let dp = &policy.device_plugin;
+    let config: Option<PluginConfig> = match dp.config.as_ref() {
+        Some(c) if c.file.is_some() => {
+            let path = c.file.clone().expect("checked");
+            let text = std::fs::read_to_string(&path).map_err(|source| SettingsError::Read {
+                path: path.clone(),
+                source,
+            })?;
+            Some(PluginConfig::from_yaml(&text, &path.display().to_string())?)
+        }
+        Some(c) => c.inline.clone(),
+        None => None,
+    };
+    let flags = config
+        .as_ref()
+        .and_then(|c| c.flags.plugin.clone())
+        .unwrap_or_default();
+    let d = PluginSettings::default();
+    Ok(PluginSettings {
+        mig_strategy: policy.mig.strategy,
+        list_strategies: dp
+            .device_list_strategy
+            .as_ref()
+            .or(flags.device_list_strategy.as_ref())
+            .map_or(d.list_strategies, |s| s.to_vec()),
+        id_strategy: dp
+            .device_id_strategy
+            .or(flags.device_id_strategy)
+            .unwrap_or(d.id_strategy),
+        pass_device_specs: dp
+            .pass_device_specs
+            .or(flags.pass_device_specs)
+            .unwrap_or(d.pass_device_specs),
+        cdi_annotation_prefix: dp
+            .cdi_annotation_prefix
+            .clone()
+            .or(flags.cdi_annotation_prefix)
+            .unwrap_or(d.cdi_annotation_prefix),
+        allocation_policy: dp
+            .shared_devices_allocation_policy
+            .or(flags.shared_devices_allocation_policy)
+            .unwrap_or(d.allocation_policy),
+        time_slicing: config.and_then(|c| c.sharing.time_slicing),
+    })
+}
+
+#[cfg(test)]
+mod settings_tests {
+    use super::*;
+    use crate::plugin::config::{DeviceIdStrategy, DeviceListStrategy};
+
+    #[test]
+    fn policy_keys_win_over_config_flags() {
+        let p = Policy::from_yaml(
+            "spec:\n  devicePlugin:\n    deviceIdStrategy: index\n    config:\n      inline:\n        version: v1\n        flags:\n          plugin:\n            deviceIdStrategy: uuid\n            deviceListStrategy: [cdi-cri]\n            passDeviceSpecs: true\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n",
+            "p",
+        )
+        .unwrap();
+        let s = settings(&p).unwrap();
+        assert_eq!(s.id_strategy, DeviceIdStrategy::Index);
+        assert_eq!(s.list_strategies, [DeviceListStrategy::CdiCri]);
+        assert!(s.pass_device_specs);
+        assert_eq!(s.time_slicing.unwrap().resources[0].replicas, 4);
+    }
+
+    #[test]
+    fn config_file_errors_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("dp.yaml");
+        std::fs::write(&f, "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n").unwrap();
+        let p = Policy::from_yaml(
+            &format!(
+                "spec:\n  devicePlugin:\n    config:\n      file: {}\n",
+                f.display()
+            ),
+            "p",
+        )
+        .unwrap();
+        let err = settings(&p).unwrap_err().to_string();
+        assert!(
+            err.contains("dp.yaml: sharing.timeSlicing.resources[0].replicas"),
+            "{err}"
+        );
+        let p = Policy::from_yaml(
+            "spec:\n  devicePlugin:\n    config:\n      file: /nonexistent/dp.yaml\n",
+            "p",
+        )
+        .unwrap();
+        assert!(
+            settings(&p)
+                .unwrap_err()
+                .to_string()
+                .starts_with("/nonexistent/dp.yaml: cannot read")
+        );
+    }
+
+    #[test]
+    fn inline_config_errors_carry_the_policy_path() {
+        let err = Policy::from_yaml(
+            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 2}\n",
+            "p.yaml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with(
+                "p.yaml: spec.devicePlugin.config.inline.sharing.mps: MPS sharing is not supported"
+            ),
+            "{err}"
+        );
+    }
+}

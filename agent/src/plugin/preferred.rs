@@ -365,7 +365,9 @@ mod tests {
             .devices
             .iter()
             .filter(|d| {
-                !(d.index == 0 && d.replica.unwrap() < 3) && !(d.index == 1 && d.replica == Some(0))
+                let in_use = (d.index == 0 && d.replica.unwrap() < 3)
+                    || (d.index == 1 && d.replica == Some(0));
+                !in_use
             })
             .map(|d| d.id.clone())
             .collect();
