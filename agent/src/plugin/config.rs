@@ -79,11 +79,31 @@ pub struct PluginFlags {
 }
 
 /// A value or a list of values (`deviceListStrategy: envvar` or `[envvar, cdi-cri]`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum OneOrMany<T> {
     One(T),
     Many(Vec<T>),
+}
+
+impl<'de, T: serde::de::DeserializeOwned> Deserialize<'de> for OneOrMany<T> {
+    /// Says which value is wrong (an untagged enum would only say "no variant matched").
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        match serde_yaml_ng::Value::deserialize(d)? {
+            serde_yaml_ng::Value::Sequence(items) => items
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    T::deserialize(v).map_err(|e| D::Error::custom(format!("{e} (list item {i})")))
+                })
+                .collect::<Result<Vec<T>, _>>()
+                .map(OneOrMany::Many),
+            v => T::deserialize(v)
+                .map(OneOrMany::One)
+                .map_err(D::Error::custom),
+        }
+    }
 }
 
 impl<T: Clone> OneOrMany<T> {
