@@ -78,6 +78,29 @@ fn start(n: &Node, settings: PluginSettings) -> Running {
     }
 }
 
+impl Running {
+    /// Stops the plugins and the kubelet.
+    async fn shutdown(self, kubelet: MockKubelet) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+        kubelet.stop().await;
+    }
+}
+
+/// The first (full) device list of a new ListAndWatch stream.
+async fn first_list(
+    c: &mut DevicePluginClient<tonic::transport::Channel>,
+) -> gpu_agent_proto::deviceplugin::v1beta1::ListAndWatchResponse {
+    c.list_and_watch(Empty {})
+        .await
+        .unwrap()
+        .into_inner()
+        .next()
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 async fn client(sock: &Path) -> DevicePluginClient<tonic::transport::Channel> {
     DevicePluginClient::new(kubelet::connect(sock).await.unwrap())
 }
@@ -229,20 +252,10 @@ async fn hundred_kubelet_restarts_each_reregister_within_a_second() {
     })
     .await;
     let mut c = client(&n.plugin_dir.join("nvidia-gpu.sock")).await;
-    let list = c
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner()
-        .next()
-        .await
-        .unwrap()
-        .unwrap();
+    let list = first_list(&mut c).await;
     assert_eq!(list.devices.len(), 4);
     assert!(run.board.lock().unwrap()[0].registrations >= 1);
-    let _ = run.stop.send(());
-    run.task.await.unwrap();
-    kubelet.stop().await;
+    run.shutdown(kubelet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,9 +271,7 @@ async fn lost_socket_is_replaced_and_registered_again() {
         "no re-registration after losing the socket"
     );
     assert!(is_socket(&sock));
-    let _ = run.stop.send(());
-    run.task.await.unwrap();
-    kubelet.stop().await;
+    run.shutdown(kubelet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -287,9 +298,7 @@ async fn refused_registration_is_retried_and_reported() {
     })
     .await;
     assert_eq!(run.board.lock().unwrap()[0].last_error, None);
-    let _ = run.stop.send(());
-    run.task.await.unwrap();
-    kubelet.stop().await;
+    run.shutdown(kubelet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -325,9 +334,7 @@ async fn health_change_reaches_list_and_watch() {
             .iter()
             .all(|d| d.health == "Healthy")
     );
-    let _ = run.stop.send(());
-    run.task.await.unwrap();
-    kubelet.stop().await;
+    run.shutdown(kubelet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,18 +369,8 @@ async fn time_slicing_with_rename_serves_two_resources() {
         ]
     );
     let mut c = client(&n.plugin_dir.join("nvidia-gpu.shared.sock")).await;
-    let list = c
-        .list_and_watch(Empty {})
-        .await
-        .unwrap()
-        .into_inner()
-        .next()
-        .await
-        .unwrap()
-        .unwrap();
+    let list = first_list(&mut c).await;
     assert_eq!(list.devices.len(), 8);
     assert!(list.devices[0].id.ends_with("::0"));
-    let _ = run.stop.send(());
-    run.task.await.unwrap();
-    kubelet.stop().await;
+    run.shutdown(kubelet).await;
 }
