@@ -49,6 +49,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     let policy = Policy::default();
     let caps = HeldCaps::read();
     let backend = SimulatedBackend::new(desc.clone());
+    let backend_for_plugin = backend.clone();
     let pass = stages::run_pass(&Context {
         policy: &policy,
         caps: &caps,
@@ -68,7 +69,14 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        rt.block_on(serve_plugin(&host, plan, inv, &mut st, out))?;
+        rt.block_on(serve_plugin(
+            &host,
+            plan,
+            inv,
+            &backend_for_plugin,
+            &mut st,
+            out,
+        ))?;
     }
     st.write(&host)?;
     let written = host.resolve(state::STATE_FILE)?;
@@ -118,6 +126,7 @@ async fn serve_plugin(
     host: &HostRoot,
     plan: PluginPlan,
     inventory: gpu_agent::Inventory,
+    backend: &SimulatedBackend,
     st: &mut AgentState,
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {
@@ -190,8 +199,62 @@ async fn serve_plugin(
     for d in &c.cdi_devices {
         writeln!(out, "     CDI device {}", d.name)?;
     }
+    health_demo(backend, &mut client, &plugin, st, out).await?;
     plugin.refresh(st);
     plugin.stop().await;
     mock.stop().await;
+    Ok(())
+}
+
+/// The health monitor on the simulated backend: an injected XID 79 turns
+/// GPU 3 unhealthy in the kubelet's ListAndWatch stream.
+async fn health_demo(
+    backend: &SimulatedBackend,
+    client: &mut gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<
+        tonic::transport::Channel,
+    >,
+    plugin: &RunningPlugin,
+    st: &mut AgentState,
+    out: &mut dyn Write,
+) -> anyhow::Result<()> {
+    use gpu_agent::backend::HealthEvent;
+    use gpu_agent_proto::deviceplugin::v1beta1::Empty;
+    use tokio_stream::StreamExt;
+
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let Some(board) = crate::start_health(st, &Policy::default(), backend, Some(plugin), stopped)
+    else {
+        return Ok(());
+    };
+    let mut stream = client.list_and_watch(Empty {}).await?.into_inner();
+    let _ = stream.next().await;
+    let uuid = st
+        .inventory
+        .as_ref()
+        .and_then(|inv| inv.gpus.get(3))
+        .and_then(|g| g.uuid.clone())
+        .context("the simulated node has no GPU 3")?;
+    backend.inject(HealthEvent::Xid {
+        uuid: uuid.clone(),
+        xid: 79,
+    });
+    let update = tokio::time::timeout(std::time::Duration::from_secs(5), stream.next())
+        .await
+        .context("no ListAndWatch update after the injected XID")?
+        .context("the ListAndWatch stream ended")??;
+    let sick: Vec<&str> = update
+        .devices
+        .iter()
+        .filter(|d| d.health == "Unhealthy")
+        .map(|d| d.id.as_str())
+        .collect();
+    writeln!(
+        out,
+        "   Health: injected XID 79 (GPU fallen off the bus) on {uuid}; the kubelet's ListAndWatch stream now reports unhealthy: {}",
+        sick.join(", ")
+    )?;
+    st.health = board.lock().unwrap().clone();
+    gpu_agent::stages::apply_health_status(&mut st.stages, &st.health);
+    let _ = stop.send(());
     Ok(())
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpu_agent::caps::HeldCaps;
+use gpu_agent::health::{HealthBoard, HealthMonitor};
 use gpu_agent::logging::{self, LogFormat};
 use gpu_agent::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
 use gpu_agent::policy::Policy;
@@ -151,6 +152,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Run { .. } => "info",
+        // The demo says in words what happens; its (expected) warnings would only clutter it.
+        Command::Demo { .. } => "error",
         _ => "warn",
     };
     if let Some(note) = logging::init(cli.log_format, default_level) {
@@ -300,12 +303,24 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             (Some(plan), Some(inv)) => Some(RunningPlugin::start(&host, plan, inv.clone())?),
             _ => None,
         };
+        let (health_stop, health_stopped) = tokio::sync::oneshot::channel::<()>();
+        let health = start_health(
+            &mut st,
+            &policy,
+            view.backend.as_ref(),
+            plugin.as_ref(),
+            health_stopped,
+        );
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
         loop {
             tokio::select! {
                 _ = tick.tick() => {
                     if let Some(p) = &mut plugin {
                         p.refresh(&mut st);
+                    }
+                    if let Some(board) = &health {
+                        st.health = board.lock().unwrap().clone();
+                        stages::apply_health_status(&mut st.stages, &st.health);
                     }
                     st.updated_at = state::now();
                     write_state(&st, &host);
@@ -314,6 +329,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 _ = int.recv() => break,
             }
         }
+        let _ = health_stop.send(());
         if let Some(p) = plugin {
             p.stop().await;
         }
@@ -325,9 +341,55 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Starts the health monitor when the pass planned it: the backend's events
+/// flip the device plugin's devices. Returns the live health board.
+fn start_health(
+    st: &mut AgentState,
+    policy: &Policy,
+    backend: &dyn gpu_agent::backend::GpuBackend,
+    plugin: Option<&RunningPlugin>,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Option<HealthBoard> {
+    let planned = st
+        .stages
+        .iter()
+        .any(|s| s.stage == Stage::Health && s.state == StageState::Ready);
+    if !planned {
+        return None;
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    if let Err(e) = backend.watch_health(tx) {
+        if let Some(s) = st.stages.iter_mut().find(|s| s.stage == Stage::Health) {
+            s.state = StageState::Failed;
+            s.detail = e.to_string();
+        }
+        return None;
+    }
+    let uuids: Vec<String> = st
+        .inventory
+        .iter()
+        .flat_map(|inv| inv.gpus.iter().filter_map(|g| g.uuid.clone()))
+        .collect();
+    let senders = plugin
+        .map(|p| p.senders.values().cloned().collect())
+        .unwrap_or_default();
+    let monitor = HealthMonitor::new(policy.health.to_policy(), uuids, senders);
+    let board = monitor.board();
+    tokio::spawn(monitor.run(rx, async {
+        let _ = stopped.await;
+    }));
+    st.health = board.lock().unwrap().clone();
+    stages::apply_health_status(&mut st.stages, &st.health);
+    Some(board)
+}
+
 /// The device plugin, served in the background of `run`.
 struct RunningPlugin {
     board: StatusBoard,
+    senders: std::collections::HashMap<
+        String,
+        tokio::sync::watch::Sender<gpu_agent::plugin::resources::Resource>,
+    >,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), PluginError>>,
 }
@@ -343,12 +405,14 @@ impl RunningPlugin {
             host.clone(),
         );
         let board = mgr.board();
+        let senders = mgr.resource_senders();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(mgr.run(async {
             let _ = stopped.await;
         }));
         Ok(RunningPlugin {
             board,
+            senders,
             stop: Some(stop),
             task,
         })
@@ -366,6 +430,11 @@ impl RunningPlugin {
             return;
         }
         st.plugin = self.board.lock().unwrap().clone();
+        for r in &mut st.plugin {
+            if let Some(tx) = self.senders.get(&r.resource) {
+                r.unhealthy = tx.borrow().devices.iter().filter(|d| !d.healthy).count();
+            }
+        }
         stages::apply_plugin_status(&mut st.stages, &st.plugin);
     }
 

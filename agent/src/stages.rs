@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::GpuBackend;
 use crate::caps::{Capability, HeldCaps};
+use crate::health::GpuHealth;
 use crate::inventory::{self, Inventory};
 use crate::plugin::manager::ResourceStatus;
 use crate::plugin::{
@@ -94,8 +95,8 @@ impl Stage {
             Stage::Devnodes => &[Capability::CAP_MKNOD],
             // Reloading a runtime signals its daemon.
             Stage::Runtime => &[Capability::CAP_KILL],
-            // Reading the kernel log for XIDs.
-            Stage::Health => &[Capability::CAP_SYSLOG],
+            // NVML events need no capability (the kernel log, later, will).
+            Stage::Health => &[],
             // MIG reconfiguration through NVML is a privileged operation.
             Stage::Mig => &[Capability::CAP_SYS_ADMIN],
         }
@@ -139,7 +140,7 @@ impl Stage {
 
     /// Built and running for real.
     pub fn implemented(self) -> bool {
-        matches!(self, Stage::Discover | Stage::Plugin)
+        matches!(self, Stage::Discover | Stage::Plugin | Stage::Health)
     }
 }
 
@@ -290,9 +291,13 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                         Err(e) => (StageState::Failed, e.to_string()),
                     },
                 },
-                other => unreachable!(
-                    "stage {} is marked implemented but has no runner",
-                    other.name()
+                Stage::Health => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => health_plan(inv, ctx.policy),
+                },
+                other => (
+                    StageState::Failed,
+                    format!("internal error: stage {} has no runner", other.name()),
                 ),
             }
         };
@@ -343,6 +348,79 @@ pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus])
         StageState::Waiting
     };
     st.detail = parts.join("; ");
+}
+
+/// What the health stage will watch.
+fn health_plan(inv: &Inventory, policy: &Policy) -> (StageState, String) {
+    let watched = inv
+        .gpus
+        .iter()
+        .filter(|g| g.uuid.is_some() && g.index.is_some())
+        .count();
+    if watched == 0 && !inv.gpus.is_empty() {
+        return (
+            StageState::Waiting,
+            format!(
+                "{} GPU(s) on the node, none can be watched until {} describes them: {}",
+                inv.gpus.len(),
+                inv.backend.name,
+                inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
+            ),
+        );
+    }
+    if watched == 0 {
+        return (StageState::Done, "no GPU to watch".to_string());
+    }
+    let h = &policy.health;
+    let ignored: Vec<String> = h.ignored_xids.iter().map(u64::to_string).collect();
+    let ignored = if ignored.is_empty() {
+        "none".to_string()
+    } else {
+        ignored.join(", ")
+    };
+    let recovery = if h.recover_after_seconds == 0 {
+        "never recovering without a restart".to_string()
+    } else {
+        format!(
+            "healthy again after {} s without one",
+            h.recover_after_seconds
+        )
+    };
+    (
+        StageState::Ready,
+        format!(
+            "watch {watched} GPU(s) for XID and double-bit ECC events (ignoring XIDs {ignored}; {recovery})"
+        ),
+    )
+}
+
+/// Sets the health stage from the live health of every GPU.
+pub fn apply_health_status(stages: &mut [StageStatus], board: &[GpuHealth]) {
+    let Some(st) = stages.iter_mut().find(|s| s.stage == Stage::Health) else {
+        return;
+    };
+    let sick: Vec<String> = board
+        .iter()
+        .filter(|g| !g.healthy)
+        .map(|g| {
+            format!(
+                "{} ({})",
+                g.uuid,
+                g.reason.as_deref().unwrap_or("unhealthy")
+            )
+        })
+        .collect();
+    st.state = StageState::Done;
+    st.detail = if sick.is_empty() {
+        format!("watching {} GPU(s): all healthy", board.len())
+    } else {
+        format!(
+            "watching {} GPU(s): {} unhealthy: {}",
+            board.len(),
+            sick.len(),
+            sick.join(", ")
+        )
+    };
 }
 
 /// Why a stage does not run now, or `None` when it should run. `implemented`

@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hostlib::{HostError, HostRoot};
 use serde::{Deserialize, Serialize};
 
+use crate::health::GpuHealth;
 use crate::inventory::Inventory;
 use crate::plugin::manager::ResourceStatus;
 use crate::stages::StageStatus;
@@ -40,6 +41,9 @@ pub struct AgentState {
     /// The device plugin's resources: socket, registration, device health.
     #[serde(default)]
     pub plugin: Vec<ResourceStatus>,
+    /// Every watched GPU's health.
+    #[serde(default)]
+    pub health: Vec<GpuHealth>,
 }
 
 /// A state file that cannot be used.
@@ -89,6 +93,7 @@ impl AgentState {
             stages: Vec::new(),
             inventory: None,
             plugin: Vec::new(),
+            health: Vec::new(),
         }
     }
 
@@ -161,6 +166,7 @@ mod tests {
             stages: vec![],
             inventory: None,
             plugin: vec![],
+            health: vec![],
         }
     }
 

@@ -37,7 +37,11 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
-    assert!(out.contains("2 stage(s) done, 9 not built yet"), "{out}");
+    assert!(out.contains("3 stage(s) done, 8 not built yet"), "{out}");
+    assert!(
+        out.contains("GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04 (XID 79)"),
+        "{out}"
+    );
     assert!(
         out.contains("plugin    done             nvidia.com/gpu: 8 device(s), registered"),
         "{out}"
@@ -241,7 +245,16 @@ fn status_without_an_agent_inspects_the_host() {
     assert_eq!(stages[0]["stage"], "discover");
     assert_eq!(stages[0]["state"], "done");
     for s in &stages[1..] {
-        if s["stage"] == "plugin" {
+        if s["stage"] == "health" {
+            assert_eq!(s["state"], "waiting", "{s}");
+            assert!(
+                s["detail"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("8 GPU(s) on the node, none can be watched until nvml"),
+                "{s}"
+            );
+        } else if s["stage"] == "plugin" {
             // The fixture has no NVML: GPUs without UUIDs cannot be advertised.
             assert_eq!(s["state"], "waiting", "{s}");
             assert!(

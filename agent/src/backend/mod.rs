@@ -165,10 +165,36 @@ pub enum BackendError {
     },
 }
 
+/// A GPU health event, as a backend reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HealthEvent {
+    /// An XID error (999: NVML could not tell which).
+    Xid { uuid: String, xid: u64 },
+    /// A double-bit (uncorrectable) ECC error.
+    DoubleBitEcc { uuid: String },
+    /// Waiting for events failed: no GPU's health is known until the backend
+    /// answers again.
+    WaitFailed(String),
+    /// The backend answers again after [`HealthEvent::WaitFailed`].
+    Answering,
+}
+
+/// Where health events go; the watcher stops when the receiver is dropped.
+pub type HealthSender = tokio::sync::mpsc::UnboundedSender<HealthEvent>;
+
 /// A source of per-GPU facts.
-pub trait GpuBackend: std::fmt::Debug {
+pub trait GpuBackend: std::fmt::Debug + Send + Sync {
     /// `nvml` or `simulated`.
     fn name(&self) -> &'static str;
     /// Reads every GPU now.
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError>;
+    /// Starts sending health events (XID, double-bit ECC) to `events` from a
+    /// background thread, until `events` is closed.
+    fn watch_health(&self, events: HealthSender) -> Result<(), BackendError> {
+        drop(events);
+        Err(BackendError::Unavailable(format!(
+            "the {} backend reports no health events",
+            self.name()
+        )))
+    }
 }

@@ -5,16 +5,23 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use hostlib::PciAddress;
 use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel};
+use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode,
-    PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
+    HealthEvent, HealthSender, MigMode, PcieLevel, Telemetry,
 };
+
+/// How long one wait for events blocks (so the thread notices a closed channel).
+const EVENT_WAIT_MS: u32 = 1000;
 
 /// The library name the dynamic loader looks for.
 pub const DEFAULT_LIB: &str = "libnvidia-ml.so.1";
@@ -22,9 +29,10 @@ pub const DEFAULT_LIB: &str = "libnvidia-ml.so.1";
 /// `NVML_NVLINK_MAX_LINKS`: link numbers run from 0 to 17.
 const NVLINK_MAX_LINKS: u32 = 18;
 
-/// NVML, initialised once and shut down on drop.
+/// NVML, initialised once and shut down on drop (after the event thread,
+/// which holds a reference, is gone).
 pub struct NvmlBackend {
-    nvml: Nvml,
+    nvml: Arc<Nvml>,
     lib: PathBuf,
 }
 
@@ -56,7 +64,10 @@ impl NvmlBackend {
                 },
             })?;
         tracing::debug!(lib = %lib.display(), "NVML initialised");
-        Ok(NvmlBackend { nvml, lib })
+        Ok(NvmlBackend {
+            nvml: Arc::new(nvml),
+            lib,
+        })
     }
 }
 
@@ -92,9 +103,94 @@ fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option
     }
 }
 
+/// The event thread: registers every GPU for XID and double-bit ECC events
+/// and forwards them until the receiver is gone.
+fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
+    let mut set = nvml.create_event_set()?;
+    let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
+    for index in 0..nvml.device_count()? {
+        let device = nvml.device_by_index(index)?;
+        let supported = match device.supported_event_types() {
+            Ok(s) => s,
+            Err(NvmlError::NotSupported) => EventTypes::empty(),
+            Err(e) => return Err(e),
+        };
+        let types = wanted & supported;
+        if types.is_empty() {
+            tracing::warn!(
+                gpu = index,
+                "GPU reports no XID/ECC events; its health cannot be watched"
+            );
+            continue;
+        }
+        set = device.register_events(types, set).map_err(|e| e.error)?;
+    }
+    let mut failing = false;
+    while !events.is_closed() {
+        match set.wait(EVENT_WAIT_MS) {
+            Ok(ev) => {
+                if std::mem::take(&mut failing) {
+                    let _ = events.send(HealthEvent::Answering);
+                }
+                let uuid = match ev.device.uuid() {
+                    Ok(u) => u,
+                    Err(e) => {
+                        // NVIDIA's plugin marks every GPU unhealthy here: we cannot tell which.
+                        let _ = events.send(HealthEvent::WaitFailed(format!(
+                            "event for an unidentifiable GPU: {e}"
+                        )));
+                        failing = true;
+                        continue;
+                    }
+                };
+                if ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                    let xid = match ev.event_data {
+                        Some(XidError::Value(v)) => v,
+                        _ => 999,
+                    };
+                    let _ = events.send(HealthEvent::Xid { uuid, xid });
+                } else if ev.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+                    let _ = events.send(HealthEvent::DoubleBitEcc { uuid });
+                }
+            }
+            Err(NvmlError::Timeout) => {
+                if std::mem::take(&mut failing) {
+                    let _ = events.send(HealthEvent::Answering);
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    let _ = events.send(HealthEvent::WaitFailed(format!("NVML event wait: {e}")));
+                }
+                failing = true;
+                std::thread::sleep(Duration::from_millis(u64::from(EVENT_WAIT_MS)));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl GpuBackend for NvmlBackend {
     fn name(&self) -> &'static str {
         "nvml"
+    }
+
+    fn watch_health(&self, events: HealthSender) -> Result<(), BackendError> {
+        let nvml = self.nvml.clone();
+        std::thread::Builder::new()
+            .name("nvml-events".into())
+            .spawn(move || {
+                if let Err(e) = watch_events(&nvml, &events) {
+                    tracing::error!(stage = "health", error = %e, "cannot watch NVML events");
+                    let _ = events.send(HealthEvent::WaitFailed(format!(
+                        "cannot watch NVML events: {e}"
+                    )));
+                }
+            })
+            .map_err(|e| {
+                BackendError::Unavailable(format!("cannot start the NVML event thread: {e}"))
+            })?;
+        Ok(())
     }
 
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {

@@ -1,21 +1,35 @@
 //! The simulated backend: answers from a node description.
 
+use std::sync::{Arc, Mutex};
+
 use simnode::NodeDescription;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode,
-    PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
+    HealthEvent, HealthSender, MigMode, PcieLevel, Telemetry,
 };
 
-/// Serves a [`NodeDescription`].
+/// Serves a [`NodeDescription`]. Health events are injected with
+/// [`SimulatedBackend::inject`].
 #[derive(Debug, Clone)]
 pub struct SimulatedBackend {
     node: NodeDescription,
+    watchers: Arc<Mutex<Vec<HealthSender>>>,
 }
 
 impl SimulatedBackend {
     pub fn new(node: NodeDescription) -> Self {
-        SimulatedBackend { node }
+        SimulatedBackend {
+            node,
+            watchers: Arc::default(),
+        }
+    }
+
+    /// Sends `event` to every health watcher; returns how many got it.
+    pub fn inject(&self, event: HealthEvent) -> usize {
+        let mut watchers = self.watchers.lock().unwrap();
+        watchers.retain(|w| w.send(event.clone()).is_ok());
+        watchers.len()
     }
 
     pub fn node(&self) -> &NodeDescription {
@@ -26,6 +40,11 @@ impl SimulatedBackend {
 impl GpuBackend for SimulatedBackend {
     fn name(&self) -> &'static str {
         "simulated"
+    }
+
+    fn watch_health(&self, events: HealthSender) -> Result<(), BackendError> {
+        self.watchers.lock().unwrap().push(events);
+        Ok(())
     }
 
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {

@@ -10,6 +10,11 @@
 //! Without `FAKE_NVML_NODE`, or for a description with no driver, `nvmlInit`
 //! fails with `NVML_ERROR_DRIVER_NOT_LOADED`, as the real library does on a
 //! node without the driver.
+//!
+//! Events: `nvmlEventSetWait` reads new lines from the file named by
+//! `FAKE_NVML_EVENTS` (a test appends to it): `<UUID or index> xid <n>`,
+//! `<UUID or index> dbe` (double-bit ECC), or `fail` (the wait returns
+//! `NVML_ERROR_UNKNOWN`). Without the variable, waits time out.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -17,8 +22,8 @@ use std::ffi::{c_char, c_int, c_uint};
 use std::sync::Mutex;
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlGpuTopologyLevel_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t,
-    nvmlReturn_t, nvmlUtilization_t,
+    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuTopologyLevel_t, nvmlMemory_t,
+    nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t, nvmlUtilization_t,
 };
 use simnode::{GpuDesc, NodeDescription};
 
@@ -29,6 +34,7 @@ const ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
 const ERROR_NOT_FOUND: nvmlReturn_t = 6;
 const ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const ERROR_DRIVER_NOT_LOADED: nvmlReturn_t = 9;
+const ERROR_TIMEOUT: nvmlReturn_t = 10;
 const ERROR_UNKNOWN: nvmlReturn_t = 999;
 
 /// `NVML_TEMPERATURE_GPU`
@@ -519,4 +525,155 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
         // SAFETY: `util` is the caller's out-pointer.
         unsafe { answer(util, rates) }
     })
+}
+
+// --- Events -----------------------------------------------------------------
+
+/// `nvmlEventTypeSingleBitEccError | DoubleBitEccError | XidCriticalError`.
+const SUPPORTED_EVENTS: u64 = 1 | 2 | 8;
+const EVENT_DOUBLE_BIT_ECC: u64 = 2;
+const EVENT_XID: u64 = 8;
+
+/// An event set: the registered (GPU index, event mask) pairs and how far
+/// into the events file it has read.
+struct EventSet {
+    registered: Vec<(usize, u64)>,
+    offset: u64,
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlReturn_t {
+    if set.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_node(|_| {
+        // Start at the end of the file: only events written from now on count.
+        let offset = std::env::var("FAKE_NVML_EVENTS")
+            .ok()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map_or(0, |m| m.len());
+        let boxed = Box::new(EventSet {
+            registered: Vec::new(),
+            offset,
+        });
+        // SAFETY: checked non-null; the caller frees it with nvmlEventSetFree.
+        unsafe { *set = Box::into_raw(boxed).cast() };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
+    if set.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    // SAFETY: made by nvmlEventSetCreate from a Box<EventSet>.
+    drop(unsafe { Box::from_raw(set.cast::<EventSet>()) });
+    SUCCESS
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    device: nvmlDevice_t,
+    types: *mut u64,
+) -> nvmlReturn_t {
+    // SAFETY: `types` is the caller's out-pointer.
+    with_gpu(device, |_, _, _| unsafe {
+        answer(types, Some(SUPPORTED_EVENTS))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
+    device: nvmlDevice_t,
+    types: u64,
+    set: nvmlEventSet_t,
+) -> nvmlReturn_t {
+    if set.is_null() || types & !SUPPORTED_EVENTS != 0 {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, i, _| {
+        // SAFETY: made by nvmlEventSetCreate; NVML sets are not shared between threads.
+        unsafe { (*set.cast::<EventSet>()).registered.push((i, types)) };
+        SUCCESS
+    })
+}
+
+/// The next complete line of the events file after `offset`.
+fn next_line(path: &str, offset: &mut u64) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    f.seek(SeekFrom::Start(*offset)).ok()?;
+    let mut rest = String::new();
+    f.read_to_string(&mut rest).ok()?;
+    let end = rest.find('\n')?;
+    *offset += end as u64 + 1;
+    Some(rest[..end].trim().to_string())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeout_ms: u32,
+) -> nvmlReturn_t {
+    if set.is_null() || data.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    // SAFETY: made by nvmlEventSetCreate.
+    let set = unsafe { &mut *set.cast::<EventSet>() };
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(u64::from(timeout_ms));
+    let path = std::env::var("FAKE_NVML_EVENTS").ok();
+    loop {
+        while let Some(line) = path.as_deref().and_then(|p| next_line(p, &mut set.offset)) {
+            if line == "fail" {
+                return ERROR_UNKNOWN;
+            }
+            let mut words = line.split_whitespace();
+            let (Some(who), Some(kind)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let found = with_node(|node| {
+                let idx = node
+                    .gpus
+                    .iter()
+                    .position(|g| g.uuid == who)
+                    .or_else(|| who.parse::<usize>().ok().filter(|i| *i < node.gpus.len()));
+                let Some(idx) = idx else {
+                    return ERROR_NOT_FOUND;
+                };
+                let (event_type, event_data) =
+                    match (kind, words.next().and_then(|x| x.parse::<u64>().ok())) {
+                        ("xid", Some(xid)) => (EVENT_XID, xid),
+                        ("dbe", _) => (EVENT_DOUBLE_BIT_ECC, 0),
+                        _ => return ERROR_NOT_FOUND,
+                    };
+                if !set
+                    .registered
+                    .iter()
+                    .any(|(i, mask)| *i == idx && mask & event_type != 0)
+                {
+                    return ERROR_NOT_FOUND;
+                }
+                let ev = nvmlEventData_t {
+                    device: handle_for(idx),
+                    eventType: event_type,
+                    eventData: event_data,
+                    gpuInstanceId: u32::MAX,
+                    computeInstanceId: u32::MAX,
+                };
+                // SAFETY: `data` is the caller's out-pointer (checked non-null).
+                unsafe { data.write(ev) };
+                SUCCESS
+            });
+            if found == SUCCESS {
+                return SUCCESS;
+            }
+        }
+        if std::time::Instant::now() >= deadline {
+            return ERROR_TIMEOUT;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
