@@ -2,7 +2,7 @@
 //!
 //! Over real Unix sockets with a mock kubelet, simulated 8x H100:
 //! - Allocate latency, p50/p99, for 1 and for 8 devices;
-//! - health change → ListAndWatch update latency;
+//! - XID event (simulated backend) → health monitor → ListAndWatch update latency;
 //! - re-registration time after a kubelet restart;
 //! - RSS of `gpu-agent run` serving 8 GPUs x 4 replicas.
 //!
@@ -13,6 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpu_agent::backend::sim::SimulatedBackend;
+use gpu_agent::backend::{GpuBackend, HealthEvent};
+use gpu_agent::health::{HealthMonitor, HealthPolicy};
 use gpu_agent::inventory;
 use gpu_agent::plugin::kubelet::{self, MockKubelet};
 use gpu_agent::plugin::manager::{KUBELET_SOCKET, PluginManager};
@@ -49,7 +51,8 @@ async fn main() {
     let desc = simnode::NodeDescription::load("h100-sxm-8").unwrap();
     desc.materialize(dir.path()).unwrap();
     let host = HostRoot::new(dir.path()).unwrap();
-    let inv = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)).unwrap());
+    let backend = SimulatedBackend::new(desc);
+    let inv = Arc::new(inventory::discover(&host, &backend).unwrap());
     let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let ksock = plugin_dir.join(KUBELET_SOCKET);
@@ -108,16 +111,37 @@ async fn main() {
         );
     }
 
-    let sender = &senders["nvidia.com/gpu"];
+    // Health: an event from the (simulated) backend goes through the health
+    // monitor to the plugin's ListAndWatch stream. Recovery after 0 s, so
+    // each event is followed by a recovery update on the monitor's next tick.
+    let (htx, hrx) = tokio::sync::mpsc::unbounded_channel();
+    backend.watch_health(htx).unwrap();
+    let policy = HealthPolicy {
+        recover_after: Some(Duration::ZERO),
+        ..HealthPolicy::default()
+    };
+    let uuids: Vec<String> = inv.gpus.iter().filter_map(|g| g.uuid.clone()).collect();
+    let monitor = HealthMonitor::new(policy, uuids.clone(), senders.values().cloned().collect());
+    let (hstop, hstopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(monitor.run(hrx, async {
+        let _ = hstopped.await;
+    }));
     let mut samples = Vec::new();
-    for i in 0..500 {
+    for i in 0..100 {
         let t = Instant::now();
-        sender.send_modify(|r| r.devices[i % 8].healthy = !r.devices[i % 8].healthy);
-        stream.next().await.unwrap().unwrap();
+        backend.inject(HealthEvent::Xid {
+            uuid: uuids[i % 8].clone(),
+            xid: 79,
+        });
+        let update = stream.next().await.unwrap().unwrap();
         samples.push(t.elapsed());
+        assert!(update.devices.iter().any(|d| d.health == "Unhealthy"));
+        // The recovery update, before the next event.
+        stream.next().await.unwrap().unwrap();
     }
+    let _ = hstop.send(());
     report(
-        "health change -> ListAndWatch update",
+        "XID event -> ListAndWatch update",
         samples,
         Duration::from_millis(50),
     );
