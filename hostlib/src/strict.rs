@@ -94,10 +94,23 @@ fn plain_message(raw: &str) -> String {
         );
     }
     // Rust type names mean nothing to the person editing the file.
-    match msg.find("expected struct ") {
-        Some(i) => format!("{}expected a mapping of keys", &msg[..i]),
-        None => msg.to_string(),
+    if let Some(i) = msg.find("expected struct ") {
+        return format!("{}expected a mapping of keys", &msg[..i]);
     }
+    for (rust, plain) in [
+        ("expected u8", "expected a whole number from 0 to 255"),
+        ("expected u16", "expected a whole number from 0 to 65535"),
+        ("expected u32", "expected a whole number of 0 or more"),
+        ("expected u64", "expected a whole number of 0 or more"),
+        ("expected usize", "expected a whole number of 0 or more"),
+        ("expected i32", "expected a whole number"),
+        ("expected i64", "expected a whole number"),
+    ] {
+        if let Some(head) = msg.strip_suffix(rust) {
+            return format!("{head}{plain}");
+        }
+    }
+    msg.to_string()
 }
 
 /// serde's "one of `a`, `b`" / "`a` or `b`" as "a, b".
