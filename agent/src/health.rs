@@ -205,7 +205,7 @@ impl HealthMonitor {
             r.send_if_modified(|res| {
                 let mut changed = false;
                 for d in &mut res.devices {
-                    let h = self.healthy(&d.uuid);
+                    let h = self.healthy(&d.gpu_uuid);
                     if d.healthy != h {
                         d.healthy = h;
                         changed = true;

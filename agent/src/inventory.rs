@@ -11,8 +11,8 @@ use hostlib::{DriverState, HostRoot, PciAddress};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigMode, PcieLevel,
-    Telemetry,
+    BackendError, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigDevice, MigMode,
+    PcieLevel, Telemetry,
 };
 
 const DMI_PRODUCT_NAME: &str = "/sys/class/dmi/id/product_name";
@@ -68,6 +68,9 @@ pub struct Gpu {
     /// Active NVLinks.
     pub nvlinks: u32,
     pub telemetry: Telemetry,
+    /// MIG devices, while MIG is enabled.
+    #[serde(default)]
+    pub mig_devices: Vec<MigDevice>,
 }
 
 impl Gpu {
@@ -175,6 +178,7 @@ pub fn build(
                 mig: g.mig,
                 nvlinks: g.nvlink_remotes.len() as u32,
                 telemetry: g.telemetry.clone(),
+                mig_devices: g.mig_devices.clone(),
             });
         }
         let pcie: BTreeMap<(u32, u32), PcieLevel> =
@@ -226,6 +230,7 @@ pub fn build(
             mig: None,
             nvlinks: 0,
             telemetry: Telemetry::default(),
+            mig_devices: Vec::new(),
         });
     }
     Inventory {

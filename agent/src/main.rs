@@ -299,6 +299,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
         let mut plugin = match (pass.plugin, &st.inventory) {
             (Some(plan), Some(inv)) => Some(RunningPlugin::start(&host, plan, inv.clone())?),
             _ => None,
@@ -325,6 +326,12 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                     st.updated_at = state::now();
                     write_state(&st, &host);
                 }
+                _ = hup.recv() => {
+                    if let Some(p) = &plugin {
+                        reload(cli, &view, &caps, &mut st, p);
+                        write_state(&st, &host);
+                    }
+                }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
@@ -339,6 +346,44 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     st.stopped_at = Some(state::now());
     write_state(&st, &host);
     Ok(ExitCode::SUCCESS)
+}
+
+/// SIGHUP: read the policy again, discover again, and give the device plugin
+/// the new resources (a MIG layout or sharing change takes effect; resources
+/// that are gone are unregistered). An invalid policy is logged and the
+/// running one kept.
+fn reload(
+    cli: &Cli,
+    view: &NodeView,
+    caps: &HeldCaps,
+    st: &mut AgentState,
+    plugin: &RunningPlugin,
+) {
+    let policy = match load_policy(cli.policy.as_deref()) {
+        Ok(p) => p,
+        Err(f) => {
+            tracing::error!(error = %format!("{:#}", f.error), "SIGHUP: the policy is invalid; keeping the running one");
+            return;
+        }
+    };
+    tracing::info!("SIGHUP: reloading the policy and discovering again");
+    let pass = stages::run_pass(&Context {
+        policy: &policy,
+        caps,
+        sys: &view.sys,
+        backend: view.backend.as_ref(),
+    });
+    let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
+    let _ = plugin.updater.send(resources);
+    // Keep the live states of the stages that run in the background.
+    for s in pass.stages {
+        if let Some(old) = st.stages.iter_mut().find(|o| o.stage == s.stage)
+            && !(matches!(s.stage, Stage::Plugin | Stage::Health) && s.state == StageState::Ready)
+        {
+            *old = s;
+        }
+    }
+    st.inventory = pass.inventory;
 }
 
 /// Starts the health monitor when the pass planned it: the backend's events
@@ -386,6 +431,7 @@ fn start_health(
 /// The device plugin, served in the background of `run`.
 struct RunningPlugin {
     board: StatusBoard,
+    updater: tokio::sync::mpsc::UnboundedSender<Vec<gpu_agent::plugin::resources::Resource>>,
     senders: std::collections::HashMap<
         String,
         tokio::sync::watch::Sender<gpu_agent::plugin::resources::Resource>,
@@ -405,6 +451,7 @@ impl RunningPlugin {
             host.clone(),
         );
         let board = mgr.board();
+        let updater = mgr.updater();
         let senders = mgr.resource_senders();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(mgr.run(async {
@@ -412,6 +459,7 @@ impl RunningPlugin {
         }));
         Ok(RunningPlugin {
             board,
+            updater,
             senders,
             stop: Some(stop),
             task,

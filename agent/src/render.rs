@@ -90,6 +90,7 @@ pub fn inventory(inv: &Inventory) -> String {
                         Some(m) if m.current != m.pending => {
                             format!("{} (pending {})", onoff(m.current), onoff(m.pending))
                         }
+                        Some(m) if m.current => format!("on ({} devices)", g.mig_devices.len()),
                         Some(m) => onoff(m.current).into(),
                     },
                     g.pci

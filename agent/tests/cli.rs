@@ -476,3 +476,52 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
     );
     kubelet.stop().await;
 }
+
+/// SIGHUP re-reads the policy: switching the MIG strategy from mixed to none
+/// unregisters the MIG resources (their sockets go) and registers
+/// `nvidia.com/gpu` — no stale capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_applies_a_new_mig_strategy_without_stale_resources() {
+    use gpu_agent::plugin::kubelet::MockKubelet;
+    let host = tempfile::tempdir().unwrap();
+    let dir = host.path().join("var/lib/kubelet/device-plugins");
+    fs::create_dir_all(&dir).unwrap();
+    let policy = host.path().join("policy.yaml");
+    fs::write(&policy, "spec:\n  mig:\n    strategy: mixed\n").unwrap();
+    let kubelet = MockKubelet::start(&dir.join("kubelet.sock")).unwrap();
+    let mut child = bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--simulate", "h100-mig-2", "run", "--heartbeat", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        kubelet.wait_for(3, Duration::from_secs(10)).await,
+        "the MIG resources did not register"
+    );
+    assert!(dir.join("nvidia-mig-3g.40gb.sock").exists());
+    fs::write(&policy, "spec:\n  mig:\n    strategy: none\n").unwrap();
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGHUP).unwrap();
+    assert!(
+        kubelet.wait_for(4, Duration::from_secs(5)).await,
+        "nvidia.com/gpu did not register after SIGHUP"
+    );
+    assert_eq!(kubelet.registrations()[3].resource_name, "nvidia.com/gpu");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dir.join("nvidia-mig-3g.40gb.sock").exists()
+        || dir.join("nvidia-mig-1g.10gb.sock").exists()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "MIG sockets still there after the strategy change"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    kubelet.stop().await;
+}

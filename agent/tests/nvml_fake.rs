@@ -163,3 +163,28 @@ fn without_a_driver_nvml_says_so_and_sysfs_gpus_are_still_listed() {
     );
     assert_eq!(inv["gpus"][0]["index"], Value::Null);
 }
+
+#[test]
+fn mig_devices_same_through_nvml_and_simulation() {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = simnode::NodeDescription::load("h100-mig-2").unwrap();
+    desc.materialize(dir.path()).unwrap();
+    assert_same_inventory("h100-mig-2", dir.path());
+    let (_, inv, _) = nvml_inventory("h100-mig-2", dir.path());
+    let migs = inv["gpus"][0]["mig_devices"].as_array().unwrap();
+    let profiles: Vec<&str> = migs
+        .iter()
+        .map(|m| m["profile"].as_str().unwrap())
+        .collect();
+    // gpu-agent's names from NVML's attributes match the description's.
+    let described: Vec<&str> = desc.gpus[0]
+        .mig
+        .devices
+        .iter()
+        .map(|m| m.profile.as_deref().unwrap())
+        .collect();
+    assert_eq!(profiles, described);
+    assert_eq!(profiles, ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]);
+    assert_eq!(inv["gpus"][1]["mig_devices"].as_array().unwrap().len(), 7);
+    assert_eq!(migs[0]["uuid"], desc.gpus[0].mig.devices[0].uuid);
+}

@@ -46,6 +46,7 @@ fn node(name: &str) -> Node {
 
 struct Running {
     board: StatusBoard,
+    updater: tokio::sync::mpsc::UnboundedSender<Vec<Resource>>,
     senders: std::collections::HashMap<String, watch::Sender<Resource>>,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
@@ -61,6 +62,7 @@ fn start(n: &Node, settings: PluginSettings) -> Running {
         n.host.clone(),
     );
     let board = mgr.board();
+    let updater = mgr.updater();
     let senders = mgr.resource_senders();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
@@ -72,6 +74,7 @@ fn start(n: &Node, settings: PluginSettings) -> Running {
     });
     Running {
         board,
+        updater,
         senders,
         stop,
         task,
@@ -372,5 +375,80 @@ async fn time_slicing_with_rename_serves_two_resources() {
     let list = first_list(&mut c).await;
     assert_eq!(list.devices.len(), 8);
     assert!(list.devices[0].id.ends_with("::0"));
+    run.shutdown(kubelet).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_layout_change_unregisters_resources_that_disappear() {
+    use gpu_agent::policy::MigStrategy;
+    let n = node("h100-mig-2");
+    let settings = PluginSettings {
+        mig_strategy: MigStrategy::Mixed,
+        ..PluginSettings::default()
+    };
+    let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+    let run = start(&n, settings.clone());
+    assert!(kubelet.wait_for(3, Duration::from_secs(5)).await);
+    let mut names: Vec<String> = kubelet
+        .registrations()
+        .into_iter()
+        .map(|r| r.resource_name)
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "nvidia.com/mig-1g.10gb",
+            "nvidia.com/mig-2g.20gb",
+            "nvidia.com/mig-3g.40gb"
+        ]
+    );
+    let mut c = client(&n.plugin_dir.join("nvidia-mig-1g.10gb.sock")).await;
+    let mut stream = c.list_and_watch(Empty {}).await.unwrap().into_inner();
+    assert_eq!(stream.next().await.unwrap().unwrap().devices.len(), 9);
+
+    // GPU 0 re-partitioned into 7x 1g.10gb: 2g and 3g are gone.
+    let mut inv = (*n.inventory).clone();
+    let template = inv.gpus[1].mig_devices[0].clone();
+    inv.gpus[0].mig_devices = (0..7u32)
+        .map(|k| gpu_agent::backend::MigDevice {
+            index: k,
+            uuid: format!("MIG-11111111-2222-5333-8444-5555555555{k:02}"),
+            ..template.clone()
+        })
+        .collect();
+    run.updater
+        .send(resources::build(&inv, &settings).unwrap())
+        .unwrap();
+    let update = stream.next().await.unwrap().unwrap();
+    assert_eq!(update.devices.len(), 14);
+    wait_until("old sockets removed", Duration::from_secs(1), || {
+        !n.plugin_dir.join("nvidia-mig-2g.20gb.sock").exists()
+            && !n.plugin_dir.join("nvidia-mig-3g.40gb.sock").exists()
+    })
+    .await;
+    assert!(is_socket(&n.plugin_dir.join("nvidia-mig-1g.10gb.sock")));
+    let board: Vec<String> = run
+        .board
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| s.resource.clone())
+        .collect();
+    assert_eq!(board, ["nvidia.com/mig-1g.10gb"]);
+
+    // Back to the first layout: 2g and 3g come back and register.
+    run.updater
+        .send(resources::build(&n.inventory, &settings).unwrap())
+        .unwrap();
+    assert!(
+        kubelet.wait_for(5, Duration::from_secs(2)).await,
+        "new resources did not register"
+    );
+    wait_until("three resources registered", Duration::from_secs(2), || {
+        let b = run.board.lock().unwrap();
+        b.len() == 3 && b.iter().all(|s| s.registered)
+    })
+    .await;
     run.shutdown(kubelet).await;
 }

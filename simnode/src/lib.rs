@@ -37,6 +37,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("a10g-1", include_str!("../nodes/a10g-1.yaml")),
     ("t4-4", include_str!("../nodes/t4-4.yaml")),
     ("no-gpu", include_str!("../nodes/no-gpu.yaml")),
+    ("h100-mig-2", include_str!("../nodes/h100-mig-2.yaml")),
 ];
 
 /// A whole node.
@@ -167,6 +168,34 @@ pub struct MigDesc {
     pub capable: bool,
     #[serde(default)]
     pub enabled: bool,
+    /// The MIG devices (GPU instance + compute instance) while enabled.
+    #[serde(default)]
+    pub devices: Vec<MigDeviceDesc>,
+}
+
+/// One MIG device, as NVML describes it (`nvmlDeviceGetAttributes`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigDeviceDesc {
+    /// `MIG-<uuid>`.
+    pub uuid: String,
+    /// The profile name NVIDIA derives from the numbers below (`1g.10gb`);
+    /// informational, checked by tests against gpu-agent's own derivation.
+    #[serde(default)]
+    pub profile: Option<String>,
+    pub gi_slices: u32,
+    /// Compute-instance slices (default: the GPU instance's).
+    #[serde(default)]
+    pub ci_slices: Option<u32>,
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub multiprocessors: u32,
+}
+
+impl MigDeviceDesc {
+    pub fn ci_slices(&self) -> u32 {
+        self.ci_slices.unwrap_or(self.gi_slices)
+    }
 }
 
 /// Where the GPU sits on PCIe, from the GPU upward.
@@ -217,7 +246,7 @@ pub enum DescError {
     #[error(transparent)]
     Invalid(#[from] YamlError),
     #[error(
-        "{0:?} is neither a file nor a built-in node description (built-in: h100-sxm-8, a10g-1, t4-4, no-gpu)"
+        "{0:?} is neither a file nor a built-in node description (built-in: h100-sxm-8, a10g-1, t4-4, no-gpu, h100-mig-2)"
     )]
     Unknown(String),
 }
@@ -285,6 +314,44 @@ impl NodeDescription {
                     format!("gpus[{i}].mig.enabled"),
                     "MIG cannot be enabled on a GPU that is not MIG-capable".into(),
                 ));
+            }
+            if !g.mig.enabled && !g.mig.devices.is_empty() {
+                return Err(invalid(
+                    format!("gpus[{i}].mig.devices"),
+                    "MIG devices exist only while MIG is enabled".into(),
+                ));
+            }
+            let slices: u32 = g.mig.devices.iter().map(|m| m.gi_slices).sum();
+            if slices > 7 {
+                return Err(invalid(
+                    format!("gpus[{i}].mig.devices"),
+                    format!("{slices} GPU-instance slices; a GPU has at most 7"),
+                ));
+            }
+            for (k, m) in g.mig.devices.iter().enumerate() {
+                if !m.uuid.starts_with("MIG-") {
+                    return Err(invalid(
+                        format!("gpus[{i}].mig.devices[{k}].uuid"),
+                        format!("{:?} does not look like MIG-<uuid>", m.uuid),
+                    ));
+                }
+                if by_uuid.insert(&m.uuid, i).is_some() {
+                    return Err(invalid(
+                        format!("gpus[{i}].mig.devices[{k}].uuid"),
+                        format!("{} is not unique on this node", m.uuid),
+                    ));
+                }
+                if m.gi_slices == 0
+                    || m.ci_slices() == 0
+                    || m.ci_slices() > m.gi_slices
+                    || m.memory_mib > g.memory_mib
+                {
+                    return Err(invalid(
+                        format!("gpus[{i}].mig.devices[{k}]"),
+                        "slices must be 1..=7 with ciSlices <= giSlices, memory within the GPU's"
+                            .into(),
+                    ));
+                }
             }
             if g.name.is_empty() || g.name.len() >= 96 {
                 return Err(invalid(

@@ -58,6 +58,46 @@ pub struct MigMode {
     pub pending: bool,
 }
 
+/// One MIG device (a GPU instance with one compute instance).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigDevice {
+    /// The slot NVML lists it in on its parent (`<gpu>:<index>` in index naming).
+    pub index: u32,
+    /// `MIG-<uuid>`.
+    pub uuid: String,
+    /// NVIDIA's profile name, e.g. `1g.10gb` (or `1c.2g.20gb` when the
+    /// compute instance is smaller than its GPU instance).
+    pub profile: String,
+    pub gi_slices: u32,
+    pub ci_slices: u32,
+    pub memory_mib: u64,
+    pub multiprocessors: u32,
+}
+
+/// NVIDIA's MIG profile name from NVML's attributes: `<G>g.<M>gb`, or
+/// `<C>c.<G>g.<M>gb` when the compute instance has fewer slices. `M` is the
+/// device's share of the GPU's memory rounded up to eighths, times the GPU's
+/// memory in whole GB (rounded up), then rounded: 9856 of 81559 MiB → 10gb.
+pub fn mig_profile_name(
+    gi_slices: u32,
+    ci_slices: u32,
+    memory_mib: u64,
+    gpu_memory_mib: u64,
+) -> String {
+    let share = if gpu_memory_mib == 0 {
+        0.0
+    } else {
+        (memory_mib as f64 / gpu_memory_mib as f64 * 8.0).ceil() / 8.0
+    };
+    let gpu_gb = gpu_memory_mib.div_ceil(1024) as f64;
+    let gb = (share * gpu_gb).round() as u64;
+    if ci_slices < gi_slices {
+        format!("{ci_slices}c.{gi_slices}g.{gb}gb")
+    } else {
+        format!("{gi_slices}g.{gb}gb")
+    }
+}
+
 /// How two GPUs reach each other over PCIe (NVML's common-ancestor levels),
 /// nearest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -128,6 +168,8 @@ pub struct BackendGpu {
     /// The far end of each active NVLink, by link number.
     pub nvlink_remotes: Vec<PciAddress>,
     pub telemetry: Telemetry,
+    /// MIG devices, while MIG is enabled.
+    pub mig_devices: Vec<MigDevice>,
 }
 
 /// Everything a backend reports at once.
@@ -163,6 +205,23 @@ pub enum BackendError {
         #[source]
         source: nvml_wrapper::error::NvmlError,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mig_profile_names_as_nvidia_writes_them() {
+        // H100 80GB (81559 MiB) and A100 40GB (40536 MiB) profiles.
+        assert_eq!(mig_profile_name(1, 1, 9856, 81559), "1g.10gb");
+        assert_eq!(mig_profile_name(2, 2, 19968, 81559), "2g.20gb");
+        assert_eq!(mig_profile_name(3, 3, 40192, 81559), "3g.40gb");
+        assert_eq!(mig_profile_name(7, 7, 80768, 81559), "7g.80gb");
+        assert_eq!(mig_profile_name(1, 1, 4864, 40536), "1g.5gb");
+        assert_eq!(mig_profile_name(3, 3, 20096, 40536), "3g.20gb");
+        assert_eq!(mig_profile_name(2, 1, 19968, 81559), "1c.2g.20gb");
+    }
 }
 
 /// A GPU health event, as a backend reports it.

@@ -17,7 +17,7 @@ use nvml_wrapper::error::NvmlError;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigMode, PcieLevel, Telemetry,
+    HealthEvent, HealthSender, MigDevice, MigMode, PcieLevel, Telemetry, mig_profile_name,
 };
 
 /// How long one wait for events blocks (so the thread notices a closed channel).
@@ -250,12 +250,45 @@ impl GpuBackend for NvmlBackend {
                 }
             }
             let util = reading(index, "utilization", device.utilization_rates());
+            let memory_total_mib = memory.as_ref().map(|m| m.total / (1024 * 1024));
+            let mut mig_devices = Vec::new();
+            if mig.is_some_and(|m| m.current) {
+                let slots = device
+                    .mig_device_count()
+                    .map_err(dev_err("nvmlDeviceGetMaxMigDeviceCount"))?;
+                for slot in 0..slots {
+                    let m = match device.mig_device_by_index(slot) {
+                        Ok(m) => m,
+                        // An empty slot.
+                        Err(NvmlError::NotFound) => continue,
+                        Err(e) => return Err(dev_err("nvmlDeviceGetMigDeviceHandleByIndex")(e)),
+                    };
+                    let uuid = m.uuid().map_err(dev_err("nvmlDeviceGetUUID (MIG)"))?;
+                    let a = m
+                        .attributes()
+                        .map_err(dev_err("nvmlDeviceGetAttributes (MIG)"))?;
+                    mig_devices.push(MigDevice {
+                        index: slot,
+                        uuid,
+                        profile: mig_profile_name(
+                            a.gpu_instance_slice_count,
+                            a.compute_instance_slice_count,
+                            a.memory_size_mb,
+                            memory_total_mib.unwrap_or(0),
+                        ),
+                        gi_slices: a.gpu_instance_slice_count,
+                        ci_slices: a.compute_instance_slice_count,
+                        memory_mib: a.memory_size_mb,
+                        multiprocessors: a.multiprocessor_count,
+                    });
+                }
+            }
             gpus.push(BackendGpu {
                 index,
                 uuid: device.uuid().map_err(dev_err("nvmlDeviceGetUUID"))?,
                 name: device.name().map_err(dev_err("nvmlDeviceGetName"))?,
                 bus_id,
-                memory_total_mib: memory.as_ref().map(|m| m.total / (1024 * 1024)),
+                memory_total_mib,
                 compute_capability: optional(device.cuda_compute_capability())
                     .map_err(dev_err("nvmlDeviceGetCudaComputeCapability"))?
                     .map(|c| ComputeCapability {
@@ -275,6 +308,7 @@ impl GpuBackend for NvmlBackend {
                     utilization_memory_pct: util.as_ref().map(|u| u.memory),
                     memory_used_mib: memory.as_ref().map(|m| m.used / (1024 * 1024)),
                 },
+                mig_devices,
             });
             devices.push(device);
         }

@@ -6,7 +6,7 @@ use simnode::NodeDescription;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigMode, PcieLevel, Telemetry,
+    HealthEvent, HealthSender, MigDevice, MigMode, PcieLevel, Telemetry, mig_profile_name,
 };
 
 /// Serves a [`NodeDescription`]. Health events are injected with
@@ -85,6 +85,29 @@ impl GpuBackend for SimulatedBackend {
                         .utilization_memory
                         .filter(|_| g.telemetry.utilization_gpu.is_some()),
                     memory_used_mib: Some(g.memory_used_mib),
+                },
+                mig_devices: if g.mig.enabled {
+                    g.mig
+                        .devices
+                        .iter()
+                        .enumerate()
+                        .map(|(k, m)| MigDevice {
+                            index: k as u32,
+                            uuid: m.uuid.clone(),
+                            profile: mig_profile_name(
+                                m.gi_slices,
+                                m.ci_slices(),
+                                m.memory_mib,
+                                g.memory_mib,
+                            ),
+                            gi_slices: m.gi_slices,
+                            ci_slices: m.ci_slices(),
+                            memory_mib: m.memory_mib,
+                            multiprocessors: m.multiprocessors,
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
                 },
             })
             .collect();

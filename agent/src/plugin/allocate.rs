@@ -96,7 +96,7 @@ pub fn container_response(
         .iter()
         .map(|g| match settings.id_strategy {
             DeviceIdStrategy::Uuid => g.uuid.clone(),
-            DeviceIdStrategy::Index => g.index.to_string(),
+            DeviceIdStrategy::Index => g.index_name.clone(),
         })
         .collect();
     let mut resp = ContainerAllocateResponse::default();

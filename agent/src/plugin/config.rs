@@ -219,14 +219,15 @@ pub enum DeviceRef {
 }
 
 impl DeviceSelection {
-    /// True when the GPU with this index and UUID is selected.
-    pub fn selects(&self, index: u32, uuid: &str) -> bool {
+    /// True when the device is selected: a GPU (index `3`, its UUID) or a
+    /// MIG device (index name `3:1`, its MIG UUID) on GPU `index`.
+    pub fn selects(&self, index: u32, uuid: &str, index_name: &str) -> bool {
         match self {
             DeviceSelection::All | DeviceSelection::Named(AllKeyword::All) => true,
             DeviceSelection::Count(n) => index < *n,
             DeviceSelection::List(refs) => refs.iter().any(|r| match r {
-                DeviceRef::Index(i) => *i == index,
-                DeviceRef::Id(s) => s == uuid || s.parse::<u32>().ok() == Some(index),
+                DeviceRef::Index(i) => i.to_string() == index_name,
+                DeviceRef::Id(s) => s == uuid || s == index_name,
             }),
         }
     }
@@ -373,7 +374,7 @@ sharing:
         assert_eq!(c.sharing_strategy(), SharingStrategy::TimeSlicing);
         let r = &c.sharing.time_slicing.as_ref().unwrap().resources[0];
         assert_eq!(r.replicas, 4);
-        assert!(r.devices.selects(7, "GPU-x"));
+        assert!(r.devices.selects(7, "GPU-x", "7"));
     }
 
     #[test]
@@ -381,12 +382,14 @@ sharing:
         let text = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, \"GPU-b\", \"3\"], replicas: 2}\n    - {name: nvidia.com/gpu, devices: 2, replicas: 8}\n    - {name: nvidia.com/gpu, devices: all, replicas: 3}\n";
         let c = PluginConfig::from_yaml(text, "c").unwrap();
         let rs = &c.sharing.time_slicing.unwrap().resources;
-        assert!(rs[0].devices.selects(0, "GPU-a"));
-        assert!(rs[0].devices.selects(1, "GPU-b"));
-        assert!(rs[0].devices.selects(3, "GPU-d"));
-        assert!(!rs[0].devices.selects(2, "GPU-c"));
-        assert!(rs[1].devices.selects(1, "x") && !rs[1].devices.selects(2, "x"));
-        assert!(rs[2].devices.selects(99, "x"));
+        assert!(rs[0].devices.selects(0, "GPU-a", "0"));
+        assert!(rs[0].devices.selects(1, "GPU-b", "1"));
+        assert!(rs[0].devices.selects(3, "GPU-d", "3"));
+        assert!(!rs[0].devices.selects(2, "GPU-c", "2"));
+        // A MIG device on GPU 0 is not GPU 0.
+        assert!(!rs[0].devices.selects(0, "MIG-x", "0:1"));
+        assert!(rs[1].devices.selects(1, "x", "1") && !rs[1].devices.selects(2, "x", "2"));
+        assert!(rs[2].devices.selects(99, "x", "99"));
     }
 
     #[test]

@@ -89,6 +89,9 @@ struct Plugin {
 pub struct PluginManager {
     dir: PathBuf,
     plugins: Vec<Plugin>,
+    updates: mpsc::UnboundedReceiver<Vec<Resource>>,
+    updater: mpsc::UnboundedSender<Vec<Resource>>,
+    next_generation: u64,
     inventory: Arc<Inventory>,
     settings: Arc<PluginSettings>,
     dev_root: HostRoot,
@@ -104,7 +107,8 @@ impl std::fmt::Debug for PluginManager {
 }
 
 struct Registered {
-    index: usize,
+    /// Unique across plugins and restarts: finds the plugin (if it still
+    /// exists and has not restarted since).
     generation: u64,
     result: Result<(), String>,
 }
@@ -137,21 +141,14 @@ impl PluginManager {
                 })
                 .collect(),
         ));
-        let plugins = resources
-            .into_iter()
-            .map(|r| Plugin {
-                name: r.name.clone(),
-                socket: dir.join(r.socket_name()),
-                resource: watch::channel(r).0,
-                server: None,
-                generation: 0,
-                retry_delay: FIRST_RETRY,
-                retry_at: None,
-            })
-            .collect();
+        let plugins = resources.into_iter().map(|r| new_plugin(&dir, r)).collect();
+        let (updater, updates) = mpsc::unbounded_channel();
         PluginManager {
             dir,
             plugins,
+            updates,
+            updater,
+            next_generation: 1,
             inventory,
             settings,
             dev_root,
@@ -162,6 +159,14 @@ impl PluginManager {
     /// The live status of every resource.
     pub fn board(&self) -> StatusBoard {
         self.board.clone()
+    }
+
+    /// Sends the node's new set of resources (after re-discovery, e.g. a MIG
+    /// layout change): resources that are gone stop being served and their
+    /// sockets are removed, so the kubelet drops their capacity; new ones are
+    /// served and registered; the rest get their new device lists.
+    pub fn updater(&self) -> mpsc::UnboundedSender<Vec<Resource>> {
+        self.updater.clone()
     }
 
     /// Senders that change a resource's devices (health): every
@@ -243,6 +248,7 @@ impl PluginManager {
                     }
                 }
                 Some(done) = done_rx.recv() => self.registered(done),
+                Some(resources) = self.updates.recv() => self.update(resources, &done_tx)?,
                 _ = retry => {
                     let now = tokio::time::Instant::now();
                     for i in 0..self.plugins.len() {
@@ -299,7 +305,8 @@ impl PluginManager {
             }
         });
         p.server = Some(stop);
-        p.generation += 1;
+        p.generation = self.next_generation;
+        self.next_generation += 1;
         p.retry_delay = FIRST_RETRY;
         p.retry_at = None;
         self.set_status(i, |s| s.registered = false);
@@ -322,24 +329,24 @@ impl PluginManager {
             let result = kubelet::register(&kubelet, &endpoint, &resource)
                 .await
                 .map_err(|e| e.to_string());
-            let _ = done.send(Registered {
-                index: i,
-                generation,
-                result,
-            });
+            let _ = done.send(Registered { generation, result });
         });
     }
 
     fn registered(&mut self, done: Registered) {
-        let p = &mut self.plugins[done.index];
-        if done.generation != p.generation {
+        let Some(index) = self
+            .plugins
+            .iter()
+            .position(|p| p.generation == done.generation)
+        else {
             return;
-        }
+        };
+        let p = &mut self.plugins[index];
         match done.result {
             Ok(()) => {
                 p.retry_delay = FIRST_RETRY;
                 tracing::info!(stage = "plugin", resource = %p.name, socket = %p.socket.display(), "registered with the kubelet");
-                self.set_status(done.index, |s| {
+                self.set_status(index, |s| {
                     s.registered = true;
                     s.registrations += 1;
                     s.last_error = None;
@@ -357,7 +364,7 @@ impl PluginManager {
                 } else {
                     tracing::debug!(stage = "plugin", resource = %p.name, error = %e, "registration failed");
                 }
-                self.set_status(done.index, |s| {
+                self.set_status(index, |s| {
                     s.registered = false;
                     s.last_error = Some(e.clone());
                 });
@@ -365,10 +372,79 @@ impl PluginManager {
         }
     }
 
+    fn update(
+        &mut self,
+        resources: Vec<Resource>,
+        done: &mpsc::UnboundedSender<Registered>,
+    ) -> Result<(), PluginError> {
+        let resources: Vec<Resource> = resources
+            .into_iter()
+            .filter(|r| !r.devices.is_empty())
+            .collect();
+        // Gone: stop serving and remove the socket (registration results of
+        // the removed plugin are ignored through its index going away).
+        let mut i = 0;
+        while i < self.plugins.len() {
+            if resources.iter().any(|r| r.name == self.plugins[i].name) {
+                i += 1;
+                continue;
+            }
+            let mut p = self.plugins.remove(i);
+            self.board.lock().unwrap().remove(i);
+            if let Some(stop) = p.server.take() {
+                let _ = stop.send(());
+            }
+            let _ = std::fs::remove_file(&p.socket);
+            tracing::info!(stage = "plugin", resource = %p.name, "resource no longer exists; stopped serving it and removed its socket");
+        }
+        for r in resources {
+            if let Some(p) = self.plugins.iter().find(|p| p.name == r.name) {
+                let count = r.devices.len();
+                p.resource.send_replace(r);
+                let name = p.name.clone();
+                if let Some(s) = self
+                    .board
+                    .lock()
+                    .unwrap()
+                    .iter_mut()
+                    .find(|s| s.resource == name)
+                {
+                    s.devices = count;
+                }
+                continue;
+            }
+            tracing::info!(stage = "plugin", resource = %r.name, devices = r.devices.len(), "new resource");
+            self.board.lock().unwrap().push(ResourceStatus {
+                resource: r.name.clone(),
+                socket: self.dir.join(r.socket_name()).display().to_string(),
+                devices: r.devices.len(),
+                unhealthy: r.devices.iter().filter(|d| !d.healthy).count(),
+                registered: false,
+                registrations: 0,
+                last_error: None,
+            });
+            self.plugins.push(new_plugin(&self.dir, r));
+            self.restart(self.plugins.len() - 1, done)?;
+        }
+        Ok(())
+    }
+
     fn set_status(&self, i: usize, f: impl FnOnce(&mut ResourceStatus)) {
         if let Some(s) = self.board.lock().unwrap().get_mut(i) {
             f(s);
         }
+    }
+}
+
+fn new_plugin(dir: &Path, r: Resource) -> Plugin {
+    Plugin {
+        name: r.name.clone(),
+        socket: dir.join(r.socket_name()),
+        resource: watch::channel(r).0,
+        server: None,
+        generation: 0,
+        retry_delay: FIRST_RETRY,
+        retry_at: None,
     }
 }
 

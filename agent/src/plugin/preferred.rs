@@ -217,47 +217,61 @@ fn replicas(
     must: &[&PluginDevice],
     size: usize,
 ) -> Vec<String> {
-    let total = resource.replicas_per_gpu();
-    let mut free: BTreeMap<u32, Vec<&PluginDevice>> = BTreeMap::new();
+    // Replicas are grouped by the device they share (a GPU or a MIG device).
+    let mut total: BTreeMap<&str, u32> = BTreeMap::new();
+    for d in &resource.devices {
+        *total.entry(d.uuid.as_str()).or_default() += 1;
+    }
+    let mut free: BTreeMap<&str, Vec<&PluginDevice>> = BTreeMap::new();
     for d in avail {
-        free.entry(d.index).or_default().push(d);
+        free.entry(d.uuid.as_str()).or_default().push(d);
     }
     for v in free.values_mut() {
         v.sort_by_key(|d| d.replica);
     }
-    let mut picked: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut picked: BTreeMap<&str, u32> = BTreeMap::new();
     let mut out: Vec<String> = Vec::new();
     let mut taken: BTreeSet<&str> = BTreeSet::new();
     for d in must {
         out.push(d.id.clone());
         taken.insert(&d.id);
-        *picked.entry(d.index).or_default() += 1;
+        *picked.entry(d.uuid.as_str()).or_default() += 1;
     }
     while out.len() < size {
         // In use = replicas not available + picked in this request.
         let candidates = free
             .iter()
             .filter(|(_, ds)| ds.iter().any(|d| !taken.contains(d.id.as_str())));
-        let key = |(gpu, ds): &(&u32, &Vec<&PluginDevice>)| {
-            let in_use = total.get(gpu).copied().unwrap_or(0) - ds.len() as u32;
-            let this_round = picked.get(gpu).copied().unwrap_or(0);
-            (in_use + this_round, this_round, **gpu)
+        let key = |(dev, ds): &(&&str, &Vec<&PluginDevice>)| {
+            let in_use = total.get(**dev).copied().unwrap_or(0) - ds.len() as u32;
+            let this_round = picked.get(**dev).copied().unwrap_or(0);
+            (
+                in_use + this_round,
+                this_round,
+                ds[0].index,
+                ds[0].index_name.clone(),
+            )
         };
         let chosen = match policy {
             AllocationPolicy::Distributed => candidates.min_by_key(|c| key(c)),
             AllocationPolicy::Packed => candidates.max_by_key(|c| {
-                let (used, this_round, gpu) = key(c);
-                (used, std::cmp::Reverse(this_round), std::cmp::Reverse(gpu))
+                let (used, this_round, index, name) = key(c);
+                (
+                    used,
+                    std::cmp::Reverse(this_round),
+                    std::cmp::Reverse(index),
+                    std::cmp::Reverse(name),
+                )
             }),
         };
-        let Some((gpu, ds)) = chosen else { break };
+        let Some((dev, ds)) = chosen else { break };
         let d = ds
             .iter()
             .find(|d| !taken.contains(d.id.as_str()))
             .expect("filtered above");
         out.push(d.id.clone());
         taken.insert(&d.id);
-        *picked.entry(*gpu).or_default() += 1;
+        *picked.entry(*dev).or_default() += 1;
     }
     out
 }

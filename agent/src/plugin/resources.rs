@@ -44,9 +44,14 @@ impl Default for PluginSettings {
 pub struct PluginDevice {
     /// What the kubelet sees: the UUID, or `<UUID>::<n>` for a replica.
     pub id: String,
+    /// The device's own UUID: the GPU's, or the MIG device's.
     pub uuid: String,
-    /// NVML index.
+    /// The physical GPU's UUID (health events name it).
+    pub gpu_uuid: String,
+    /// NVML index of the physical GPU.
     pub index: u32,
+    /// The name in index naming: `3`, or `3:1` for a MIG device.
+    pub index_name: String,
     /// `/dev/nvidiaN`'s N.
     pub minor: Option<u32>,
     pub replica: Option<u32>,
@@ -92,22 +97,108 @@ pub fn socket_name(resource: &str) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResourceError {
     #[error(
-        "GPU {index} ({uuid}) is selected by sharing entries {first} and {second}; each GPU may be shared by one entry"
+        "{device} is selected by sharing entries {first} and {second}; each device may be shared by one entry"
     )]
     SelectedTwice {
-        index: u32,
-        uuid: String,
+        device: String,
         first: usize,
         second: usize,
     },
     #[error(
-        "resource {name} would mix whole GPUs and time-sliced replicas (GPU {whole} is not shared); give the shared GPUs a `rename` or select every GPU"
+        "resource {name} would mix whole devices and time-sliced replicas ({device} is not shared); give the shared devices a `rename` or select them all"
     )]
-    MixedSharing { name: String, whole: u32 },
-    #[error(
-        "GPU {index} ({uuid}) has MIG enabled, but MIG devices are not discovered yet; use mig.strategy none to advertise the whole GPU"
-    )]
-    MigNotSupported { index: u32, uuid: String },
+    MixedSharing { name: String, device: String },
+    #[error("mig.strategy single: {0}")]
+    MigSingle(String),
+}
+
+/// A device before sharing: which resource it belongs to.
+struct Base {
+    resource: String,
+    uuid: String,
+    gpu_uuid: String,
+    index: u32,
+    index_name: String,
+    minor: Option<u32>,
+    numa_node: Option<u32>,
+}
+
+/// `nvidia.com/mig-<profile>`, with `+` (e.g. `+me`) written as `.`.
+pub fn mig_resource_name(profile: &str) -> String {
+    format!("nvidia.com/mig-{}", profile.replace('+', "."))
+}
+
+/// Every device the MIG strategy advertises, by resource.
+fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, ResourceError> {
+    let gpus: Vec<&crate::inventory::Gpu> = inv
+        .gpus
+        .iter()
+        .filter(|g| g.uuid.is_some() && g.index.is_some())
+        .collect();
+    let mig_on = |g: &crate::inventory::Gpu| g.mig.is_some_and(|m| m.current);
+    if strategy == MigStrategy::Single && gpus.iter().any(|g| mig_on(g)) {
+        if let Some(g) = gpus.iter().find(|g| !mig_on(g)) {
+            return Err(ResourceError::MigSingle(format!(
+                "GPU {} has MIG disabled while others have it enabled; every GPU must be in the same mode (or use mixed)",
+                g.index.unwrap_or_default()
+            )));
+        }
+        if let Some(g) = gpus.iter().find(|g| g.mig_devices.is_empty()) {
+            return Err(ResourceError::MigSingle(format!(
+                "GPU {} has MIG enabled but no MIG devices; apply a MIG layout first",
+                g.index.unwrap_or_default()
+            )));
+        }
+        let profiles: std::collections::BTreeSet<&str> = gpus
+            .iter()
+            .flat_map(|g| g.mig_devices.iter().map(|m| m.profile.as_str()))
+            .collect();
+        if profiles.len() > 1 {
+            return Err(ResourceError::MigSingle(format!(
+                "the node has several MIG profiles ({}); single needs one (or use mixed)",
+                profiles.into_iter().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    let mut out = Vec::new();
+    for g in gpus {
+        let (uuid, index) = (
+            g.uuid.clone().expect("filtered"),
+            g.index.expect("filtered"),
+        );
+        if strategy == MigStrategy::None || !mig_on(g) {
+            out.push(Base {
+                resource: GPU_RESOURCE.to_string(),
+                uuid: uuid.clone(),
+                gpu_uuid: uuid,
+                index,
+                index_name: index.to_string(),
+                minor: g.minor,
+                numa_node: g.numa_node,
+            });
+            continue;
+        }
+        for m in &g.mig_devices {
+            let resource = match strategy {
+                MigStrategy::Single => GPU_RESOURCE.to_string(),
+                _ if m.ci_slices != m.gi_slices => {
+                    tracing::warn!(stage = "plugin", gpu = %uuid, mig = %m.uuid, profile = %m.profile, "MIG device with a partial compute instance is not advertised (mixed strategy)");
+                    continue;
+                }
+                _ => mig_resource_name(&m.profile),
+            };
+            out.push(Base {
+                resource,
+                uuid: m.uuid.clone(),
+                gpu_uuid: uuid.clone(),
+                index,
+                index_name: format!("{index}:{}", m.index),
+                minor: g.minor,
+                numa_node: g.numa_node,
+            });
+        }
+    }
+    Ok(out)
 }
 
 /// Builds every resource with at least one device, sorted by name. GPUs that
@@ -118,26 +209,16 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
         .time_slicing
         .as_ref()
         .filter(|s| !s.resources.is_empty());
-    for g in &inv.gpus {
-        let (Some(uuid), Some(index)) = (&g.uuid, g.index) else {
-            continue;
-        };
-        if g.mig.is_some_and(|m| m.current) && settings.mig_strategy != MigStrategy::None {
-            return Err(ResourceError::MigNotSupported {
-                index,
-                uuid: uuid.clone(),
-            });
-        }
+    for b in base_devices(inv, settings.mig_strategy)? {
         let mut entry = None;
         if let Some(spec) = sharing {
             for (i, r) in spec.resources.iter().enumerate() {
-                if r.name != GPU_RESOURCE || !r.devices.selects(index, uuid) {
+                if r.name != b.resource || !r.devices.selects(b.index, &b.uuid, &b.index_name) {
                     continue;
                 }
                 if let Some((first, _)) = entry {
                     return Err(ResourceError::SelectedTwice {
-                        index,
-                        uuid: uuid.clone(),
+                        device: format!("{} ({})", b.index_name, b.uuid),
                         first,
                         second: i,
                     });
@@ -147,12 +228,20 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
         }
         let device = |id: String, replica| PluginDevice {
             id,
-            uuid: uuid.clone(),
-            index,
-            minor: g.minor,
+            uuid: b.uuid.clone(),
+            gpu_uuid: b.gpu_uuid.clone(),
+            index: b.index,
+            index_name: b.index_name.clone(),
+            minor: b.minor,
             replica,
-            numa_node: g.numa_node,
+            numa_node: b.numa_node,
             healthy: true,
+        };
+        let empty = |name: String, shared: bool, fail: bool| Resource {
+            name,
+            devices: Vec::new(),
+            shared,
+            fail_requests_greater_than_one: fail,
         };
         match (entry, sharing) {
             (Some((_, r)), Some(spec)) => {
@@ -162,38 +251,30 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
                     None if spec.rename_by_default => format!("{}.shared", r.name),
                     None => r.name.clone(),
                 };
-                let res = by_name.entry(name.clone()).or_insert_with(|| Resource {
-                    name,
-                    devices: Vec::new(),
-                    shared: true,
-                    fail_requests_greater_than_one: spec
-                        .fail_requests_greater_than_one
-                        .unwrap_or(false),
-                });
+                let fail = spec.fail_requests_greater_than_one.unwrap_or(false);
+                let res = by_name
+                    .entry(name.clone())
+                    .or_insert_with(|| empty(name, true, fail));
                 for n in 0..r.replicas {
-                    res.devices.push(device(format!("{uuid}::{n}"), Some(n)));
+                    res.devices
+                        .push(device(format!("{}::{n}", b.uuid), Some(n)));
                 }
             }
             _ => {
                 let res = by_name
-                    .entry(GPU_RESOURCE.to_string())
-                    .or_insert_with(|| Resource {
-                        name: GPU_RESOURCE.to_string(),
-                        devices: Vec::new(),
-                        shared: false,
-                        fail_requests_greater_than_one: false,
-                    });
-                res.devices.push(device(uuid.clone(), None));
+                    .entry(b.resource.clone())
+                    .or_insert_with(|| empty(b.resource.clone(), false, false));
+                res.devices.push(device(b.uuid.clone(), None));
             }
         }
     }
     for res in by_name.values() {
-        let has_whole = res.devices.iter().find(|d| d.replica.is_none());
+        let whole = res.devices.iter().find(|d| d.replica.is_none());
         let has_replica = res.devices.iter().any(|d| d.replica.is_some());
-        if let (Some(whole), true) = (has_whole, has_replica) {
+        if let (Some(whole), true) = (whole, has_replica) {
             return Err(ResourceError::MixedSharing {
                 name: res.name.clone(),
-                whole: whole.index,
+                device: whole.index_name.clone(),
             });
         }
     }
@@ -283,7 +364,6 @@ mod tests {
             matches!(
                 err,
                 ResourceError::SelectedTwice {
-                    index: 0,
                     first: 0,
                     second: 1,
                     ..
@@ -291,6 +371,7 @@ mod tests {
             ),
             "{err}"
         );
+        assert!(err.to_string().starts_with("0 (GPU-5f0cf4a3"), "{err}");
         let mixed = with_sharing(
             "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n",
         );
@@ -299,9 +380,117 @@ mod tests {
             err,
             ResourceError::MixedSharing {
                 name: "nvidia.com/gpu".into(),
-                whole: 1
+                device: "1".into()
             }
         );
+    }
+
+    fn mig(strategy: MigStrategy) -> Result<Vec<Resource>, ResourceError> {
+        let settings = PluginSettings {
+            mig_strategy: strategy,
+            ..PluginSettings::default()
+        };
+        build(&inventory_of("h100-mig-2"), &settings)
+    }
+
+    #[test]
+    fn mig_mixed_one_resource_per_profile() {
+        let rs = mig(MigStrategy::Mixed).unwrap();
+        let summary: Vec<(&str, usize, String)> = rs
+            .iter()
+            .map(|r| (r.name.as_str(), r.devices.len(), r.socket_name()))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (
+                    "nvidia.com/mig-1g.10gb",
+                    9,
+                    "nvidia-mig-1g.10gb.sock".to_string()
+                ),
+                (
+                    "nvidia.com/mig-2g.20gb",
+                    1,
+                    "nvidia-mig-2g.20gb.sock".to_string()
+                ),
+                (
+                    "nvidia.com/mig-3g.40gb",
+                    1,
+                    "nvidia-mig-3g.40gb.sock".to_string()
+                ),
+            ]
+        );
+        let d = &rs[2].devices[0];
+        assert!(d.id.starts_with("MIG-") && d.id == d.uuid);
+        assert_eq!(d.index_name, "0:0");
+        assert_eq!(d.gpu_uuid, "GPU-6a1f0c2e-5b3d-4e7f-8a9b-1c2d3e4f5a00");
+        assert_eq!(rs[0].devices[8].index_name, "1:6");
+    }
+
+    #[test]
+    fn mig_none_advertises_whole_gpus() {
+        let rs = mig(MigStrategy::None).unwrap();
+        assert_eq!(rs.len(), 1);
+        assert_eq!(rs[0].name, "nvidia.com/gpu");
+        assert!(rs[0].devices.iter().all(|d| d.id.starts_with("GPU-")));
+    }
+
+    #[test]
+    fn mig_single_refuses_several_profiles_and_mixed_modes() {
+        let err = mig(MigStrategy::Single).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "mig.strategy single: the node has several MIG profiles (1g.10gb, 2g.20gb, 3g.40gb); single needs one (or use mixed)"
+        );
+        // One profile everywhere: MIG devices become nvidia.com/gpu.
+        let mut inv = inventory_of("h100-mig-2");
+        inv.gpus[0].mig_devices = inv.gpus[1].mig_devices[..3].to_vec();
+        let settings = PluginSettings::default();
+        assert_eq!(settings.mig_strategy, MigStrategy::Single);
+        let rs = build(&inv, &settings).unwrap();
+        assert_eq!(rs.len(), 1);
+        assert_eq!(rs[0].name, "nvidia.com/gpu");
+        assert_eq!(rs[0].devices.len(), 10);
+        // A MIG-enabled GPU without devices, or one GPU without MIG, is refused.
+        inv.gpus[0].mig_devices.clear();
+        assert!(
+            build(&inv, &settings)
+                .unwrap_err()
+                .to_string()
+                .contains("GPU 0 has MIG enabled but no MIG devices")
+        );
+        inv.gpus[0].mig = Some(crate::backend::MigMode {
+            current: false,
+            pending: false,
+        });
+        assert!(
+            build(&inv, &settings)
+                .unwrap_err()
+                .to_string()
+                .contains("GPU 0 has MIG disabled")
+        );
+    }
+
+    #[test]
+    fn mig_devices_can_be_time_sliced_by_index_name() {
+        let c = PluginConfig::from_yaml(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/mig-3g.40gb, devices: [\"0:0\"], replicas: 2}\n",
+            "c",
+        )
+        .unwrap();
+        let settings = PluginSettings {
+            mig_strategy: MigStrategy::Mixed,
+            time_slicing: c.sharing.time_slicing,
+            ..PluginSettings::default()
+        };
+        let rs = build(&inventory_of("h100-mig-2"), &settings).unwrap();
+        let r = rs
+            .iter()
+            .find(|r| r.name == "nvidia.com/mig-3g.40gb")
+            .unwrap();
+        assert!(r.shared);
+        assert_eq!(r.devices.len(), 2);
+        assert!(r.devices[1].id.ends_with("::1"));
     }
 
     #[test]

@@ -22,10 +22,10 @@ use std::ffi::{c_char, c_int, c_uint};
 use std::sync::Mutex;
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuTopologyLevel_t, nvmlMemory_t,
-    nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t, nvmlUtilization_t,
+    nvmlDevice_t, nvmlDeviceAttributes_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuTopologyLevel_t,
+    nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t, nvmlUtilization_t,
 };
-use simnode::{GpuDesc, NodeDescription};
+use simnode::{GpuDesc, MigDeviceDesc, NodeDescription};
 
 const SUCCESS: nvmlReturn_t = 0;
 const ERROR_UNINITIALIZED: nvmlReturn_t = 1;
@@ -304,6 +304,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
+    if is_mig_handle(device) {
+        // SAFETY: forwarded caller buffer.
+        return with_mig(device, |m| unsafe { write_cstr(&m.uuid, uuid, length) });
+    }
     // SAFETY: forwarded caller buffer.
     with_gpu(device, |_, _, g| unsafe {
         write_cstr(&g.uuid, uuid, length)
@@ -676,4 +680,106 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+// --- MIG ----------------------------------------------------------------------
+
+/// MIG handles carry (MIG index + 1) in the bits above 16.
+const MIG_SHIFT: usize = 16;
+/// MIG devices a GPU can hold (`nvmlDeviceGetMaxMigDeviceCount`).
+const MAX_MIG_DEVICES: c_uint = 7;
+
+fn is_mig_handle(device: nvmlDevice_t) -> bool {
+    (device as usize) >> MIG_SHIFT != 0
+}
+
+fn mig_handle(gpu: usize, mig: usize) -> nvmlDevice_t {
+    ((gpu + 1) | ((mig + 1) << MIG_SHIFT)) as nvmlDevice_t
+}
+
+/// Runs `f` with the MIG device behind a MIG handle.
+fn with_mig(device: nvmlDevice_t, f: impl FnOnce(&MigDeviceDesc) -> nvmlReturn_t) -> nvmlReturn_t {
+    let raw = device as usize;
+    let (gpu, mig) = (
+        (raw & ((1 << MIG_SHIFT) - 1)).wrapping_sub(1),
+        (raw >> MIG_SHIFT).wrapping_sub(1),
+    );
+    with_node(
+        |node| match node.gpus.get(gpu).and_then(|g| g.mig.devices.get(mig)) {
+            Some(m) if node.gpus[gpu].mig.enabled => f(m),
+            _ => ERROR_INVALID_ARGUMENT,
+        },
+    )
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
+    device: nvmlDevice_t,
+    is_mig: *mut c_uint,
+) -> nvmlReturn_t {
+    let mig = is_mig_handle(device);
+    // SAFETY: `is_mig` is the caller's out-pointer.
+    with_node(|_| unsafe { answer(is_mig, Some(c_uint::from(mig))) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    // SAFETY: `count` is the caller's out-pointer.
+    with_gpu(device, |_, _, g| unsafe {
+        answer(count, g.mig.capable.then_some(MAX_MIG_DEVICES))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    index: c_uint,
+    mig: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    if mig.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, i, g| {
+        if !g.mig.capable {
+            return ERROR_NOT_SUPPORTED;
+        }
+        if index >= MAX_MIG_DEVICES {
+            return ERROR_INVALID_ARGUMENT;
+        }
+        if !g.mig.enabled || index as usize >= g.mig.devices.len() {
+            return ERROR_NOT_FOUND;
+        }
+        // SAFETY: checked non-null above.
+        unsafe { *mig = mig_handle(i, index as usize) };
+        SUCCESS
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
+    device: nvmlDevice_t,
+    attrs: *mut nvmlDeviceAttributes_t,
+) -> nvmlReturn_t {
+    if !is_mig_handle(device) {
+        // Whole GPUs: nothing in a node description says this.
+        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
+    }
+    with_mig(device, |m| {
+        let a = nvmlDeviceAttributes_t {
+            multiprocessorCount: m.multiprocessors,
+            sharedCopyEngineCount: 0,
+            sharedDecoderCount: 0,
+            sharedEncoderCount: 0,
+            sharedJpegCount: 0,
+            sharedOfaCount: 0,
+            gpuInstanceSliceCount: m.gi_slices,
+            computeInstanceSliceCount: m.ci_slices(),
+            memorySizeMB: m.memory_mib,
+        };
+        // SAFETY: `attrs` is the caller's out-pointer.
+        unsafe { answer(attrs, Some(a)) }
+    })
 }
