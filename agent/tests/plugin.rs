@@ -452,3 +452,94 @@ async fn mig_layout_change_unregisters_resources_that_disappear() {
     .await;
     run.shutdown(kubelet).await;
 }
+
+/// Every device-list strategy, with both ID strategies, over the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_flows_for_every_strategy() {
+    use gpu_agent::plugin::config::{DeviceIdStrategy, DeviceListStrategy};
+    let n = node("t4-4");
+    let cases = [
+        (DeviceListStrategy::Envvar, DeviceIdStrategy::Uuid),
+        (DeviceListStrategy::Envvar, DeviceIdStrategy::Index),
+        (DeviceListStrategy::VolumeMounts, DeviceIdStrategy::Uuid),
+        (DeviceListStrategy::CdiAnnotations, DeviceIdStrategy::Uuid),
+        (DeviceListStrategy::CdiCri, DeviceIdStrategy::Index),
+    ];
+    for (list, id) in cases {
+        for e in std::fs::read_dir(&n.plugin_dir).unwrap() {
+            let _ = std::fs::remove_file(e.unwrap().path());
+        }
+        let kubelet = MockKubelet::start(&n.plugin_dir.join(KUBELET_SOCKET)).unwrap();
+        let run = start(
+            &n,
+            PluginSettings {
+                list_strategies: vec![list],
+                id_strategy: id,
+                pass_device_specs: true,
+                ..PluginSettings::default()
+            },
+        );
+        assert!(kubelet.wait_for(1, Duration::from_secs(5)).await);
+        let mut c = client(&n.plugin_dir.join("nvidia-gpu.sock")).await;
+        let ids: Vec<String> = first_list(&mut c)
+            .await
+            .devices
+            .into_iter()
+            .map(|d| d.id)
+            .collect();
+        let resp = c
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: vec![ids[3].clone(), ids[1].clone()],
+                }],
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let r = &resp.container_responses[0];
+        let named = match id {
+            DeviceIdStrategy::Uuid => vec![ids[3].clone(), ids[1].clone()],
+            DeviceIdStrategy::Index => vec!["3".to_string(), "1".to_string()],
+        };
+        match list {
+            DeviceListStrategy::Envvar => {
+                assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], named.join(","))
+            }
+            DeviceListStrategy::VolumeMounts => {
+                assert_eq!(
+                    r.envs["NVIDIA_VISIBLE_DEVICES"],
+                    "/var/run/nvidia-container-devices"
+                );
+                let paths: Vec<&str> = r.mounts.iter().map(|m| m.container_path.as_str()).collect();
+                assert_eq!(
+                    paths,
+                    named
+                        .iter()
+                        .map(|n| format!("/var/run/nvidia-container-devices/{n}"))
+                        .collect::<Vec<_>>()
+                );
+            }
+            DeviceListStrategy::CdiAnnotations => {
+                assert!(r.envs.is_empty());
+                let want: Vec<String> = named
+                    .iter()
+                    .map(|n| format!("nvidia.com/gpu={n}"))
+                    .collect();
+                assert_eq!(r.annotations["cdi.k8s.io/gpu-agent_gpu"], want.join(","));
+            }
+            DeviceListStrategy::CdiCri => {
+                assert!(r.envs.is_empty());
+                let got: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+                assert_eq!(got, ["nvidia.com/gpu=3", "nvidia.com/gpu=1"]);
+            }
+        }
+        // passDeviceSpecs: the GPUs' own nodes (the sandbox has no control nodes).
+        let specs: Vec<&str> = r
+            .devices
+            .iter()
+            .map(|d| d.container_path.as_str())
+            .collect();
+        assert_eq!(specs, ["/dev/nvidia3", "/dev/nvidia1"], "{list:?}");
+        run.shutdown(kubelet).await;
+    }
+}

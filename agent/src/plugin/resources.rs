@@ -110,6 +110,10 @@ pub enum ResourceError {
     MixedSharing { name: String, device: String },
     #[error("mig.strategy single: {0}")]
     MigSingle(String),
+    #[error(
+        "passDeviceSpecs is not supported for MIG devices yet (they also need /dev/nvidia-caps nodes gpu-agent cannot name yet); use the envvar or CDI device-list strategies, or mig.strategy none"
+    )]
+    PassDeviceSpecsMig,
 }
 
 /// A device before sharing: which resource it belongs to.
@@ -209,7 +213,11 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
         .time_slicing
         .as_ref()
         .filter(|s| !s.resources.is_empty());
-    for b in base_devices(inv, settings.mig_strategy)? {
+    let bases = base_devices(inv, settings.mig_strategy)?;
+    if settings.pass_device_specs && bases.iter().any(|b| b.uuid != b.gpu_uuid) {
+        return Err(ResourceError::PassDeviceSpecsMig);
+    }
+    for b in bases {
         let mut entry = None;
         if let Some(spec) = sharing {
             for (i, r) in spec.resources.iter().enumerate() {
@@ -425,6 +433,24 @@ mod tests {
         assert_eq!(d.index_name, "0:0");
         assert_eq!(d.gpu_uuid, "GPU-6a1f0c2e-5b3d-4e7f-8a9b-1c2d3e4f5a00");
         assert_eq!(rs[0].devices[8].index_name, "1:6");
+    }
+
+    #[test]
+    fn pass_device_specs_is_refused_for_mig_devices() {
+        let settings = PluginSettings {
+            mig_strategy: MigStrategy::Mixed,
+            pass_device_specs: true,
+            ..PluginSettings::default()
+        };
+        let err = build(&inventory_of("h100-mig-2"), &settings).unwrap_err();
+        assert_eq!(err, ResourceError::PassDeviceSpecsMig);
+        // Whole GPUs are fine.
+        let whole = PluginSettings {
+            mig_strategy: MigStrategy::None,
+            pass_device_specs: true,
+            ..PluginSettings::default()
+        };
+        assert!(build(&inventory_of("h100-mig-2"), &whole).is_ok());
     }
 
     #[test]
