@@ -7,6 +7,7 @@
 
 pub mod driver;
 pub mod fsutil;
+pub mod managed;
 pub mod pci;
 pub mod root;
 pub mod strict;
