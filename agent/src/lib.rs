@@ -10,6 +10,7 @@ pub mod logging;
 pub mod plugin;
 pub mod policy;
 pub mod render;
+pub mod runtime;
 pub mod source;
 pub mod stages;
 pub mod state;

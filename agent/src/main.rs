@@ -92,6 +92,11 @@ enum Command {
         #[arg(long, short, value_enum, default_value = "table")]
         output: Output,
     },
+    /// The container runtime's configuration.
+    Runtime {
+        #[command(subcommand)]
+        command: RuntimeCommand,
+    },
     /// Policy files.
     Policy {
         #[command(subcommand)]
@@ -106,6 +111,29 @@ enum Command {
         /// Keep the sandbox afterwards (its path is printed).
         #[arg(long)]
         keep: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum RuntimeCommand {
+    /// Add the nvidia runtime (and CDI) to the policy's container runtime;
+    /// prints a unified diff of what changes.
+    Configure {
+        /// Print the diff, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// The containerd version, when the host's binary cannot be run
+        /// (e.g. `1.7.2`).
+        #[arg(long, value_name = "VERSION")]
+        containerd_version: Option<String>,
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
+    },
+    /// Put every file gpu-agent changed back byte for byte, remove the files it created.
+    Restore {
+        #[arg(long)]
+        no_wait: bool,
     },
 }
 
@@ -176,6 +204,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Policy {
             command: PolicyCommand::Check { file, effective },
         } => policy_check(file, *effective),
+        Command::Runtime { command } => runtime_command(&cli, command),
         Command::Demo { node, keep } => {
             demo::run(node, *keep, &mut std::io::stdout().lock())
                 .map_err(bad_input_if_description)?;
@@ -231,6 +260,70 @@ fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     match output {
         Output::Json => print_json(&inv)?,
         Output::Table => print!("{}", render::inventory(&inv)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Failure> {
+    use gpu_agent::runtime::{self, RuntimeError};
+    let host = host_root(cli)?;
+    let map = |e: RuntimeError| match e {
+        RuntimeError::Parse { .. } | RuntimeError::Invalid { .. } => bad_input(e),
+        other => other.into(),
+    };
+    match command {
+        RuntimeCommand::Configure {
+            dry_run,
+            containerd_version,
+            no_wait,
+        } => {
+            let policy = load_policy(cli.policy.as_deref())?;
+            let version = match containerd_version {
+                Some(v) => Some(runtime::containerd::Version::parse(v).ok_or_else(|| {
+                    bad_input(anyhow::anyhow!(
+                        "--containerd-version: {v:?} is not a version like 1.7.2"
+                    ))
+                })?),
+                None => None,
+            };
+            let plan = runtime::plan(&host, &policy, version).map_err(map)?;
+            for n in &plan.notes {
+                eprintln!("note: {n}");
+            }
+            if plan.changes.is_empty() {
+                println!(
+                    "{:?} is already configured: nothing to change",
+                    plan.runtime
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+            for c in &plan.changes {
+                print!("{}", c.diff());
+            }
+            if *dry_run {
+                return Ok(ExitCode::SUCCESS);
+            }
+            let changed = runtime::apply(&host, &plan, !no_wait).map_err(map)?;
+            for p in &changed {
+                eprintln!(
+                    "wrote {p} (the original is kept; `gpu-agent runtime restore` puts it back)"
+                );
+            }
+        }
+        RuntimeCommand::Restore { no_wait } => {
+            let done = runtime::restore(&host, !no_wait).map_err(map)?;
+            if done.is_empty() {
+                println!("nothing to restore");
+            }
+            for d in done {
+                match d {
+                    hostlib::managed::Restored::Rewritten(p) => println!("restored {p}"),
+                    hostlib::managed::Restored::Removed(p) => {
+                        println!("removed {p} (gpu-agent had created it)")
+                    }
+                }
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

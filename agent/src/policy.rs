@@ -40,7 +40,7 @@ pub struct Policy {
     #[serde(default)]
     pub driver: DriverSpec,
     #[serde(default)]
-    pub toolkit: Toggle,
+    pub toolkit: ToolkitSpec,
     #[serde(default)]
     pub cdi: CdiSpec,
     #[serde(default)]
@@ -115,6 +115,66 @@ pub struct Toggle {
 impl Default for Toggle {
     fn default() -> Self {
         Toggle { enabled: true }
+    }
+}
+
+/// `spec.toolkit`: the container runtime's configuration.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ToolkitSpec {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub containerd: ContainerdSpec,
+}
+
+impl Default for ToolkitSpec {
+    fn default() -> Self {
+        ToolkitSpec {
+            enabled: true,
+            containerd: ContainerdSpec::default(),
+        }
+    }
+}
+
+/// `spec.toolkit.containerd`: where containerd's files are (host paths).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ContainerdSpec {
+    /// The main config (`/etc/containerd/config.toml`; RKE2/k3s keep theirs elsewhere).
+    #[serde(default = "default_containerd_config")]
+    pub config: String,
+    /// Where the drop-in goes on containerd ≥ 2.1 (`/etc/containerd/conf.d`).
+    #[serde(default = "default_containerd_drop_in")]
+    pub drop_in_dir: String,
+    /// The containerd binary asked for its version (`/usr/bin/containerd`).
+    #[serde(default = "default_containerd_binary")]
+    pub binary: String,
+    /// Make the `nvidia` runtime containerd's default.
+    #[serde(default)]
+    pub set_as_default: bool,
+}
+
+fn default_containerd_config() -> String {
+    "/etc/containerd/config.toml".into()
+}
+
+fn default_containerd_drop_in() -> String {
+    "/etc/containerd/conf.d".into()
+}
+
+fn default_containerd_binary() -> String {
+    "/usr/bin/containerd".into()
+}
+
+impl Default for ContainerdSpec {
+    fn default() -> Self {
+        ContainerdSpec {
+            config: default_containerd_config(),
+            drop_in_dir: default_containerd_drop_in(),
+            binary: default_containerd_binary(),
+            set_as_default: false,
+        }
     }
 }
 
@@ -374,6 +434,20 @@ impl Policy {
                 "spec.devicePlugin.cdiAnnotationPrefix",
                 format!("{p:?} must end with '/' (e.g. cdi.k8s.io/)"),
             ));
+        }
+        let c = &self.toolkit.containerd;
+        for (key, path) in [
+            ("spec.toolkit.containerd.config", &c.config),
+            ("spec.toolkit.containerd.dropInDir", &c.drop_in_dir),
+            ("spec.toolkit.containerd.binary", &c.binary),
+        ] {
+            if !path.starts_with('/') || path.split('/').any(|p| p == "..") {
+                return Err(YamlError::invalid(
+                    origin,
+                    key,
+                    format!("{path:?} must be an absolute host path without `..`"),
+                ));
+            }
         }
         if self.cdi.default && !self.cdi.enabled {
             return Err(YamlError::invalid(

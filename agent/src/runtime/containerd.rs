@@ -1,0 +1,485 @@
+//! containerd: add the `nvidia` runtime and enable CDI, keeping the user's
+//! comments, key order and imports (format-preserving edits with toml_edit).
+//!
+//! Config versions: 1 (plugin `cri`), 2 (`io.containerd.grpc.v1.cri`),
+//! 3 (`io.containerd.cri.v1.runtime`, containerd 2.x).
+//!
+//! Where the change goes:
+//! - containerd ≥ 2.1 merges imported files into the main config key by key,
+//!   so we write a drop-in (`/etc/containerd/conf.d/99-gpu-agent.toml`) with
+//!   only our tables and add one import to the main config.
+//! - Older containerd replaces a whole plugin table with the imported one
+//!   (containerd#5837; measured here with Debian's 1.6.20: a drop-in that
+//!   defines the CRI plugin's `runtimes.nvidia` makes the main config's
+//!   `runtimes.runc` and its `SystemdCgroup = true` vanish from `config
+//!   dump`). A drop-in would have to carry a copy of the whole CRI table,
+//!   which silently overrides every later edit of the main file; so there we
+//!   edit the main config in place instead. `restore` puts it back byte for
+//!   byte either way.
+//!
+//! CDI: containerd 1.6 has no CDI support (`enable_cdi` arrived in 1.7 and
+//! 1.6 ignores it), so we never write it there; 2.x enables CDI by default.
+
+use std::fmt;
+
+use hostlib::HostRoot;
+use toml_edit::{DocumentMut, Item, Table, value};
+
+use super::{FileChange, RuntimeError};
+
+/// containerd's version, `1.6.20`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+impl Version {
+    /// From `containerd --version` output or a bare `1.7.2` / `v2.1.0`.
+    pub fn parse(text: &str) -> Option<Self> {
+        text.split_whitespace().find_map(|w| {
+            let w = w.strip_prefix('v').unwrap_or(w);
+            let mut nums = w.split(|c: char| !c.is_ascii_digit());
+            let major = nums.next()?.parse().ok()?;
+            let minor = nums.next()?.parse().ok()?;
+            let patch = nums.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+            w.chars().next()?.is_ascii_digit().then_some(Version {
+                major,
+                minor,
+                patch,
+            })
+        })
+    }
+
+    fn at_least(&self, major: u32, minor: u32) -> bool {
+        (self.major, self.minor) >= (major, minor)
+    }
+}
+
+/// Asks the host's containerd binary (through the host root) for its version.
+pub fn host_version(host: &HostRoot, binary: &str) -> Option<Version> {
+    let path = host.resolve(binary).ok()?;
+    let out = std::process::Command::new(&path)
+        .arg("--version")
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "containerd github.com/containerd/containerd 1.6.20~ds1 <rev>": the
+    // first word that is a version.
+    text.split_whitespace().skip(1).find_map(Version::parse)
+}
+
+/// What to configure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// The main config, a host path.
+    pub config: String,
+    /// Where drop-ins go (containerd ≥ 2.1), a host path.
+    pub drop_in_dir: String,
+    /// The runtime to add (`nvidia`).
+    pub runtime_name: String,
+    /// Make it the default runtime.
+    pub set_as_default: bool,
+    /// Turn CDI on where containerd supports it.
+    pub enable_cdi: bool,
+    /// `BinaryName` for the runtime: the host's `nvidia-container-runtime`,
+    /// or `None` for plain runc with CDI doing the injection.
+    pub binary_name: Option<String>,
+}
+
+/// The plan for containerd.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub changes: Vec<FileChange>,
+    /// Things the operator should know (e.g. why CDI was not enabled).
+    pub notes: Vec<String>,
+}
+
+const DROP_IN_NAME: &str = "99-gpu-agent.toml";
+
+fn cri_plugin(config_version: i64) -> &'static str {
+    match config_version {
+        1 => "cri",
+        2 => "io.containerd.grpc.v1.cri",
+        _ => "io.containerd.cri.v1.runtime",
+    }
+}
+
+/// Keys containerd knows in a runtime table (`runtimes.<name>`), across 1.6–2.x;
+/// `config dump` accepts anything, so a typo would silently do nothing.
+const RUNTIME_KEYS: &[&str] = &[
+    "runtime_type",
+    "runtime_path",
+    "runtime_engine",
+    "runtime_root",
+    "pod_annotations",
+    "container_annotations",
+    "privileged_without_host_devices",
+    "privileged_without_host_devices_all_devices_allowed",
+    "base_runtime_spec",
+    "cni_conf_dir",
+    "cni_max_conf_num",
+    "snapshotter",
+    "sandbox_mode",
+    "sandboxer",
+    "io_type",
+    "options",
+    "treat_ro_mounts_as_rro",
+    "cgroup_writable",
+];
+
+/// Near-misses of the `containerd` table's `runtimes` and
+/// `default_runtime_name` (not `default_runtime`: that is 1.x's legacy table).
+const NEAR_MISSES: &[(&str, &str)] = &[
+    ("runtime", "runtimes"),
+    ("runtimess", "runtimes"),
+    ("default_runtimes_name", "default_runtime_name"),
+];
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    (line, col)
+}
+
+fn parse(path: &str, text: &str) -> Result<DocumentMut, RuntimeError> {
+    let doc = toml_edit::Document::parse(text.to_string()).map_err(|e| {
+        let (line, column) = e.span().map_or((0, 0), |s| line_col(text, s.start));
+        RuntimeError::Parse {
+            path: path.to_string(),
+            line,
+            column,
+            message: e.message().trim().to_string(),
+        }
+    })?;
+    validate(path, text, &doc)?;
+    Ok(doc.into_mut())
+}
+
+/// Checks what `config dump` would let through: the version, and typos in
+/// the tables we read.
+fn validate(path: &str, text: &str, doc: &toml_edit::Document<String>) -> Result<(), RuntimeError> {
+    let invalid = |span: Option<std::ops::Range<usize>>, key: String, message: String| {
+        let (line, column) = span.map_or((0, 0), |s| line_col(text, s.start));
+        RuntimeError::Invalid {
+            path: path.to_string(),
+            line,
+            column,
+            key,
+            message,
+        }
+    };
+    if let Some(v) = doc.get("version") {
+        match v.as_integer() {
+            Some(1..=3) => {}
+            _ => {
+                return Err(invalid(
+                    v.span(),
+                    "version".into(),
+                    format!(
+                        "{} is not a containerd config version (1, 2 or 3)",
+                        v.to_string().trim()
+                    ),
+                ));
+            }
+        }
+    }
+    if let Some(p) = doc.get("plugins")
+        && !p.is_table_like()
+    {
+        return Err(invalid(
+            p.span(),
+            "plugins".into(),
+            "must be a table".into(),
+        ));
+    }
+    let version = doc.get("version").and_then(Item::as_integer).unwrap_or(1);
+    let cri = cri_plugin(version);
+    let Some(ctr) = doc
+        .get("plugins")
+        .and_then(|p| p.get(cri))
+        .and_then(|c| c.get("containerd"))
+        .and_then(Item::as_table_like)
+    else {
+        return Ok(());
+    };
+    // Errors point at the key (its span), not at its value.
+    let key_span = |t: &dyn toml_edit::TableLike, k: &str| {
+        t.get_key_value(k)
+            .and_then(|(key, item)| key.span().or_else(|| item.span()))
+    };
+    for (k, _) in ctr.iter() {
+        if let Some((_, want)) = NEAR_MISSES.iter().find(|(typo, _)| *typo == k) {
+            return Err(invalid(
+                key_span(ctr, k),
+                format!("plugins.\"{cri}\".containerd.{k}"),
+                format!("unknown key; did you mean `{want}`?"),
+            ));
+        }
+    }
+    if let Some(runtimes) = ctr.get("runtimes").and_then(Item::as_table_like) {
+        for (name, rt) in runtimes.iter() {
+            let Some(rt) = rt.as_table_like() else {
+                return Err(invalid(
+                    rt.span(),
+                    format!("plugins.\"{cri}\".containerd.runtimes.{name}"),
+                    "must be a table".into(),
+                ));
+            };
+            for (k, _) in rt.iter() {
+                if !RUNTIME_KEYS.contains(&k) {
+                    return Err(invalid(
+                        key_span(rt, k),
+                        format!("plugins.\"{cri}\".containerd.runtimes.{name}.{k}"),
+                        "unknown runtime key (containerd would ignore it)".into(),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The table at `path` under `root`, created (implicit, so no empty headers
+/// are printed) where missing.
+fn table_at<'a>(root: &'a mut Table, path: &[&str]) -> &'a mut Table {
+    let mut t = root;
+    for key in path {
+        let entry = t.entry(key).or_insert_with(|| {
+            let mut nt = Table::new();
+            nt.set_implicit(true);
+            Item::Table(nt)
+        });
+        t = entry.as_table_mut().expect("validated to be a table");
+    }
+    t
+}
+
+/// Plans the changes for containerd `version` (`None` when it cannot be
+/// asked; the config's shape then decides).
+pub fn plan(
+    host: &HostRoot,
+    opts: &Options,
+    version: Option<Version>,
+) -> Result<Plan, RuntimeError> {
+    let before = host
+        .read_optional(&opts.config)
+        .map_err(RuntimeError::Host)?;
+    let text = before.clone().unwrap_or_default();
+    let mut doc = parse(&opts.config, &text)?;
+    let mut notes = Vec::new();
+    let config_version = match doc.get("version").and_then(Item::as_integer) {
+        Some(v) => v,
+        None if text.trim().is_empty() => match version {
+            Some(v) if v.major >= 2 => 3,
+            _ => 2,
+        },
+        None => 1,
+    };
+    if let Some(v) = version
+        && config_version == 3
+        && v.major < 2
+    {
+        return Err(RuntimeError::Invalid {
+            path: opts.config.clone(),
+            line: 1,
+            column: 1,
+            key: "version".into(),
+            message: format!("config version 3 needs containerd 2.x; the host has {v}"),
+        });
+    }
+    let cdi_supported = match version {
+        Some(v) => v.at_least(1, 7),
+        None => config_version >= 3,
+    };
+    if opts.enable_cdi && !cdi_supported {
+        let why = match version {
+            Some(v) => format!("containerd {v} has no CDI support (it arrived in 1.7)"),
+            None => "the containerd version is unknown and the config is not version 3".to_string(),
+        };
+        if opts.binary_name.is_none() {
+            return Err(RuntimeError::NoInjection(format!(
+                "{why}, and the host has no nvidia-container-runtime: containers could not get GPUs. Upgrade containerd to 1.7 or later, or install the NVIDIA container toolkit"
+            )));
+        }
+        notes.push(format!(
+            "{why}: CDI not enabled; the {} runtime injects GPUs through nvidia-container-runtime",
+            opts.runtime_name
+        ));
+    }
+    let enable_cdi = opts.enable_cdi && cdi_supported;
+    let cri = cri_plugin(config_version);
+    let drop_in = version.is_some_and(|v| v.at_least(2, 1));
+
+    // The runtime's options start from the default (or runc) runtime's.
+    let base_runtime = {
+        let ctr = doc
+            .get("plugins")
+            .and_then(|p| p.get(cri))
+            .and_then(|c| c.get("containerd"));
+        let default = ctr
+            .and_then(|c| c.get("default_runtime_name"))
+            .and_then(Item::as_str)
+            .filter(|n| !n.starts_with(&opts.runtime_name))
+            .unwrap_or("runc")
+            .to_string();
+        ctr.and_then(|c| c.get("runtimes"))
+            .and_then(|r| r.get(&default).or_else(|| r.get("runc")))
+            .and_then(Item::as_table)
+            .cloned()
+    };
+    let mut runtime = base_runtime.unwrap_or_default();
+    runtime.set_implicit(false);
+    runtime.set_position(None);
+    if !runtime.contains_key("runtime_type") {
+        runtime.insert("runtime_type", value("io.containerd.runc.v2"));
+    }
+    match &opts.binary_name {
+        Some(bin) => {
+            let options = runtime
+                .entry("options")
+                .or_insert_with(|| Item::Table(Table::new()));
+            if let Some(t) = options.as_table_mut() {
+                t.set_position(None);
+                // Indent like the keys already there.
+                let indent = t
+                    .iter()
+                    .next()
+                    .and_then(|(k, _)| t.key(k))
+                    .and_then(|k| k.leaf_decor().prefix())
+                    .and_then(|p| p.as_str())
+                    .map(str::to_string);
+                t.insert("BinaryName", value(bin.as_str()));
+                if let (Some(indent), Some(mut key)) = (indent, t.key_mut("BinaryName")) {
+                    key.leaf_decor_mut().set_prefix(indent);
+                }
+            }
+        }
+        None => {
+            // Plain runc: a BinaryName copied from the default runtime stays.
+        }
+    }
+
+    let mut changes = Vec::new();
+    let target_doc: &mut DocumentMut;
+    let mut drop_doc = DocumentMut::new();
+    if drop_in {
+        drop_doc.insert("version", value(config_version));
+        target_doc = &mut drop_doc;
+    } else {
+        target_doc = &mut doc;
+        if target_doc.get("version").is_none() && config_version > 1 {
+            target_doc.insert("version", value(config_version));
+        }
+    }
+    {
+        let root = target_doc.as_table_mut();
+        let ctr = table_at(root, &["plugins", cri, "containerd"]);
+        let runtimes = ctr.entry("runtimes").or_insert_with(|| {
+            let mut t = Table::new();
+            t.set_implicit(true);
+            Item::Table(t)
+        });
+        let runtimes = runtimes.as_table_mut().expect("validated to be a table");
+        let unchanged = runtimes
+            .get(&opts.runtime_name)
+            .and_then(Item::as_table)
+            .is_some_and(|t| t.to_string() == runtime.to_string());
+        if !unchanged {
+            runtimes.insert(&opts.runtime_name, Item::Table(runtime));
+        }
+        if opts.set_as_default {
+            let current = ctr.get("default_runtime_name").and_then(Item::as_str);
+            if current != Some(opts.runtime_name.as_str()) {
+                ctr.insert("default_runtime_name", value(opts.runtime_name.as_str()));
+            }
+        }
+        if enable_cdi {
+            let plugin = table_at(root, &["plugins", cri]);
+            let on = plugin.get("enable_cdi").and_then(Item::as_bool);
+            // 2.x has CDI on by default: only an explicit `false` needs changing.
+            if on != Some(true) && !(config_version >= 3 && on.is_none()) {
+                plugin.insert("enable_cdi", value(true));
+            }
+        }
+    }
+    if drop_in {
+        let drop_path = format!("{}/{DROP_IN_NAME}", opts.drop_in_dir.trim_end_matches('/'));
+        let glob = format!("{}/*.toml", opts.drop_in_dir.trim_end_matches('/'));
+        let mut imports: Vec<String> = doc
+            .get("imports")
+            .and_then(Item::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !imports.iter().any(|i| i == &glob || i == &drop_path) {
+            imports.push(glob.clone());
+            match doc.get_mut("imports").and_then(Item::as_array_mut) {
+                Some(a) => a.push(glob.as_str()),
+                None => {
+                    doc.insert(
+                        "imports",
+                        value(toml_edit::Array::from_iter([glob.as_str()])),
+                    );
+                }
+            }
+            if doc.get("version").is_none() {
+                doc.insert("version", value(config_version));
+            }
+        }
+        changes.push(FileChange::new(
+            &drop_path,
+            host.read_optional(&drop_path).map_err(RuntimeError::Host)?,
+            drop_doc.to_string(),
+        ));
+    }
+    changes.insert(0, FileChange::new(&opts.config, before, doc.to_string()));
+    changes.retain(FileChange::changes_anything);
+    Ok(Plan { changes, notes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse_from_containerd_output() {
+        assert_eq!(
+            Version::parse("1.6.20~ds1"),
+            Some(Version {
+                major: 1,
+                minor: 6,
+                patch: 20
+            })
+        );
+        assert_eq!(
+            Version::parse("v2.1.3"),
+            Some(Version {
+                major: 2,
+                minor: 1,
+                patch: 3
+            })
+        );
+        assert_eq!(Version::parse("github.com/containerd/containerd"), None);
+    }
+
+    #[test]
+    fn line_and_column() {
+        assert_eq!(line_col("ab\ncd\nef", 4), (2, 2));
+        assert_eq!(line_col("x", 0), (1, 1));
+    }
+}

@@ -1,0 +1,159 @@
+//! The container runtime stage: plan the config changes, show them as a
+//! unified diff, write them through [`hostlib::managed`] (atomic, original
+//! kept once, restorable byte for byte), and never touch a file whose
+//! content would not change.
+//!
+//! Built: containerd. Coming: CRI-O, Docker, runtime reload, CDI specs.
+
+pub mod containerd;
+
+use hostlib::HostRoot;
+use hostlib::managed::{ManagedError, ManagedFiles, Restored};
+
+use crate::policy::{ContainerRuntime, Policy};
+
+/// One file's planned change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileChange {
+    /// Host path.
+    pub path: String,
+    /// `None`: the file does not exist yet.
+    pub before: Option<String>,
+    pub after: String,
+}
+
+impl FileChange {
+    pub fn new(path: &str, before: Option<String>, after: String) -> Self {
+        FileChange {
+            path: path.to_string(),
+            before,
+            after,
+        }
+    }
+
+    pub fn changes_anything(&self) -> bool {
+        self.before.as_deref() != Some(self.after.as_str())
+    }
+
+    /// A unified diff (`--- a/<path>` / `+++ b/<path>`).
+    pub fn diff(&self) -> String {
+        let before = self.before.as_deref().unwrap_or("");
+        let old = if self.before.is_some() {
+            format!("a{}", self.path)
+        } else {
+            "/dev/null".to_string()
+        };
+        similar::TextDiff::from_lines(before, &self.after)
+            .unified_diff()
+            .context_radius(3)
+            .header(&old, &format!("b{}", self.path))
+            .to_string()
+    }
+}
+
+/// Errors configuring a runtime. Each names the file (and line) or says
+/// plainly what is missing on the host.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Host(hostlib::HostError),
+    #[error("{path}:{line}:{column}: not valid TOML: {message}")]
+    Parse {
+        path: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{path}:{line}:{column}: {key}: {message}")]
+    Invalid {
+        path: String,
+        line: usize,
+        column: usize,
+        key: String,
+        message: String,
+    },
+    #[error("{0}")]
+    NoInjection(String),
+    #[error("{0} is not supported yet (containerd is)")]
+    NotYet(&'static str),
+    #[error(transparent)]
+    Managed(#[from] ManagedError),
+}
+
+/// Where the host's NVIDIA container runtime may be.
+const NVIDIA_RUNTIME_PATHS: &[&str] = &[
+    "/usr/bin/nvidia-container-runtime",
+    "/usr/local/nvidia/toolkit/nvidia-container-runtime",
+];
+
+/// The host's `nvidia-container-runtime`, if it has one.
+pub fn host_nvidia_runtime(host: &HostRoot) -> Option<String> {
+    NVIDIA_RUNTIME_PATHS
+        .iter()
+        .find(|p| host.exists(p))
+        .map(|p| p.to_string())
+}
+
+/// The planned changes for the policy's runtime.
+#[derive(Debug)]
+pub struct RuntimePlan {
+    pub runtime: ContainerRuntime,
+    pub changes: Vec<FileChange>,
+    pub notes: Vec<String>,
+}
+
+/// Plans the configuration of the policy's container runtime.
+pub fn plan(
+    host: &HostRoot,
+    policy: &Policy,
+    containerd_version: Option<containerd::Version>,
+) -> Result<RuntimePlan, RuntimeError> {
+    let runtime = policy.operator.default_runtime;
+    match runtime {
+        ContainerRuntime::Containerd => {
+            let c = &policy.toolkit.containerd;
+            let version = containerd_version.or_else(|| containerd::host_version(host, &c.binary));
+            let opts = containerd::Options {
+                config: c.config.clone(),
+                drop_in_dir: c.drop_in_dir.clone(),
+                runtime_name: policy.operator.runtime_class.clone(),
+                set_as_default: c.set_as_default,
+                enable_cdi: policy.cdi.enabled,
+                binary_name: host_nvidia_runtime(host),
+            };
+            let mut p = containerd::plan(host, &opts, version)?;
+            if version.is_none() {
+                p.notes.push(format!("cannot run {} --version through the host root; planned from the config's shape", c.binary));
+            }
+            Ok(RuntimePlan {
+                runtime,
+                changes: p.changes,
+                notes: p.notes,
+            })
+        }
+        ContainerRuntime::Crio => Err(RuntimeError::NotYet("CRI-O")),
+        ContainerRuntime::Docker => Err(RuntimeError::NotYet("Docker")),
+    }
+}
+
+/// Writes a plan (under the host-files lock). Returns the host paths that changed.
+pub fn apply(
+    host: &HostRoot,
+    plan: &RuntimePlan,
+    wait_for_lock: bool,
+) -> Result<Vec<String>, RuntimeError> {
+    let files = ManagedFiles::lock(host, wait_for_lock)?;
+    let mut changed = Vec::new();
+    for c in &plan.changes {
+        if files.write(&c.path, c.after.as_bytes(), 0o644)? {
+            changed.push(c.path.clone());
+        }
+    }
+    Ok(changed)
+}
+
+/// Puts every file gpu-agent changed back as it was.
+pub fn restore(host: &HostRoot, wait_for_lock: bool) -> Result<Vec<Restored>, RuntimeError> {
+    let files = ManagedFiles::lock(host, wait_for_lock)?;
+    Ok(files.restore()?)
+}

@@ -1,0 +1,353 @@
+//! `gpu-agent runtime configure|restore` on containerd configs: golden
+//! outputs, idempotence, byte-for-byte restore, bad input, the lock, and
+//! Debian's real containerd 1.6 reading what we wrote (`config dump`).
+//! Regenerate the golden files with `GPU_AGENT_UPDATE_GOLDEN=1`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+const CONFIG: &str = "etc/containerd/config.toml";
+const DROP_IN: &str = "etc/containerd/conf.d/99-gpu-agent.toml";
+
+/// A host root with `fixture` as containerd's config (or none) and, if
+/// asked, the NVIDIA container runtime installed.
+fn host_with(fixture: Option<&str>, nvidia_runtime: bool) -> tempfile::TempDir {
+    let host = tempfile::tempdir().unwrap();
+    fs::create_dir_all(host.path().join("etc/containerd")).unwrap();
+    if let Some(f) = fixture {
+        fs::copy(fixture_path(f), host.path().join(CONFIG)).unwrap();
+    }
+    if nvidia_runtime {
+        fs::create_dir_all(host.path().join("usr/bin")).unwrap();
+        fs::write(
+            host.path().join("usr/bin/nvidia-container-runtime"),
+            "#!/bin/sh\n",
+        )
+        .unwrap();
+    }
+    host
+}
+
+fn fixture_path(name: &str) -> PathBuf {
+    fixture(&format!("containerd/{name}"))
+}
+
+fn files(root: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(
+                    p.strip_prefix(root).unwrap().display().to_string(),
+                    fs::read(&p).unwrap(),
+                );
+            }
+        }
+    }
+    out
+}
+
+fn configure(host: &Path, version: &str, extra: &[&str]) -> (i32, String, String) {
+    run(bin().arg("--host-root").arg(host).args(extra).args([
+        "runtime",
+        "configure",
+        "--containerd-version",
+        version,
+    ]))
+}
+
+fn golden(name: &str, actual: &[u8]) {
+    let path = fixture_path(&format!("golden/{name}"));
+    if std::env::var_os("GPU_AGENT_UPDATE_GOLDEN").is_some() {
+        fs::write(&path, actual).unwrap();
+    }
+    let want = fs::read(&path).unwrap_or_else(|_| {
+        panic!(
+            "{} missing (GPU_AGENT_UPDATE_GOLDEN=1 writes it)",
+            path.display()
+        )
+    });
+    assert_eq!(
+        String::from_utf8_lossy(actual),
+        String::from_utf8_lossy(&want),
+        "differs from {}",
+        path.display()
+    );
+}
+
+/// Configure, compare with the golden files, configure again (no change),
+/// restore (byte for byte, created files gone).
+fn round_trip(fixture: Option<&str>, version: &str, nvidia_runtime: bool) -> tempfile::TempDir {
+    let host = host_with(
+        fixture.map(|f| format!("valid/{f}")).as_deref(),
+        nvidia_runtime,
+    );
+    let before = files(host.path());
+    let (code, out, err) = configure(host.path(), version, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("+++ b/etc/containerd/"),
+        "no diff printed: {out}"
+    );
+    let tag = format!("{}@{version}", fixture.unwrap_or("no-config"));
+    golden(
+        &format!("{tag}.toml"),
+        &fs::read(host.path().join(CONFIG)).unwrap(),
+    );
+    if host.path().join(DROP_IN).exists() {
+        golden(
+            &format!("{tag}.drop-in.toml"),
+            &fs::read(host.path().join(DROP_IN)).unwrap(),
+        );
+    }
+    let after = files(host.path());
+    let (code, out, err) = configure(host.path(), version, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("nothing to change"),
+        "second run changed something: {out}"
+    );
+    let keep = tempfile::tempdir().unwrap();
+    for (rel, bytes) in &after {
+        let p = keep.path().join(rel);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(p, bytes).unwrap();
+    }
+    let (code, out, err) = run(bin()
+        .arg("--host-root")
+        .arg(host.path())
+        .args(["runtime", "restore"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("restored") || out.contains("removed"), "{out}");
+    let restored: BTreeMap<String, Vec<u8>> = files(host.path())
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("var/lib/gpu-agent") && !k.starts_with("run/gpu-agent"))
+        .collect();
+    assert_eq!(
+        restored, before,
+        "restore did not give back the original files byte for byte"
+    );
+    keep
+}
+
+#[test]
+fn containerd_1_6_default_config_in_place_without_cdi() {
+    let patched = round_trip(Some("v2-default-1.6.toml"), "1.6.20", true);
+    let text = fs::read_to_string(patched.path().join(CONFIG)).unwrap();
+    assert!(
+        text.starts_with("# containerd 1.6's own default config"),
+        "comment lost"
+    );
+    assert!(
+        !text.contains("enable_cdi"),
+        "wrote a key containerd 1.6 ignores"
+    );
+}
+
+#[test]
+fn containerd_1_7_custom_config_keeps_comments_order_imports() {
+    let patched = round_trip(Some("v2-custom.toml"), "1.7.2", true);
+    let text = fs::read_to_string(patched.path().join(CONFIG)).unwrap();
+    for keep in [
+        "# Production containerd config",
+        "# pinned",
+        "# gVisor for untrusted pods",
+        "imports = [\"/etc/containerd/site.d/*.toml\"]",
+    ] {
+        assert!(text.contains(keep), "lost {keep:?}:\n{text}");
+    }
+    assert!(text.contains("enable_cdi = true"));
+    // The new runtime copies the default runtime's options (SystemdCgroup).
+    let nvidia = text.split("runtimes.nvidia]").nth(1).unwrap();
+    assert!(
+        nvidia.contains("SystemdCgroup = true")
+            && nvidia.contains("BinaryName = \"/usr/bin/nvidia-container-runtime\"")
+    );
+}
+
+#[test]
+fn version_1_config() {
+    round_trip(Some("v1.toml"), "1.6.20", true);
+}
+
+#[test]
+fn containerd_2_1_uses_a_drop_in_and_one_import() {
+    let patched = round_trip(Some("v3.toml"), "2.1.0", false);
+    let main = fs::read_to_string(patched.path().join(CONFIG)).unwrap();
+    assert!(
+        main.contains("imports = [\"/etc/containerd/conf.d/*.toml\"]"),
+        "{main}"
+    );
+    let drop_in = fs::read_to_string(patched.path().join(DROP_IN)).unwrap();
+    assert!(
+        drop_in.contains("[plugins.\"io.containerd.cri.v1.runtime\".containerd.runtimes.nvidia]"),
+        "{drop_in}"
+    );
+    // 2.x enables CDI by default; without the NVIDIA toolkit the runtime is plain runc.
+    assert!(
+        !drop_in.contains("enable_cdi") && !drop_in.contains("BinaryName"),
+        "{drop_in}"
+    );
+}
+
+#[test]
+fn containerd_2_1_without_a_config_file() {
+    round_trip(None, "2.1.0", false);
+}
+
+#[test]
+fn cdi_impossible_is_said_plainly_and_nothing_is_written() {
+    let host = host_with(Some("valid/v2-default-1.6.toml"), false);
+    let before = files(host.path());
+    let (code, _, err) = configure(host.path(), "1.6.20", &[]);
+    assert_eq!(code, 1);
+    assert!(err.contains("containerd 1.6.20 has no CDI support (it arrived in 1.7), and the host has no nvidia-container-runtime"), "{err}");
+    assert_eq!(files(host.path()), before);
+}
+
+#[test]
+fn dry_run_changes_nothing() {
+    let host = host_with(Some("valid/v2-custom.toml"), true);
+    let before = files(host.path());
+    let (code, out, err) = configure(host.path(), "1.7.2", &["--log-format", "text"]);
+    assert_eq!(code, 0, "{err}");
+    let _ = out;
+    let host2 = host_with(Some("valid/v2-custom.toml"), true);
+    let (code, out, _) = run(bin().arg("--host-root").arg(host2.path()).args([
+        "runtime",
+        "configure",
+        "--dry-run",
+        "--containerd-version",
+        "1.7.2",
+    ]));
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("+    enable_cdi = true")
+            || out.contains("+enable_cdi = true")
+            || out.contains("enable_cdi = true"),
+        "{out}"
+    );
+    assert_eq!(files(host2.path()), before);
+}
+
+#[test]
+fn every_invalid_config_fails_with_2_naming_file_and_line() {
+    let mut n = 0;
+    for e in fs::read_dir(fixture_path("invalid")).unwrap() {
+        let p = e.unwrap().path();
+        let text = fs::read_to_string(&p).unwrap();
+        let expect = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap();
+        let host = host_with(None, true);
+        fs::copy(&p, host.path().join(CONFIG)).unwrap();
+        let before = files(host.path());
+        let (code, out, err) = configure(host.path(), "1.6.20", &[]);
+        assert_eq!(code, 2, "{}: {out}{err}", p.display());
+        assert!(
+            err.contains("/etc/containerd/config.toml:"),
+            "{}: {err}",
+            p.display()
+        );
+        assert!(
+            err.contains(expect),
+            "{}: expected {expect:?} in {err}",
+            p.display()
+        );
+        assert_eq!(
+            files(host.path()),
+            before,
+            "{}: something was written",
+            p.display()
+        );
+        n += 1;
+    }
+    assert!(n >= 6);
+}
+
+#[test]
+fn a_second_agent_is_told_about_the_lock() {
+    let host = host_with(Some("valid/v2-custom.toml"), true);
+    let root = hostlib::HostRoot::new(host.path()).unwrap();
+    let _held = hostlib::managed::ManagedFiles::lock(&root, false).unwrap();
+    let (code, _, err) = run(bin().arg("--host-root").arg(host.path()).args([
+        "runtime",
+        "configure",
+        "--no-wait",
+        "--containerd-version",
+        "1.7.2",
+    ]));
+    assert_eq!(code, 1, "configured while another process held the lock");
+    assert!(
+        err.contains("another gpu-agent is changing host files"),
+        "{err}"
+    );
+    assert_eq!(
+        fs::read(host.path().join(CONFIG)).unwrap(),
+        fs::read(fixture_path("valid/v2-custom.toml")).unwrap()
+    );
+}
+
+/// Debian's containerd 1.6 (installed by scripts/test) reads what we wrote.
+#[test]
+fn real_containerd_1_6_sees_the_nvidia_runtime() {
+    let which = std::process::Command::new("containerd")
+        .arg("--version")
+        .output();
+    let Ok(v) = which else {
+        panic!("containerd is not installed (scripts/test installs Debian's containerd)");
+    };
+    let version = String::from_utf8_lossy(&v.stdout).to_string();
+    assert!(
+        version.contains(" 1.6."),
+        "expected Debian's containerd 1.6, got {version}"
+    );
+    for fixture in ["v2-default-1.6.toml", "v2-custom.toml", "v1.toml"] {
+        let host = host_with(Some(&format!("valid/{fixture}")), true);
+        let (code, _, err) = configure(host.path(), "1.6.20", &[]);
+        assert_eq!(code, 0, "{fixture}: {err}");
+        let dump = std::process::Command::new("containerd")
+            .arg("--config")
+            .arg(host.path().join(CONFIG))
+            .args(["config", "dump"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&dump.stdout);
+        assert!(
+            dump.status.success(),
+            "{fixture}: {}",
+            String::from_utf8_lossy(&dump.stderr)
+        );
+        let nvidia = text
+            .split("containerd.runtimes.nvidia]")
+            .nth(1)
+            .unwrap_or_else(|| {
+                panic!("{fixture}: no nvidia runtime in the effective config:\n{text}")
+            });
+        assert!(
+            nvidia.contains("BinaryName = \"/usr/bin/nvidia-container-runtime\""),
+            "{fixture}:\n{text}"
+        );
+        if fixture == "v2-custom.toml" {
+            let runc = text
+                .split("containerd.runtimes.runc.options]")
+                .nth(1)
+                .unwrap();
+            assert!(
+                runc.contains("SystemdCgroup = true"),
+                "{fixture}: the user's runc options were lost"
+            );
+        }
+    }
+}
