@@ -124,6 +124,9 @@ impl Default for Toggle {
 pub struct ToolkitSpec {
     #[serde(default = "yes")]
     pub enabled: bool,
+    /// Make the `nvidia` runtime the container runtime's default.
+    #[serde(default)]
+    pub set_as_default: bool,
     #[serde(default)]
     pub containerd: ContainerdSpec,
 }
@@ -132,6 +135,7 @@ impl Default for ToolkitSpec {
     fn default() -> Self {
         ToolkitSpec {
             enabled: true,
+            set_as_default: false,
             containerd: ContainerdSpec::default(),
         }
     }
@@ -150,9 +154,6 @@ pub struct ContainerdSpec {
     /// The containerd binary asked for its version (`/usr/bin/containerd`).
     #[serde(default = "default_containerd_binary")]
     pub binary: String,
-    /// Make the `nvidia` runtime containerd's default.
-    #[serde(default)]
-    pub set_as_default: bool,
 }
 
 fn default_containerd_config() -> String {
@@ -173,7 +174,6 @@ impl Default for ContainerdSpec {
             config: default_containerd_config(),
             drop_in_dir: default_containerd_drop_in(),
             binary: default_containerd_binary(),
-            set_as_default: false,
         }
     }
 }

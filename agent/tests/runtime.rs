@@ -66,7 +66,11 @@ fn configure(host: &Path, version: &str, extra: &[&str]) -> (i32, String, String
 }
 
 fn golden(name: &str, actual: &[u8]) {
-    let path = fixture_path(&format!("golden/{name}"));
+    let path = match name.split_once('@').map(|(_, what)| what) {
+        Some("docker.json") => fixture(&format!("docker/golden/{name}")),
+        Some("crio.toml") => fixture(&format!("crio/golden/{name}")),
+        _ => fixture_path(&format!("golden/{name}")),
+    };
     if std::env::var_os("GPU_AGENT_UPDATE_GOLDEN").is_some() {
         fs::write(&path, actual).unwrap();
     }
@@ -408,4 +412,103 @@ fn sigkill_at_random_points_never_leaves_a_partial_file() {
         "200 SIGKILL trials over {span_us} µs runs: {saw_original} left the original, {saw_complete} the complete new file, 0 partial"
     );
     assert_eq!(saw_original + saw_complete, 200);
+}
+
+fn policy_for(host: &Path, runtime: &str) -> PathBuf {
+    let p = host.join("policy.yaml");
+    fs::write(
+        &p,
+        format!("spec:\n  operator:\n    defaultRuntime: {runtime}\n"),
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn docker_daemon_json_keeps_every_other_key_and_restores() {
+    let host = host_with(None, true);
+    fs::create_dir_all(host.path().join("etc/docker")).unwrap();
+    let daemon = host.path().join("etc/docker/daemon.json");
+    let original = fs::read(fixture("docker/valid/daemon.json")).unwrap();
+    fs::write(&daemon, &original).unwrap();
+    let policy = policy_for(host.path(), "docker");
+    let cmd = |args: &[&str]| {
+        run(bin()
+            .arg("--host-root")
+            .arg(host.path())
+            .arg("--policy")
+            .arg(&policy)
+            .args(args))
+    };
+    let (code, out, err) = cmd(&["runtime", "configure"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("+++ b/etc/docker/daemon.json"), "{out}");
+    golden("daemon.json@docker.json", &fs::read(&daemon).unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&fs::read(&daemon).unwrap()).unwrap();
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        [
+            "log-driver",
+            "log-opts",
+            "registry-mirrors",
+            "runtimes",
+            "exec-opts",
+            "features"
+        ]
+    );
+    assert_eq!(v["runtimes"]["runsc"]["path"], "/usr/local/bin/runsc");
+    assert_eq!(
+        v["runtimes"]["nvidia"]["path"],
+        "/usr/bin/nvidia-container-runtime"
+    );
+    assert_eq!(v["features"]["cdi"], true);
+    let (_, out, _) = cmd(&["runtime", "configure"]);
+    assert!(out.contains("nothing to change"), "{out}");
+    let (code, _, _) = cmd(&["runtime", "restore"]);
+    assert_eq!(code, 0);
+    assert_eq!(fs::read(&daemon).unwrap(), original);
+    for bad in [
+        "not-json.json",
+        "not-an-object.json",
+        "runtimes-not-object.json",
+    ] {
+        fs::write(
+            &daemon,
+            fs::read(fixture(&format!("docker/invalid/{bad}"))).unwrap(),
+        )
+        .unwrap();
+        let before = fs::read(&daemon).unwrap();
+        let (code, _, err) = cmd(&["runtime", "configure"]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("/etc/docker/daemon.json:"), "{bad}: {err}");
+        assert_eq!(fs::read(&daemon).unwrap(), before, "{bad}: written");
+    }
+}
+
+#[test]
+fn crio_drop_in_is_created_and_removed_by_restore() {
+    let host = host_with(None, true);
+    let policy = policy_for(host.path(), "crio");
+    let cmd = |args: &[&str]| {
+        run(bin()
+            .arg("--host-root")
+            .arg(host.path())
+            .arg("--policy")
+            .arg(&policy)
+            .args(args))
+    };
+    let (code, _, err) = cmd(&["runtime", "configure"]);
+    assert_eq!(code, 0, "{err}");
+    let drop_in = host.path().join("etc/crio/crio.conf.d/99-nvidia.conf");
+    golden("99-nvidia.conf@crio.toml", &fs::read(&drop_in).unwrap());
+    let (_, out, _) = cmd(&["runtime", "configure"]);
+    assert!(out.contains("nothing to change"), "{out}");
+    let (code, out, _) = cmd(&["runtime", "restore"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("removed /etc/crio/crio.conf.d/99-nvidia.conf"),
+        "{out}"
+    );
+    assert!(!drop_in.exists());
 }

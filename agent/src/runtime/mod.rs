@@ -3,9 +3,12 @@
 //! kept once, restorable byte for byte), and never touch a file whose
 //! content would not change.
 //!
-//! Built: containerd. Coming: CRI-O, Docker, runtime reload, CDI specs.
+//! Built: containerd, CRI-O (drop-in), Docker (daemon.json). Coming: runtime
+//! reload, CDI specs.
 
 pub mod containerd;
+pub mod crio;
+pub mod docker;
 
 use hostlib::HostRoot;
 use hostlib::managed::{ManagedError, ManagedFiles, Restored};
@@ -117,7 +120,7 @@ pub fn plan(
                 config: c.config.clone(),
                 drop_in_dir: c.drop_in_dir.clone(),
                 runtime_name: policy.operator.runtime_class.clone(),
-                set_as_default: c.set_as_default,
+                set_as_default: policy.toolkit.set_as_default,
                 enable_cdi: policy.cdi.enabled,
                 binary_name: host_nvidia_runtime(host),
             };
@@ -131,8 +134,38 @@ pub fn plan(
                 notes: p.notes,
             })
         }
-        ContainerRuntime::Crio => Err(RuntimeError::NotYet("CRI-O")),
-        ContainerRuntime::Docker => Err(RuntimeError::NotYet("Docker")),
+        ContainerRuntime::Crio => {
+            let opts = crio::Options {
+                drop_in: "/etc/crio/crio.conf.d/99-nvidia.conf".into(),
+                runtime_name: policy.operator.runtime_class.clone(),
+                runtime_path: host_nvidia_runtime(host),
+                set_as_default: policy.toolkit.set_as_default,
+            };
+            let changes = crio::plan(host, &opts)?;
+            let mut notes = Vec::new();
+            if opts.runtime_path.is_none() {
+                notes.push("no nvidia-container-runtime on the host: CRI-O injects GPUs through CDI alone (it reads /etc/cdi and /var/run/cdi)".into());
+            }
+            Ok(RuntimePlan {
+                runtime,
+                changes,
+                notes,
+            })
+        }
+        ContainerRuntime::Docker => {
+            let opts = docker::Options {
+                config: "/etc/docker/daemon.json".into(),
+                runtime_name: policy.operator.runtime_class.clone(),
+                runtime_path: host_nvidia_runtime(host),
+                set_as_default: policy.toolkit.set_as_default,
+                enable_cdi: policy.cdi.enabled,
+            };
+            Ok(RuntimePlan {
+                runtime,
+                changes: docker::plan(host, &opts)?,
+                notes: Vec::new(),
+            })
+        }
     }
 }
 
