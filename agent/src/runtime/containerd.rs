@@ -266,6 +266,22 @@ fn table_at<'a>(root: &'a mut Table, path: &[&str]) -> &'a mut Table {
     t
 }
 
+/// Inserts `key = item`, indented like the keys already in `table` (so the
+/// user's layout stays even).
+fn insert_indented(table: &mut Table, key: &str, item: Item) {
+    let indent = table
+        .iter()
+        .find(|(k, _)| *k != key)
+        .and_then(|(k, _)| table.key(k))
+        .and_then(|k| k.leaf_decor().prefix())
+        .and_then(|p| p.as_str())
+        .map(str::to_string);
+    table.insert(key, item);
+    if let (Some(indent), Some(mut k)) = (indent, table.key_mut(key)) {
+        k.leaf_decor_mut().set_prefix(indent);
+    }
+}
+
 /// Plans the changes for containerd `version` (`None` when it cannot be
 /// asked; the config's shape then decides).
 pub fn plan(
@@ -352,18 +368,7 @@ pub fn plan(
                 .or_insert_with(|| Item::Table(Table::new()));
             if let Some(t) = options.as_table_mut() {
                 t.set_position(None);
-                // Indent like the keys already there.
-                let indent = t
-                    .iter()
-                    .next()
-                    .and_then(|(k, _)| t.key(k))
-                    .and_then(|k| k.leaf_decor().prefix())
-                    .and_then(|p| p.as_str())
-                    .map(str::to_string);
-                t.insert("BinaryName", value(bin.as_str()));
-                if let (Some(indent), Some(mut key)) = (indent, t.key_mut("BinaryName")) {
-                    key.leaf_decor_mut().set_prefix(indent);
-                }
+                insert_indented(t, "BinaryName", value(bin.as_str()));
             }
         }
         None => {
@@ -402,7 +407,11 @@ pub fn plan(
         if opts.set_as_default {
             let current = ctr.get("default_runtime_name").and_then(Item::as_str);
             if current != Some(opts.runtime_name.as_str()) {
-                ctr.insert("default_runtime_name", value(opts.runtime_name.as_str()));
+                insert_indented(
+                    ctr,
+                    "default_runtime_name",
+                    value(opts.runtime_name.as_str()),
+                );
             }
         }
         if enable_cdi {
@@ -410,7 +419,7 @@ pub fn plan(
             let on = plugin.get("enable_cdi").and_then(Item::as_bool);
             // 2.x has CDI on by default: only an explicit `false` needs changing.
             if on != Some(true) && !(config_version >= 3 && on.is_none()) {
-                plugin.insert("enable_cdi", value(true));
+                insert_indented(plugin, "enable_cdi", value(true));
             }
         }
     }
