@@ -46,7 +46,16 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         out,
         "3. Ran the agent's stages (default policy), reading that sysfs and /proc and a simulated NVML:\n"
     )?;
-    let policy = Policy::default();
+    // A containerd 2.x config for the runtime stage to edit; the sandbox has
+    // no containerd to restart, so the demo's policy says not to.
+    let ctr = host.path().join("etc/containerd");
+    std::fs::create_dir_all(&ctr)?;
+    std::fs::write(
+        ctr.join("config.toml"),
+        "# the node's containerd config (simulated)\nversion = 3\n\n[plugins.\"io.containerd.cri.v1.runtime\".containerd]\n  default_runtime_name = \"runc\"\n",
+    )?;
+    let mut policy = Policy::default();
+    policy.toolkit.reload = gpu_agent::policy::ReloadMode::None;
     let caps = HeldCaps::read();
     let backend = SimulatedBackend::new(desc.clone());
     let backend_for_plugin = backend.clone();
@@ -55,6 +64,8 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         caps: &caps,
         sys: &host,
         backend: &backend,
+        host: &host,
+        apply: Some(&hostlib::command::RecordingRunner::new()),
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

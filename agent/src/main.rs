@@ -368,6 +368,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         caps: &caps,
         sys: &view.sys,
         backend: view.backend.as_ref(),
+        host: &host,
+        apply: Some(&hostlib::command::SystemRunner),
     });
     let ok = pass.ok();
     let mut st = AgentState::new(&host, heartbeat, caps.names());
@@ -421,7 +423,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 }
                 _ = hup.recv() => {
                     if let Some(p) = &plugin {
-                        reload(cli, &view, &caps, &mut st, p);
+                        reload(cli, &host, &view, &caps, &mut st, p);
                         write_state(&st, &host);
                     }
                 }
@@ -447,6 +449,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
 /// running one kept.
 fn reload(
     cli: &Cli,
+    host: &HostRoot,
     view: &NodeView,
     caps: &HeldCaps,
     st: &mut AgentState,
@@ -465,6 +468,8 @@ fn reload(
         caps,
         sys: &view.sys,
         backend: view.backend.as_ref(),
+        host,
+        apply: Some(&hostlib::command::SystemRunner),
     });
     let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
     let _ = plugin.updater.send(resources);
@@ -661,12 +666,14 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let policy = load_policy(cli.policy.as_deref())?;
     let caps = HeldCaps::read();
     let view = node_view(cli, &host)?;
-    // Only read-only stages are built so far (discover); inspecting runs them.
+    // Inspecting: stages plan but change nothing (`apply: None`).
     let pass = stages::run_pass(&Context {
         policy: &policy,
         caps: &caps,
         sys: &view.sys,
         backend: view.backend.as_ref(),
+        host: &host,
+        apply: None,
     });
     let report = StatusReport {
         source: "host-inspection",

@@ -127,8 +127,23 @@ pub struct ToolkitSpec {
     /// Make the `nvidia` runtime the container runtime's default.
     #[serde(default)]
     pub set_as_default: bool,
+    /// How the runtime picks up a changed config: `restart` (systemd,
+    /// default), `signal` (Docker only: SIGHUP reloads daemon.json), `none`.
+    /// Only ever when its config actually changed.
+    #[serde(default)]
+    pub reload: ReloadMode,
     #[serde(default)]
     pub containerd: ContainerdSpec,
+}
+
+/// `spec.toolkit.reload`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReloadMode {
+    #[default]
+    Restart,
+    Signal,
+    None,
 }
 
 impl Default for ToolkitSpec {
@@ -136,6 +151,7 @@ impl Default for ToolkitSpec {
         ToolkitSpec {
             enabled: true,
             set_as_default: false,
+            reload: ReloadMode::default(),
             containerd: ContainerdSpec::default(),
         }
     }

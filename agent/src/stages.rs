@@ -15,7 +15,9 @@ use crate::plugin::{
     self,
     resources::{self, PluginSettings, Resource},
 };
-use crate::policy::Policy;
+use crate::policy::{ContainerRuntime, Policy};
+use crate::runtime;
+use hostlib::command::CommandRunner;
 
 /// Every stage, in the order the agent runs them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -93,8 +95,8 @@ impl Stage {
             | Stage::Cdi => &[],
             Stage::Driver => &[Capability::CAP_SYS_MODULE],
             Stage::Devnodes => &[Capability::CAP_MKNOD],
-            // Reloading a runtime signals its daemon.
-            Stage::Runtime => &[Capability::CAP_KILL],
+            // Writing /etc as root; a reload runs the host's systemctl.
+            Stage::Runtime => &[],
             // NVML events need no capability (the kernel log, later, will).
             Stage::Health => &[],
             // MIG reconfiguration through NVML is a privileged operation.
@@ -140,7 +142,10 @@ impl Stage {
 
     /// Built and running for real.
     pub fn implemented(self) -> bool {
-        matches!(self, Stage::Discover | Stage::Plugin | Stage::Health)
+        matches!(
+            self,
+            Stage::Discover | Stage::Runtime | Stage::Plugin | Stage::Health
+        )
     }
 }
 
@@ -235,6 +240,11 @@ pub struct Context<'a> {
     /// Where sysfs and /proc are read (the host root, or a simulated tree).
     pub sys: &'a HostRoot,
     pub backend: &'a dyn GpuBackend,
+    /// The host whose files the agent changes.
+    pub host: &'a HostRoot,
+    /// How to run host commands when stages may change the host; `None`:
+    /// look only (`status`), change nothing.
+    pub apply: Option<&'a dyn CommandRunner>,
 }
 
 /// Runs the stages in order, once.
@@ -291,6 +301,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                         Err(e) => (StageState::Failed, e.to_string()),
                     },
                 },
+                Stage::Runtime => runtime_stage(ctx),
                 Stage::Health => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => health_plan(inv, ctx.policy),
@@ -348,6 +359,76 @@ pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus])
         StageState::Waiting
     };
     st.detail = parts.join("; ");
+}
+
+/// Plans the container runtime's configuration; with `ctx.apply`, writes
+/// it and reloads the runtime, only when something changed.
+fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
+    let p = ctx.policy;
+    let rt = p.operator.default_runtime;
+    let name = format!("{rt:?}").to_lowercase();
+    let present: &[&str] = match rt {
+        ContainerRuntime::Containerd => &[
+            p.toolkit.containerd.binary.as_str(),
+            p.toolkit.containerd.config.as_str(),
+        ],
+        ContainerRuntime::Crio => &["/usr/bin/crio", "/etc/crio"],
+        ContainerRuntime::Docker => &["/usr/bin/dockerd", "/etc/docker"],
+    };
+    if !present.iter().any(|path| ctx.host.exists(path)) {
+        return (
+            StageState::Waiting,
+            format!(
+                "no {name} on this host (none of {}); nothing to configure",
+                present.join(", ")
+            ),
+        );
+    }
+    let plan = match runtime::plan(ctx.host, p, None) {
+        Ok(plan) => plan,
+        Err(e) => return (StageState::Failed, e.to_string()),
+    };
+    let notes = if plan.notes.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", plan.notes.join("; "))
+    };
+    if plan.changes.is_empty() {
+        return (
+            StageState::Done,
+            format!("{name} already configured; not reloaded{notes}"),
+        );
+    }
+    let paths: Vec<&str> = plan.changes.iter().map(|c| c.path.as_str()).collect();
+    let Some(runner) = ctx.apply else {
+        return (
+            StageState::Ready,
+            format!(
+                "would change {} (`gpu-agent runtime configure --dry-run` shows how){notes}",
+                paths.join(", ")
+            ),
+        );
+    };
+    let written = match runtime::apply(ctx.host, &plan, true) {
+        Ok(w) => w,
+        Err(e) => return (StageState::Failed, e.to_string()),
+    };
+    if written.is_empty() {
+        return (
+            StageState::Done,
+            format!("{name} already configured; not reloaded{notes}"),
+        );
+    }
+    match runtime::reload(ctx.host, rt, p.toolkit.reload, runner) {
+        Ok(did) => (
+            StageState::Done,
+            format!("wrote {}; {did}{notes}", written.join(", ")),
+        ),
+        Err(e) => (
+            StageState::Failed,
+            format!("wrote {}, but {e}", written.join(", ")),
+        ),
+    }
 }
 
 /// What the health stage will watch.
@@ -491,6 +572,8 @@ mod tests {
             caps,
             sys: &sys,
             backend: &backend,
+            host: &sys,
+            apply: None,
         })
     }
 

@@ -37,7 +37,8 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
-    assert!(out.contains("3 stage(s) done, 8 not built yet"), "{out}");
+    assert!(out.contains("4 stage(s) done, 7 not built yet"), "{out}");
+    assert!(out.contains("runtime   done             wrote /etc/containerd/config.toml; not reloaded (spec.toolkit.reload is none)"), "{out}");
     assert!(
         out.contains("GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04 (XID 79)"),
         "{out}"
@@ -245,7 +246,17 @@ fn status_without_an_agent_inspects_the_host() {
     assert_eq!(stages[0]["stage"], "discover");
     assert_eq!(stages[0]["state"], "done");
     for s in &stages[1..] {
-        if s["stage"] == "health" {
+        if s["stage"] == "runtime" {
+            // The fixture has no container runtime.
+            assert_eq!(s["state"], "waiting", "{s}");
+            assert!(
+                s["detail"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("no containerd on this host"),
+                "{s}"
+            );
+        } else if s["stage"] == "health" {
             assert_eq!(s["state"], "waiting", "{s}");
             assert!(
                 s["detail"]
@@ -524,4 +535,57 @@ async fn sighup_applies_a_new_mig_strategy_without_stale_resources() {
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(0));
     kubelet.stop().await;
+}
+
+/// The runtime stage of `run`: configures containerd once; the next run
+/// finds nothing to change and does not reload. A reload that fails says so.
+#[test]
+fn run_configures_the_runtime_once_and_reloads_only_on_change() {
+    let host = tempfile::tempdir().unwrap();
+    fs::create_dir_all(host.path().join("etc/containerd")).unwrap();
+    fs::copy(
+        fixture("containerd/valid/v3.toml"),
+        host.path().join("etc/containerd/config.toml"),
+    )
+    .unwrap();
+    let policy = host.path().join("policy.yaml");
+    let runtime_stage = |policy_text: &str| {
+        fs::write(&policy, policy_text).unwrap();
+        let (code, _, err) = run(bin()
+            .arg("--host-root")
+            .arg(host.path())
+            .arg("--policy")
+            .arg(&policy)
+            .args(["--simulate", "a10g-1", "run", "--once"]));
+        let state =
+            json(&fs::read_to_string(host.path().join("run/gpu-agent/state.json")).unwrap());
+        let st = state["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["stage"] == "runtime")
+            .unwrap()
+            .clone();
+        (code, st, err)
+    };
+    // A restart through the host's systemd cannot work in a temp dir: it says so.
+    let (code, st, _) = runtime_stage("spec:\n  toolkit:\n    reload: restart\n");
+    assert_eq!(code, 1);
+    assert_eq!(st["state"], "failed");
+    let detail = st["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("wrote /etc/containerd/config.toml, but reloading containerd: `chroot "),
+        "{detail}"
+    );
+    // The file is written; the next run changes nothing and reloads nothing.
+    let (code, st, err) = runtime_stage("spec:\n  toolkit:\n    reload: restart\n");
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(st["state"], "done");
+    assert!(
+        st["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("containerd already configured; not reloaded"),
+        "{st}"
+    );
 }

@@ -5,6 +5,7 @@
 //! fake `/sys`, `/proc`, `/dev` and `/etc` in a temp dir and run the real code
 //! over it, with [`RecordingSyscalls`] standing in for the kernel.
 
+pub mod command;
 pub mod driver;
 pub mod fsutil;
 pub mod managed;

@@ -3,17 +3,28 @@
 //! kept once, restorable byte for byte), and never touch a file whose
 //! content would not change.
 //!
-//! Built: containerd, CRI-O (drop-in), Docker (daemon.json). Coming: runtime
-//! reload, CDI specs.
+//! Built: containerd, CRI-O (drop-in), Docker (daemon.json), reload only on
+//! change. Coming: CDI specs.
+//!
+//! What makes each runtime read a changed config (from their docs):
+//! - containerd reads its config only at start: it must be restarted
+//!   (`systemctl restart containerd`). Its SIGHUP handling is not a reload
+//!   (a SIGHUP'd containerd under systemd just goes down and comes back,
+//!   the restart storm users of the NVIDIA toolkit report), so we never signal it.
+//! - CRI-O reloads only some options on SIGHUP; a new runtime handler needs
+//!   a restart (`systemctl restart crio`).
+//! - Docker reloads `runtimes` and `features` from daemon.json on SIGHUP
+//!   (`signal`), or restarts (`systemctl restart docker`).
 
 pub mod containerd;
 pub mod crio;
 pub mod docker;
 
 use hostlib::HostRoot;
+use hostlib::command::{CommandError, CommandRunner};
 use hostlib::managed::{ManagedError, ManagedFiles, Restored};
 
-use crate::policy::{ContainerRuntime, Policy};
+use crate::policy::{ContainerRuntime, Policy, ReloadMode};
 
 /// One file's planned change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +92,14 @@ pub enum RuntimeError {
     NotYet(&'static str),
     #[error(transparent)]
     Managed(#[from] ManagedError),
+    #[error("reloading {runtime}: {source}")]
+    Reload {
+        runtime: &'static str,
+        #[source]
+        source: CommandError,
+    },
+    #[error("{0}")]
+    ReloadMode(String),
 }
 
 /// Where the host's NVIDIA container runtime may be.
@@ -189,4 +208,160 @@ pub fn apply(
 pub fn restore(host: &HostRoot, wait_for_lock: bool) -> Result<Vec<Restored>, RuntimeError> {
     let files = ManagedFiles::lock(host, wait_for_lock)?;
     Ok(files.restore()?)
+}
+
+/// The systemd unit of a runtime.
+fn unit(runtime: ContainerRuntime) -> &'static str {
+    match runtime {
+        ContainerRuntime::Containerd => "containerd",
+        ContainerRuntime::Crio => "crio",
+        ContainerRuntime::Docker => "docker",
+    }
+}
+
+/// Makes the runtime read its changed config, as the policy says; returns
+/// what was done, in words. Call it only when files changed.
+pub fn reload(
+    host: &HostRoot,
+    runtime: ContainerRuntime,
+    mode: ReloadMode,
+    runner: &dyn CommandRunner,
+) -> Result<String, RuntimeError> {
+    let name = unit(runtime);
+    let err = |source| RuntimeError::Reload {
+        runtime: name,
+        source,
+    };
+    match mode {
+        ReloadMode::None => Ok(format!(
+            "not reloaded (spec.toolkit.reload is none): restart {name} to apply"
+        )),
+        ReloadMode::Restart => {
+            // On the host's own systemd: through chroot when the host root is not ours.
+            let mut argv: Vec<String> = Vec::new();
+            if !host.is_system() {
+                argv.push("chroot".into());
+                argv.push(host.path().display().to_string());
+            }
+            argv.extend(["systemctl", "restart", name].map(String::from));
+            runner.run(&argv).map_err(err)?;
+            Ok(format!("restarted {name}"))
+        }
+        ReloadMode::Signal if runtime == ContainerRuntime::Docker => {
+            let pid_file = "/var/run/docker.pid";
+            let pid = host
+                .read_to_string(pid_file)
+                .map_err(RuntimeError::Host)?
+                .trim()
+                .parse::<u32>()
+                .map_err(|_| {
+                    RuntimeError::ReloadMode(format!("{pid_file} does not hold a process id"))
+                })?;
+            runner
+                .run(&["kill".into(), "-s".into(), "HUP".into(), pid.to_string()])
+                .map_err(err)?;
+            Ok(format!(
+                "sent SIGHUP to dockerd (pid {pid}) to reload daemon.json"
+            ))
+        }
+        ReloadMode::Signal => Err(RuntimeError::ReloadMode(format!(
+            "{name} does not reload its config on a signal; set spec.toolkit.reload to restart or none"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hostlib::command::RecordingRunner;
+
+    #[test]
+    fn restart_goes_through_the_hosts_systemd() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let r = RecordingRunner::new();
+        let said = reload(&host, ContainerRuntime::Containerd, ReloadMode::Restart, &r).unwrap();
+        assert_eq!(said, "restarted containerd");
+        let root = host.path().display().to_string();
+        assert_eq!(
+            r.calls(),
+            vec![vec![
+                "chroot".to_string(),
+                root,
+                "systemctl".into(),
+                "restart".into(),
+                "containerd".into()
+            ]]
+        );
+        let r = RecordingRunner::new();
+        reload(
+            &HostRoot::system(),
+            ContainerRuntime::Crio,
+            ReloadMode::Restart,
+            &r,
+        )
+        .unwrap();
+        assert_eq!(
+            r.calls(),
+            vec![vec![
+                "systemctl".to_string(),
+                "restart".into(),
+                "crio".into()
+            ]]
+        );
+    }
+
+    #[test]
+    fn none_runs_nothing_and_signal_is_docker_only() {
+        let r = RecordingRunner::new();
+        let said = reload(
+            &HostRoot::system(),
+            ContainerRuntime::Containerd,
+            ReloadMode::None,
+            &r,
+        )
+        .unwrap();
+        assert!(said.contains("restart containerd to apply"));
+        assert!(
+            reload(
+                &HostRoot::system(),
+                ContainerRuntime::Containerd,
+                ReloadMode::Signal,
+                &r
+            )
+            .is_err()
+        );
+        assert!(r.calls().is_empty());
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("var/run")).unwrap();
+        std::fs::write(dir.path().join("var/run/docker.pid"), "4242\n").unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        reload(&host, ContainerRuntime::Docker, ReloadMode::Signal, &r).unwrap();
+        assert_eq!(
+            r.calls(),
+            vec![vec![
+                "kill".to_string(),
+                "-s".into(),
+                "HUP".into(),
+                "4242".into()
+            ]]
+        );
+    }
+
+    #[test]
+    fn a_failed_restart_says_what_the_host_said() {
+        let r = RecordingRunner::new();
+        r.fail_with("Unit containerd.service not found.");
+        let err = reload(
+            &HostRoot::system(),
+            ContainerRuntime::Containerd,
+            ReloadMode::Restart,
+            &r,
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "reloading containerd: `systemctl restart containerd` failed: Unit containerd.service not found."
+        );
+    }
 }
