@@ -48,11 +48,10 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     )?;
     // A containerd 2.x config for the runtime stage to edit; the sandbox has
     // no containerd to restart, so the demo's policy says not to.
-    let ctr = host.path().join("etc/containerd");
-    std::fs::create_dir_all(&ctr)?;
-    std::fs::write(
-        ctr.join("config.toml"),
-        "# the node's containerd config (simulated)\nversion = 3\n\n[plugins.\"io.containerd.cri.v1.runtime\".containerd]\n  default_runtime_name = \"runc\"\n",
+    host.write_atomic(
+        "/etc/containerd/config.toml",
+        b"# the node's containerd config (simulated)\nversion = 3\n\n[plugins.\"io.containerd.cri.v1.runtime\".containerd]\n  default_runtime_name = \"runc\"\n",
+        0o644,
     )?;
     let mut policy = Policy::default();
     policy.toolkit.reload = gpu_agent::policy::ReloadMode::None;
@@ -66,6 +65,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         backend: &backend,
         host: &host,
         apply: Some(&hostlib::command::RecordingRunner::new()),
+        syscalls: &hostlib::LinuxSyscalls,
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

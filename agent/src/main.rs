@@ -303,7 +303,8 @@ fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Fail
             if *dry_run {
                 return Ok(ExitCode::SUCCESS);
             }
-            let changed = runtime::apply(&host, &plan, !no_wait).map_err(map)?;
+            let changed =
+                runtime::apply(&host, &hostlib::LinuxSyscalls, &plan, !no_wait).map_err(map)?;
             for p in &changed {
                 eprintln!(
                     "wrote {p} (the original is kept; `gpu-agent runtime restore` puts it back)"
@@ -311,7 +312,7 @@ fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Fail
             }
         }
         RuntimeCommand::Restore { no_wait } => {
-            let done = runtime::restore(&host, !no_wait).map_err(map)?;
+            let done = runtime::restore(&host, &hostlib::LinuxSyscalls, !no_wait).map_err(map)?;
             if done.is_empty() {
                 println!("nothing to restore");
             }
@@ -370,6 +371,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         backend: view.backend.as_ref(),
         host: &host,
         apply: Some(&hostlib::command::SystemRunner),
+        syscalls: &hostlib::LinuxSyscalls,
     });
     let ok = pass.ok();
     let mut st = AgentState::new(&host, heartbeat, caps.names());
@@ -470,6 +472,7 @@ fn reload(
         backend: view.backend.as_ref(),
         host,
         apply: Some(&hostlib::command::SystemRunner),
+        syscalls: &hostlib::LinuxSyscalls,
     });
     let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
     let _ = plugin.updater.send(resources);
@@ -674,6 +677,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         backend: view.backend.as_ref(),
         host: &host,
         apply: None,
+        syscalls: &hostlib::LinuxSyscalls,
     });
     let report = StatusReport {
         source: "host-inspection",

@@ -17,6 +17,7 @@ use crate::plugin::{
 };
 use crate::policy::{ContainerRuntime, Policy};
 use crate::runtime;
+use hostlib::Syscalls;
 use hostlib::command::CommandRunner;
 
 /// Every stage, in the order the agent runs them.
@@ -245,6 +246,8 @@ pub struct Context<'a> {
     /// How to run host commands when stages may change the host; `None`:
     /// look only (`status`), change nothing.
     pub apply: Option<&'a dyn CommandRunner>,
+    /// The privileged calls stages make on the host.
+    pub syscalls: &'a dyn Syscalls,
 }
 
 /// Runs the stages in order, once.
@@ -280,15 +283,9 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     (None, _) => (StageState::Waiting, "waiting on discover".to_string()),
                     (_, Err(e)) => (StageState::Failed, e.to_string()),
                     (Some(inv), Ok(settings)) => match resources::build(inv, &settings) {
-                        Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => (
-                            StageState::Waiting,
-                            format!(
-                                "{} GPU(s) on the node, none can be advertised until {} describes them: {}",
-                                inv.gpus.len(),
-                                inv.backend.name,
-                                inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
-                            ),
-                        ),
+                        Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => {
+                            (StageState::Waiting, undescribed(inv, "advertised"))
+                        }
                         Ok(resources) => {
                             let plan = PluginPlan {
                                 settings,
@@ -409,7 +406,7 @@ fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
             ),
         );
     };
-    let written = match runtime::apply(ctx.host, &plan, true) {
+    let written = match runtime::apply(ctx.host, ctx.syscalls, &plan, true) {
         Ok(w) => w,
         Err(e) => return (StageState::Failed, e.to_string()),
     };
@@ -431,6 +428,16 @@ fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
     }
 }
 
+/// Why GPUs the node has cannot be used yet: the backend does not describe them.
+fn undescribed(inv: &Inventory, what: &str) -> String {
+    format!(
+        "{} GPU(s) on the node, none can be {what} until {} describes them: {}",
+        inv.gpus.len(),
+        inv.backend.name,
+        inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
+    )
+}
+
 /// What the health stage will watch.
 fn health_plan(inv: &Inventory, policy: &Policy) -> (StageState, String) {
     let watched = inv
@@ -439,15 +446,7 @@ fn health_plan(inv: &Inventory, policy: &Policy) -> (StageState, String) {
         .filter(|g| g.uuid.is_some() && g.index.is_some())
         .count();
     if watched == 0 && !inv.gpus.is_empty() {
-        return (
-            StageState::Waiting,
-            format!(
-                "{} GPU(s) on the node, none can be watched until {} describes them: {}",
-                inv.gpus.len(),
-                inv.backend.name,
-                inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
-            ),
-        );
+        return (StageState::Waiting, undescribed(inv, "watched"));
     }
     if watched == 0 {
         return (StageState::Done, "no GPU to watch".to_string());
@@ -574,6 +573,7 @@ mod tests {
             backend: &backend,
             host: &sys,
             apply: None,
+            syscalls: &hostlib::RecordingSyscalls::new(),
         })
     }
 

@@ -80,10 +80,8 @@ fn demo_keep_leaves_a_host_root_that_status_reads() {
 
 #[test]
 fn inventory_of_the_8_gpu_fixture() {
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("h100-sxm-8"))
-        .args(["inventory", "--output", "json"]));
+    let (code, out, err) =
+        run(at(host_fixture("h100-sxm-8")).args(["inventory", "--output", "json"]));
     assert_eq!(code, 0, "{err}");
     let inv = json(&out);
     let gpus = inv["gpus"].as_array().unwrap();
@@ -117,10 +115,7 @@ fn inventory_of_the_8_gpu_fixture() {
 
 #[test]
 fn inventory_table_of_the_a10g_fixture() {
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("a10g-1"))
-        .arg("inventory"));
+    let (code, out, err) = run(at(host_fixture("a10g-1")).arg("inventory"));
     assert_eq!(code, 0, "{err}");
     assert!(
         out.contains("node: g5.xlarge · driver 550.127.05 (proprietary)"),
@@ -134,17 +129,10 @@ fn inventory_table_of_the_a10g_fixture() {
 
 #[test]
 fn no_gpu_node_says_so_and_exits_0() {
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("no-gpu"))
-        .arg("inventory"));
+    let (code, out, err) = run(at(host_fixture("no-gpu")).arg("inventory"));
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("no NVIDIA GPU found on this node"), "{out}");
-    let (code, out, _) =
-        run(bin()
-            .arg("--host-root")
-            .arg(host_fixture("no-gpu"))
-            .args(["inventory", "-o", "json"]));
+    let (code, out, _) = run(at(host_fixture("no-gpu")).args(["inventory", "-o", "json"]));
     assert_eq!(code, 0);
     assert_eq!(json(&out)["gpus"], serde_json::json!([]));
 }
@@ -196,9 +184,7 @@ fn invalid_policy_stops_run_before_anything_is_written() {
         .materialize(host.path())
         .unwrap();
     let before = tree(host.path());
-    let (code, _, err) = run(bin()
-        .arg("--host-root")
-        .arg(host.path())
+    let (code, _, err) = run(at(host.path())
         .arg("--policy")
         .arg(fixture("policies/invalid/unknown-key.yaml"))
         .args(["run", "--once"]));
@@ -229,10 +215,7 @@ fn bad_simulation_and_host_root_are_bad_input() {
 
 #[test]
 fn status_without_an_agent_inspects_the_host() {
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("h100-sxm-8"))
-        .args(["status", "-o", "json"]));
+    let (code, out, err) = run(at(host_fixture("h100-sxm-8")).args(["status", "-o", "json"]));
     assert_eq!(code, 0, "{err}");
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
@@ -300,9 +283,7 @@ fn status_with_a_simulated_node_plans_the_plugin() {
 
 #[test]
 fn status_table_shows_policy_disabled_stages() {
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("a10g-1"))
+    let (code, out, err) = run(at(host_fixture("a10g-1"))
         .arg("--policy")
         .arg(fixture("policies/valid/eks-al2023.yaml"))
         .arg("status"));
@@ -320,7 +301,7 @@ fn status_table_shows_policy_disabled_stages() {
 #[test]
 fn run_once_writes_state_that_status_reports_as_stopped() {
     let host = tempfile::tempdir().unwrap();
-    let (code, _, err) = run(bin().arg("--host-root").arg(host.path()).args([
+    let (code, _, err) = run(at(host.path()).args([
         "--simulate",
         "h100-sxm-8",
         "--log-format",
@@ -342,10 +323,7 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
     assert_eq!(state["format"], 1);
     assert!(state["stopped_at"].is_u64());
     assert_eq!(state["simulated"], "8x H100 SXM");
-    let (code, out, _) = run(bin()
-        .arg("--host-root")
-        .arg(host.path())
-        .args(["status", "-o", "json"]));
+    let (code, out, _) = run(at(host.path()).args(["status", "-o", "json"]));
     assert_eq!(code, 0);
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
@@ -359,9 +337,7 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
 #[test]
 fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
     let host = tempfile::tempdir().unwrap();
-    let mut child = bin()
-        .arg("--host-root")
-        .arg(host.path())
+    let mut child = at(host.path())
         .args(["--simulate", "t4-4", "run", "--heartbeat", "1"])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -372,20 +348,14 @@ fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
         assert!(Instant::now() < deadline, "the agent wrote no state file");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (code, out, err) = run(bin().arg("--host-root").arg(host.path()).arg("status"));
+    let (code, out, err) = run(at(host.path()).arg("status"));
     assert_eq!(code, 0, "{err}");
     assert!(
         out.contains(&format!("from the running agent (pid {}", child.id())),
         "{out}"
     );
     assert!(out.contains("simulating 4x T4"), "{out}");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(0));
+    assert_eq!(sigterm(&mut child), Some(0));
     let state = json(&fs::read_to_string(&state_file).unwrap());
     assert!(state["stopped_at"].is_u64(), "{state}");
 }
@@ -403,9 +373,7 @@ fn auto_log_format_follows_journal_stream() {
         let log = dir.path().join("stderr.log");
         let file = fs::File::create(&log).unwrap();
         let meta = fs::metadata(stream_of).unwrap_or_else(|_| fs::metadata(&log).unwrap());
-        let status = bin()
-            .arg("--host-root")
-            .arg(host.path())
+        let status = at(host.path())
             .args(["--simulate", "a10g-1", "run", "--once"])
             .env("JOURNAL_STREAM", format!("{}:{}", meta.dev(), meta.ino()))
             .stderr(file)
@@ -436,9 +404,7 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
     let dir = host.path().join("var/lib/kubelet/device-plugins");
     fs::create_dir_all(&dir).unwrap();
     let kubelet = MockKubelet::start(&dir.join("kubelet.sock")).unwrap();
-    let mut child = bin()
-        .arg("--host-root")
-        .arg(host.path())
+    let mut child = at(host.path())
         .args(["--simulate", "h100-sxm-8", "run", "--heartbeat", "1"])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -451,10 +417,7 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
     // The next heartbeat records it.
     let deadline = Instant::now() + Duration::from_secs(10);
     let st = loop {
-        let (_, out, _) = run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .args(["status", "-o", "json"]));
+        let (_, out, _) = run(at(host.path()).args(["status", "-o", "json"]));
         let st = json(&out);
         if st["plugin"][0]["registered"] == true {
             break st;
@@ -475,12 +438,7 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
         .unwrap()
         .clone();
     assert_eq!(plugin["state"], "done");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(sigterm(&mut child), Some(0));
     assert!(
         !dir.join("nvidia-gpu.sock").exists(),
         "the agent left its socket behind"
@@ -500,9 +458,7 @@ async fn sighup_applies_a_new_mig_strategy_without_stale_resources() {
     let policy = host.path().join("policy.yaml");
     fs::write(&policy, "spec:\n  mig:\n    strategy: mixed\n").unwrap();
     let kubelet = MockKubelet::start(&dir.join("kubelet.sock")).unwrap();
-    let mut child = bin()
-        .arg("--host-root")
-        .arg(host.path())
+    let mut child = at(host.path())
         .arg("--policy")
         .arg(&policy)
         .args(["--simulate", "h100-mig-2", "run", "--heartbeat", "1"])
@@ -532,8 +488,7 @@ async fn sighup_applies_a_new_mig_strategy_without_stale_resources() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(sigterm(&mut child), Some(0));
     kubelet.stop().await;
 }
 
@@ -551,12 +506,12 @@ fn run_configures_the_runtime_once_and_reloads_only_on_change() {
     let policy = host.path().join("policy.yaml");
     let runtime_stage = |policy_text: &str| {
         fs::write(&policy, policy_text).unwrap();
-        let (code, _, err) = run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .arg("--policy")
-            .arg(&policy)
-            .args(["--simulate", "a10g-1", "run", "--once"]));
+        let (code, _, err) = run(at(host.path()).arg("--policy").arg(&policy).args([
+            "--simulate",
+            "a10g-1",
+            "run",
+            "--once",
+        ]));
         let state =
             json(&fs::read_to_string(host.path().join("run/gpu-agent/state.json")).unwrap());
         let st = state["stages"]

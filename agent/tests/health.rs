@@ -43,9 +43,7 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
     fs::write(&policy, "spec:\n  health:\n    recoverAfterSeconds: 1\n").unwrap();
     let (_lib_dir, lib) = fake_nvml();
     let kubelet = MockKubelet::start(&plugin_dir.join("kubelet.sock")).unwrap();
-    let mut child = bin()
-        .arg("--host-root")
-        .arg(host.path())
+    let mut child = at(host.path())
         .arg("--nvml-lib")
         .arg(&lib)
         .arg("--policy")
@@ -87,10 +85,7 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
     // status (next heartbeat) names the GPU and the reason.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let (_, out, _) = run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .args(["status", "-o", "json"]));
+        let (_, out, _) = run(at(host.path()).args(["status", "-o", "json"]));
         let st = json(&out);
         let health = st["stages"]
             .as_array()
@@ -129,11 +124,6 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
         ["Healthy", "Healthy", "Healthy", "Unhealthy"]
     );
 
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert_eq!(sigterm(&mut child), Some(0));
     kubelet.stop().await;
 }

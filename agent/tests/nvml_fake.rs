@@ -12,9 +12,7 @@ use serde_json::Value;
 /// reading sysfs from `host_root`.
 fn nvml_inventory(node: &str, host_root: &std::path::Path) -> (i32, Value, String) {
     let (_dir, lib) = fake_nvml();
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_root)
+    let (code, out, err) = run(at(host_root)
         .arg("--nvml-lib")
         .arg(&lib)
         .args(["inventory", "--output", "json"])
@@ -140,9 +138,7 @@ fn readings_the_description_leaves_out_are_not_supported() {
 fn without_a_driver_nvml_says_so_and_sysfs_gpus_are_still_listed() {
     // FAKE_NVML_NODE unset: the fake behaves like a node without the driver.
     let (_dir, lib) = fake_nvml();
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host_fixture("a10g-1"))
+    let (code, out, err) = run(at(host_fixture("a10g-1"))
         .arg("--nvml-lib")
         .arg(&lib)
         .args(["inventory", "--output", "json"])

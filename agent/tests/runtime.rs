@@ -57,12 +57,9 @@ fn files(root: &Path) -> BTreeMap<String, Vec<u8>> {
 }
 
 fn configure(host: &Path, version: &str, extra: &[&str]) -> (i32, String, String) {
-    run(bin().arg("--host-root").arg(host).args(extra).args([
-        "runtime",
-        "configure",
-        "--containerd-version",
-        version,
-    ]))
+    run(at(host)
+        .args(extra)
+        .args(["runtime", "configure", "--containerd-version", version]))
 }
 
 fn golden(name: &str, actual: &[u8]) {
@@ -126,10 +123,7 @@ fn round_trip(fixture: Option<&str>, version: &str, nvidia_runtime: bool) -> tem
         fs::create_dir_all(p.parent().unwrap()).unwrap();
         fs::write(p, bytes).unwrap();
     }
-    let (code, out, err) = run(bin()
-        .arg("--host-root")
-        .arg(host.path())
-        .args(["runtime", "restore"]));
+    let (code, out, err) = run(at(host.path()).args(["runtime", "restore"]));
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("restored") || out.contains("removed"), "{out}");
     let restored: BTreeMap<String, Vec<u8>> = files(host.path())
@@ -222,7 +216,7 @@ fn cdi_impossible_is_said_plainly_and_nothing_is_written() {
 fn dry_run_changes_nothing() {
     let host = host_with(Some("valid/v2-custom.toml"), true);
     let before = files(host.path());
-    let (code, out, err) = run(bin().arg("--host-root").arg(host.path()).args([
+    let (code, out, err) = run(at(host.path()).args([
         "runtime",
         "configure",
         "--dry-run",
@@ -280,8 +274,9 @@ fn every_invalid_config_fails_with_2_naming_file_and_line() {
 fn a_second_agent_is_told_about_the_lock() {
     let host = host_with(Some("valid/v2-custom.toml"), true);
     let root = hostlib::HostRoot::new(host.path()).unwrap();
-    let _held = hostlib::managed::ManagedFiles::lock(&root, false).unwrap();
-    let (code, _, err) = run(bin().arg("--host-root").arg(host.path()).args([
+    let _held =
+        hostlib::managed::ManagedFiles::lock(&root, &hostlib::LinuxSyscalls, false).unwrap();
+    let (code, _, err) = run(at(host.path()).args([
         "runtime",
         "configure",
         "--no-wait",
@@ -372,9 +367,7 @@ fn sigkill_at_random_points_never_leaves_a_partial_file() {
             .wrapping_add(1442695040888963407);
         let delay = (seed >> 33) % (span_us * 12 / 10);
         let host = host_with(Some("valid/v2-custom.toml"), true);
-        let mut child = bin()
-            .arg("--host-root")
-            .arg(host.path())
+        let mut child = at(host.path())
             .args(["runtime", "configure", "--containerd-version", "1.7.2"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -393,10 +386,7 @@ fn sigkill_at_random_points_never_leaves_a_partial_file() {
                 "trial {trial} (kill after {delay} µs): the config is neither the original nor the complete new file"
             );
         }
-        let (code, _, err) = run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .args(["runtime", "restore"]));
+        let (code, _, err) = run(at(host.path()).args(["runtime", "restore"]));
         assert_eq!(code, 0, "trial {trial}: {err}");
         assert_eq!(
             fs::read(host.path().join(CONFIG)).unwrap(),
@@ -428,14 +418,7 @@ fn docker_daemon_json_keeps_every_other_key_and_restores() {
     let original = fs::read(fixture("docker/valid/daemon.json")).unwrap();
     fs::write(&daemon, &original).unwrap();
     let policy = policy_for(host.path(), "docker");
-    let cmd = |args: &[&str]| {
-        run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .arg("--policy")
-            .arg(&policy)
-            .args(args))
-    };
+    let cmd = |args: &[&str]| run(at(host.path()).arg("--policy").arg(&policy).args(args));
     let (code, out, err) = cmd(&["runtime", "configure"]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("+++ b/etc/docker/daemon.json"), "{out}");
@@ -486,14 +469,7 @@ fn docker_daemon_json_keeps_every_other_key_and_restores() {
 fn crio_drop_in_is_created_and_removed_by_restore() {
     let host = host_with(None, true);
     let policy = policy_for(host.path(), "crio");
-    let cmd = |args: &[&str]| {
-        run(bin()
-            .arg("--host-root")
-            .arg(host.path())
-            .arg("--policy")
-            .arg(&policy)
-            .args(args))
-    };
+    let cmd = |args: &[&str]| run(at(host.path()).arg("--policy").arg(&policy).args(args));
     let (code, _, err) = cmd(&["runtime", "configure"]);
     assert_eq!(code, 0, "{err}");
     let drop_in = host.path().join("etc/crio/crio.conf.d/99-nvidia.conf");

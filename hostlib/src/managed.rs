@@ -17,6 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::fsutil;
 use crate::root::{HostError, HostRoot};
+use crate::syscalls::{SyscallError, Syscalls};
 
 /// Where originals and the manifest live, as host paths.
 pub const BACKUP_DIR: &str = "/var/lib/gpu-agent/backup";
@@ -67,6 +68,8 @@ pub enum ManagedError {
     Manifest { path: PathBuf, message: String },
     #[error("{path}: the saved original of {of} does not match its checksum; not restoring it")]
     BadBackup { path: PathBuf, of: String },
+    #[error(transparent)]
+    Syscall(#[from] SyscallError),
 }
 
 /// What restoring did to one file.
@@ -82,6 +85,8 @@ pub enum Restored {
 #[derive(Debug)]
 pub struct ManagedFiles<'h> {
     host: &'h HostRoot,
+    /// Owners are given back through the one door for privileged calls.
+    sys: &'h dyn Syscalls,
     _lock: Flock<fs::File>,
 }
 
@@ -95,7 +100,11 @@ fn sha256_hex(bytes: &[u8]) -> String {
 impl<'h> ManagedFiles<'h> {
     /// Takes the lock: waits for another holder when `wait`, else fails
     /// with [`ManagedError::Locked`].
-    pub fn lock(host: &'h HostRoot, wait: bool) -> Result<Self, ManagedError> {
+    pub fn lock(
+        host: &'h HostRoot,
+        sys: &'h dyn Syscalls,
+        wait: bool,
+    ) -> Result<Self, ManagedError> {
         let path = host.resolve(LOCK_FILE)?;
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).map_err(|e| HostError::io(dir, e))?;
@@ -118,7 +127,11 @@ impl<'h> ManagedFiles<'h> {
                 HostError::io(&path, io::Error::from(errno)).into()
             }
         })?;
-        Ok(ManagedFiles { host, _lock: lock })
+        Ok(ManagedFiles {
+            host,
+            sys,
+            _lock: lock,
+        })
     }
 
     fn manifest(&self) -> Result<Manifest, ManagedError> {
@@ -203,11 +216,19 @@ impl<'h> ManagedFiles<'h> {
             .map_or(mode, |m| m.permissions().mode() & 0o7777);
         let written = self.host.write_atomic(path, contents, mode)?;
         if let Some(m) = &meta {
-            std::os::unix::fs::chown(&written, Some(m.uid()), Some(m.gid()))
-                .map_err(|e| HostError::io(&written, e))?;
+            self.keep_owner(&written, m.uid(), m.gid())?;
         }
         tracing::info!(file = %path, "wrote host file");
         Ok(true)
+    }
+
+    /// Gives a rewritten file (now owned by us) back to its owner, when that differs.
+    fn keep_owner(&self, path: &std::path::Path, uid: u32, gid: u32) -> Result<(), ManagedError> {
+        let now = fs::metadata(path).map_err(|e| HostError::io(path, e))?;
+        if (now.uid(), now.gid()) != (uid, gid) {
+            self.sys.chown(path, Some(uid), Some(gid))?;
+        }
+        Ok(())
     }
 
     /// Puts every managed file back as it was (byte for byte, mode and
@@ -245,8 +266,7 @@ impl<'h> ManagedFiles<'h> {
                     if fs::read(&real).ok().as_deref() != Some(&bytes[..]) {
                         fsutil::write_atomic(&real, &bytes, *mode)
                             .map_err(|err| HostError::io(&real, err))?;
-                        std::os::unix::fs::chown(&real, Some(*uid), Some(*gid))
-                            .map_err(|err| HostError::io(&real, err))?;
+                        self.keep_owner(&real, *uid, *gid)?;
                         done.push(Restored::Rewritten(e.path.clone()));
                     }
                 }
@@ -272,6 +292,7 @@ impl<'h> ManagedFiles<'h> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::syscalls::{Call, LinuxSyscalls, RecordingSyscalls};
 
     fn host() -> (tempfile::TempDir, HostRoot) {
         let d = tempfile::tempdir().unwrap();
@@ -287,7 +308,7 @@ mod tests {
         let original = b"# mine\nversion = 2\n\n[plugins]\n";
         fs::write(&cfg, original).unwrap();
         fs::set_permissions(&cfg, fs::Permissions::from_mode(0o640)).unwrap();
-        let m = ManagedFiles::lock(&h, false).unwrap();
+        let m = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
         assert!(
             m.write("/etc/containerd/config.toml", b"changed once", 0o644)
                 .unwrap()
@@ -333,10 +354,49 @@ mod tests {
     }
 
     #[test]
+    fn owners_are_given_back_through_the_syscalls() {
+        let (d, h) = host();
+        fs::create_dir_all(d.path().join("etc")).unwrap();
+        let f = d.path().join("etc/owned.conf");
+        fs::write(&f, "original").unwrap();
+        // Owned by someone else: needs root, which these machines are.
+        std::os::unix::fs::chown(&f, Some(1000), Some(1000)).expect("tests run as root");
+        let rec = RecordingSyscalls::new();
+        let m = ManagedFiles::lock(&h, &rec, false).unwrap();
+        m.write("/etc/owned.conf", b"changed", 0o644).unwrap();
+        m.restore().unwrap();
+        let chown = Call::Chown {
+            path: h.resolve("/etc/owned.conf").unwrap(),
+            uid: Some(1000),
+            gid: Some(1000),
+        };
+        assert_eq!(rec.calls(), vec![chown.clone(), chown]);
+        assert_eq!(fs::read(&f).unwrap(), b"original");
+        drop(m);
+        // Files we own need no chown.
+        let rec = RecordingSyscalls::new();
+        let m = ManagedFiles::lock(&h, &rec, false).unwrap();
+        m.write("/etc/new.conf", b"x", 0o644).unwrap();
+        m.write("/etc/new.conf", b"y", 0o644).unwrap();
+        assert!(rec.calls().is_empty(), "{:?}", rec.calls());
+        drop(m);
+        // The real calls give the owner back (the recorder above only recorded).
+        std::os::unix::fs::chown(&f, Some(1000), Some(1000)).unwrap();
+        let m = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
+        m.write("/etc/owned.conf", b"again", 0o644).unwrap();
+        assert_eq!(fs::metadata(&f).unwrap().uid(), 1000);
+        m.restore().unwrap();
+        assert_eq!(
+            (fs::metadata(&f).unwrap().uid(), fs::read(&f).unwrap()),
+            (1000, b"original".to_vec())
+        );
+    }
+
+    #[test]
     fn a_second_holder_is_told_so() {
         let (_d, h) = host();
-        let _first = ManagedFiles::lock(&h, false).unwrap();
-        let err = ManagedFiles::lock(&h, false).unwrap_err();
+        let _first = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
+        let err = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap_err();
         assert!(matches!(err, ManagedError::Locked { .. }), "{err}");
         assert!(
             err.to_string()
@@ -350,7 +410,7 @@ mod tests {
         let (d, h) = host();
         fs::create_dir_all(d.path().join("etc")).unwrap();
         fs::write(d.path().join("etc/x.conf"), "a").unwrap();
-        let m = ManagedFiles::lock(&h, false).unwrap();
+        let m = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
         m.write("/etc/x.conf", b"b", 0o644).unwrap();
         let backup = fs::read_dir(d.path().join("var/lib/gpu-agent/backup"))
             .unwrap()
@@ -372,7 +432,7 @@ mod tests {
         // A directory where the file should go cannot be replaced.
         fs::create_dir_all(d.path().join("etc/ro/g")).unwrap();
         fs::write(d.path().join("etc/ro/g/inner"), "x").unwrap();
-        let m = ManagedFiles::lock(&h, false).unwrap();
+        let m = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
         let err = m.write("/etc/ro/g", b"new", 0o644).unwrap_err();
         assert!(err.to_string().contains("etc/ro/g"), "{err}");
         assert_eq!(fs::read(d.path().join("etc/ro/f")).unwrap(), b"orig");

@@ -162,7 +162,7 @@ pub fn container_response(
 mod tests {
     use super::*;
     use crate::plugin::resources::{PluginSettings, build};
-    use crate::plugin::test_support::inventory_of;
+    use crate::test_support::inventory_of;
 
     fn gpu_resource() -> Resource {
         build(&inventory_of("h100-sxm-8"), &PluginSettings::default())

@@ -10,9 +10,6 @@ pub mod preferred;
 pub mod resources;
 pub mod server;
 
-#[cfg(test)]
-pub(crate) use crate::test_support;
-
 use hostlib::strict::YamlError;
 
 use crate::policy::Policy;

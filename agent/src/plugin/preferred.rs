@@ -281,7 +281,7 @@ mod tests {
     use super::*;
     use crate::plugin::config::PluginConfig;
     use crate::plugin::resources::{PluginSettings, build};
-    use crate::plugin::test_support::inventory_of;
+    use crate::test_support::inventory_of;
     use proptest::prelude::*;
 
     fn setup(node: &str) -> (Inventory, Resource) {

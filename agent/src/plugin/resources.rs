@@ -76,15 +76,6 @@ impl Resource {
     pub fn socket_name(&self) -> String {
         socket_name(&self.name)
     }
-
-    /// Replicas per GPU, by NVML index.
-    pub fn replicas_per_gpu(&self) -> BTreeMap<u32, u32> {
-        let mut m = BTreeMap::new();
-        for d in &self.devices {
-            *m.entry(d.index).or_insert(0) += 1;
-        }
-        m
-    }
 }
 
 /// `nvidia.com/mig-1g.10gb` → `nvidia-mig-1g.10gb.sock`.
@@ -299,7 +290,16 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
 mod tests {
     use super::*;
     use crate::plugin::config::PluginConfig;
-    use crate::plugin::test_support::inventory_of;
+    use crate::test_support::inventory_of;
+
+    /// Replicas per GPU, by NVML index.
+    fn replicas_per_gpu(r: &Resource) -> BTreeMap<u32, u32> {
+        let mut m = BTreeMap::new();
+        for d in &r.devices {
+            *m.entry(d.index).or_insert(0) += 1;
+        }
+        m
+    }
 
     fn with_sharing(yaml: &str) -> PluginSettings {
         let c = PluginConfig::from_yaml(yaml, "c").unwrap();
@@ -357,8 +357,8 @@ mod tests {
             ]
         );
         assert_eq!(rs[0].devices.len(), 1); // GPU 3 stays whole
-        assert_eq!(rs[1].replicas_per_gpu(), BTreeMap::from([(0, 4), (1, 4)]));
-        assert_eq!(rs[2].replicas_per_gpu(), BTreeMap::from([(2, 2)]));
+        assert_eq!(replicas_per_gpu(&rs[1]), BTreeMap::from([(0, 4), (1, 4)]));
+        assert_eq!(replicas_per_gpu(&rs[2]), BTreeMap::from([(2, 2)]));
         assert_eq!(rs[2].socket_name(), "nvidia-gpu.small.sock");
     }
 

@@ -21,6 +21,7 @@ pub mod crio;
 pub mod docker;
 
 use hostlib::HostRoot;
+use hostlib::Syscalls;
 use hostlib::command::{CommandError, CommandRunner};
 use hostlib::managed::{ManagedError, ManagedFiles, Restored};
 
@@ -88,8 +89,6 @@ pub enum RuntimeError {
     },
     #[error("{0}")]
     NoInjection(String),
-    #[error("{0} is not supported yet (containerd is)")]
-    NotYet(&'static str),
     #[error(transparent)]
     Managed(#[from] ManagedError),
     #[error("reloading {runtime}: {source}")]
@@ -191,10 +190,11 @@ pub fn plan(
 /// Writes a plan (under the host-files lock). Returns the host paths that changed.
 pub fn apply(
     host: &HostRoot,
+    sys: &dyn Syscalls,
     plan: &RuntimePlan,
     wait_for_lock: bool,
 ) -> Result<Vec<String>, RuntimeError> {
-    let files = ManagedFiles::lock(host, wait_for_lock)?;
+    let files = ManagedFiles::lock(host, sys, wait_for_lock)?;
     let mut changed = Vec::new();
     for c in &plan.changes {
         if files.write(&c.path, c.after.as_bytes(), 0o644)? {
@@ -205,8 +205,12 @@ pub fn apply(
 }
 
 /// Puts every file gpu-agent changed back as it was.
-pub fn restore(host: &HostRoot, wait_for_lock: bool) -> Result<Vec<Restored>, RuntimeError> {
-    let files = ManagedFiles::lock(host, wait_for_lock)?;
+pub fn restore(
+    host: &HostRoot,
+    sys: &dyn Syscalls,
+    wait_for_lock: bool,
+) -> Result<Vec<Restored>, RuntimeError> {
+    let files = ManagedFiles::lock(host, sys, wait_for_lock)?;
     Ok(files.restore()?)
 }
 

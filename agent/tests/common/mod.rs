@@ -9,6 +9,23 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_gpu-agent"))
 }
 
+/// `gpu-agent --host-root <root>`.
+pub fn at(root: impl AsRef<Path>) -> Command {
+    let mut c = bin();
+    c.arg("--host-root").arg(root.as_ref());
+    c
+}
+
+/// Sends SIGTERM to a running agent and returns its exit code.
+pub fn sigterm(child: &mut std::process::Child) -> Option<i32> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    child.wait().unwrap().code()
+}
+
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
