@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod caps;
+pub mod cdi;
 pub mod health;
 pub mod inventory;
 pub mod logging;

@@ -97,6 +97,17 @@ enum Command {
         #[command(subcommand)]
         command: RuntimeCommand,
     },
+    /// CDI specs for the node's GPUs.
+    Cdi {
+        #[command(subcommand)]
+        command: CdiCommand,
+    },
+    /// The createContainer hooks gpu-agent's CDI specs name; a container
+    /// runtime runs them with the container's OCI state on stdin.
+    CdiHook {
+        #[command(subcommand)]
+        command: HookCommand,
+    },
     /// Policy files.
     Policy {
         #[command(subcommand)]
@@ -134,6 +145,35 @@ enum RuntimeCommand {
     Restore {
         #[arg(long)]
         no_wait: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum CdiCommand {
+    /// Print the CDI spec for this node's GPUs (JSON); notes go to stderr.
+    Generate {
+        /// Also write it to the policy's spec dir (spec.cdi.specDir), and
+        /// install the hook program at the default spec.cdi.hookPath.
+        #[arg(long)]
+        write: bool,
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum HookCommand {
+    /// Make links in the container's root: --link TARGET::LINK (repeatable).
+    CreateSymlinks {
+        #[arg(long = "link", value_name = "TARGET::LINK")]
+        links: Vec<String>,
+    },
+    /// List the driver's library dirs in the container's ld.so.conf.d and
+    /// rebuild its linker cache with the host's ldconfig.
+    UpdateLdcache {
+        #[arg(long = "folder", value_name = "DIR")]
+        folders: Vec<String>,
     },
 }
 
@@ -205,6 +245,10 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
             command: PolicyCommand::Check { file, effective },
         } => policy_check(file, *effective),
         Command::Runtime { command } => runtime_command(&cli, command),
+        Command::Cdi {
+            command: CdiCommand::Generate { write, no_wait },
+        } => cdi_generate(&cli, *write, *no_wait),
+        Command::CdiHook { command } => cdi_hook(command),
         Command::Demo { node, keep } => {
             demo::run(node, *keep, &mut std::io::stdout().lock())
                 .map_err(bad_input_if_description)?;
@@ -324,6 +368,67 @@ fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Fail
                     }
                 }
             }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cdi_generate(cli: &Cli, write: bool, no_wait: bool) -> Result<ExitCode, Failure> {
+    use gpu_agent::cdi;
+    let host = host_root(cli)?;
+    let policy = load_policy(cli.policy.as_deref())?;
+    let view = node_view(cli, &host)?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
+        .context("cannot discover the node's GPUs")?;
+    let opts = cdi::Options {
+        hook_path: policy.cdi.hook_path.clone(),
+    };
+    let generated = cdi::generate(&inv, &view.sys, &opts)?;
+    for n in &generated.notes {
+        eprintln!("note: {n}");
+    }
+    print!("{}", generated.to_json());
+    if write {
+        let changed = cdi::apply(
+            &host,
+            &hostlib::LinuxSyscalls,
+            &generated,
+            &policy.cdi,
+            !no_wait,
+        )?;
+        if changed.is_empty() {
+            eprintln!(
+                "{} is up to date",
+                cdi::spec_path(&policy.cdi.spec_dir)
+            );
+        }
+        for p in changed {
+            eprintln!("wrote {p} (`gpu-agent runtime restore` removes it)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn cdi_hook(command: &HookCommand) -> Result<ExitCode, Failure> {
+    use gpu_agent::cdi::hook;
+    use std::io::Read as _;
+    let mut state = String::new();
+    std::io::stdin()
+        .read_to_string(&mut state)
+        .context("reading the OCI state from stdin")?;
+    let root = hook::container_root(&state)?;
+    match command {
+        HookCommand::CreateSymlinks { links } => {
+            hook::create_symlinks(&root, links)?;
+        }
+        HookCommand::UpdateLdcache { folders } => {
+            let ldconfig = hook::host_ldconfig(&HostRoot::system())?;
+            hook::update_ldcache(
+                &root,
+                folders,
+                &ldconfig,
+                &hostlib::command::SystemRunner,
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

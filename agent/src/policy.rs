@@ -266,6 +266,26 @@ pub struct CdiSpec {
     /// Make CDI the `nvidia` runtime's default injection mode.
     #[serde(default)]
     pub default: bool,
+    /// Where the spec is written (a host path): `/var/run/cdi` (default,
+    /// gone at reboot and rewritten at start) or `/etc/cdi`.
+    #[serde(default = "default_spec_dir")]
+    pub spec_dir: String,
+    /// The program the spec's hooks run (a host path). Default: gpu-agent
+    /// installs a copy of itself there, so the hooks work when the agent
+    /// runs in a container too.
+    #[serde(default = "default_hook_path")]
+    pub hook_path: String,
+}
+
+fn default_spec_dir() -> String {
+    "/var/run/cdi".into()
+}
+
+/// Where gpu-agent installs the copy of itself that CDI hooks run.
+pub const INSTALLED_HOOK_PATH: &str = "/var/lib/gpu-agent/bin/gpu-agent";
+
+fn default_hook_path() -> String {
+    INSTALLED_HOOK_PATH.into()
 }
 
 impl Default for CdiSpec {
@@ -273,6 +293,8 @@ impl Default for CdiSpec {
         CdiSpec {
             enabled: true,
             default: false,
+            spec_dir: default_spec_dir(),
+            hook_path: default_hook_path(),
         }
     }
 }
@@ -456,6 +478,8 @@ impl Policy {
             ("spec.toolkit.containerd.config", &c.config),
             ("spec.toolkit.containerd.dropInDir", &c.drop_in_dir),
             ("spec.toolkit.containerd.binary", &c.binary),
+            ("spec.cdi.specDir", &self.cdi.spec_dir),
+            ("spec.cdi.hookPath", &self.cdi.hook_path),
         ] {
             if !path.starts_with('/') || path.split('/').any(|p| p == "..") {
                 return Err(YamlError::invalid(

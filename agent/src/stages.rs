@@ -145,7 +145,7 @@ impl Stage {
     pub fn implemented(self) -> bool {
         matches!(
             self,
-            Stage::Discover | Stage::Runtime | Stage::Plugin | Stage::Health
+            Stage::Discover | Stage::Runtime | Stage::Cdi | Stage::Plugin | Stage::Health
         )
     }
 }
@@ -299,6 +299,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     },
                 },
                 Stage::Runtime => runtime_stage(ctx),
+                Stage::Cdi => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => cdi_stage(ctx, inv),
+                },
                 Stage::Health => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => health_plan(inv, ctx.policy),
@@ -356,6 +360,48 @@ pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus])
         StageState::Waiting
     };
     st.detail = parts.join("; ");
+}
+
+/// Generates the CDI spec from the inventory (driver files looked up where
+/// sysfs is read: the host, or the simulated tree); with `ctx.apply`,
+/// writes it when it changed.
+fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
+    let cdi = &ctx.policy.cdi;
+    let opts = crate::cdi::Options {
+        hook_path: cdi.hook_path.clone(),
+    };
+    let generated = match crate::cdi::generate(inv, ctx.sys, &opts) {
+        Ok(g) => g,
+        Err(crate::cdi::CdiError::NoDriver) if inv.gpus.is_empty() => {
+            return (
+                StageState::Done,
+                "no GPUs and no driver: no CDI spec to write".into(),
+            );
+        }
+        Err(e) => return (StageState::Failed, e.to_string()),
+    };
+    let path = crate::cdi::spec_path(&cdi.spec_dir);
+    let summary = generated.summary();
+    let Some(_) = ctx.apply else {
+        return match crate::cdi::up_to_date(ctx.host, &cdi.spec_dir, &generated) {
+            Ok(true) => (StageState::Done, format!("{path} is up to date: {summary}")),
+            Ok(false) => (
+                StageState::Ready,
+                format!("would write {path}: {summary}"),
+            ),
+            Err(e) => (StageState::Failed, e.to_string()),
+        };
+    };
+    match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
+        Ok(changed) if changed.is_empty() => {
+            (StageState::Done, format!("{path} is up to date: {summary}"))
+        }
+        Ok(changed) => (
+            StageState::Done,
+            format!("wrote {}: {summary}", changed.join(", ")),
+        ),
+        Err(e) => (StageState::Failed, e.to_string()),
+    }
 }
 
 /// Plans the container runtime's configuration; with `ctx.apply`, writes

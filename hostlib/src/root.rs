@@ -165,6 +165,19 @@ impl HostRoot {
         Ok(out)
     }
 
+    /// The host's own path for `host_path` with every link followed: what
+    /// the host itself (a runtime mounting it, say) would call that file.
+    pub fn canonical(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        let real = self.resolve(host_path)?;
+        if self.is_system() {
+            return fs::canonicalize(&real).map_err(|e| HostError::io(real, e));
+        }
+        let inside = real
+            .strip_prefix(&self.root)
+            .expect("resolve keeps every path under the root");
+        Ok(Path::new("/").join(inside))
+    }
+
     /// Reads a host file to a string.
     pub fn read_to_string(&self, host_path: impl AsRef<Path>) -> Result<String, HostError> {
         let path = self.resolve(host_path)?;
@@ -311,6 +324,23 @@ mod tests {
         // On the host this means the host's /etc/shadow, never this machine's.
         symlink("/etc/shadow", p.join("etc/evil")).unwrap();
         assert_eq!(r.resolve("/etc/evil").unwrap(), p.join("etc/shadow"));
+    }
+
+    #[test]
+    fn canonical_paths_are_the_hosts_own() {
+        let (_d, r) = root();
+        let p = r.path();
+        fs::create_dir_all(p.join("usr/lib/x86_64-linux-gnu")).unwrap();
+        fs::write(p.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"), "").unwrap();
+        symlink("usr/lib", p.join("lib")).unwrap();
+        assert_eq!(
+            r.canonical("/lib/x86_64-linux-gnu/libcuda.so.1").unwrap(),
+            Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+        );
+        assert_eq!(
+            HostRoot::system().canonical("/").unwrap(),
+            Path::new("/")
+        );
     }
 
     #[test]

@@ -190,12 +190,37 @@ pub struct MigDeviceDesc {
     pub memory_mib: u64,
     #[serde(default)]
     pub multiprocessors: u32,
+    /// The GPU instance's ID (`nvmlDeviceGetGpuInstanceId`; default: the
+    /// device's position in the list).
+    #[serde(default)]
+    pub gi_id: Option<u32>,
+    /// The compute instance's ID within its GPU instance (default 0).
+    #[serde(default)]
+    pub ci_id: Option<u32>,
 }
 
 impl MigDeviceDesc {
     pub fn ci_slices(&self) -> u32 {
         self.ci_slices.unwrap_or(self.gi_slices)
     }
+
+    /// The GPU instance ID of the device at `position` in its GPU's list.
+    pub fn gi_id(&self, position: usize) -> u32 {
+        self.gi_id.unwrap_or(position as u32)
+    }
+
+    pub fn ci_id(&self) -> u32 {
+        self.ci_id.unwrap_or(0)
+    }
+}
+
+/// The `/dev/nvidia-caps` minor NVIDIA's driver gives a GPU instance's
+/// access capability (`gpu<G>/gi<I>/access` in
+/// `/proc/driver/nvidia-caps/mig-minors`), with `ci`: the compute
+/// instance's. The driver numbers them densely: `config` 1, `monitor` 2,
+/// then per GPU minor 15 GPU instances of 1 + 8 entries each.
+pub fn mig_cap_minor(gpu_minor: u32, gi: u32, ci: Option<u32>) -> u32 {
+    3 + gpu_minor * 15 * 9 + gi * 9 + ci.map_or(0, |c| 1 + c)
 }
 
 /// Where the GPU sits on PCIe, from the GPU upward.
@@ -328,7 +353,14 @@ impl NodeDescription {
                     format!("{slices} GPU-instance slices; a GPU has at most 7"),
                 ));
             }
+            let mut gi_ids = std::collections::BTreeSet::new();
             for (k, m) in g.mig.devices.iter().enumerate() {
+                if m.gi_id(k) > 14 || m.ci_id() > 7 || !gi_ids.insert(m.gi_id(k)) {
+                    return Err(invalid(
+                        format!("gpus[{i}].mig.devices[{k}].giId"),
+                        "GPU instance IDs are 0..=14 and unique on their GPU, compute instance IDs 0..=7".into(),
+                    ));
+                }
                 if !m.uuid.starts_with("MIG-") {
                     return Err(invalid(
                         format!("gpus[{i}].mig.devices[{k}].uuid"),
@@ -592,6 +624,7 @@ impl NodeDescription {
                     ),
                 )?;
             }
+            self.materialize_user_space(root, d)?;
             devices_txt.push_str("195 nvidia-frontend\n");
             if d.modules.iter().any(|m| m == "nvidia_uvm") {
                 devices_txt.push_str("234 nvidia-uvm\n");
@@ -602,6 +635,104 @@ impl NodeDescription {
         devices_txt.push_str("\nBlock devices:\n  8 sd\n");
         fs::write(proc.join("modules"), modules)?;
         fs::write(proc.join("devices"), devices_txt)?;
+        Ok(())
+    }
+}
+
+/// The driver's user-space files a simulated node has, relative to the
+/// root (libraries under `usr/lib/x86_64-linux-gnu`, suffixed with the
+/// driver version).
+const SIM_LIBRARIES: &[&str] = &[
+    "libcuda.so",
+    "libcudadebugger.so",
+    "libnvidia-ml.so",
+    "libnvidia-ptxjitcompiler.so",
+    "libnvidia-nvvm.so",
+    "libnvidia-opencl.so",
+    "libnvidia-encode.so",
+    "libnvcuvid.so",
+    "libnvidia-cfg.so",
+];
+const SIM_BINARIES: &[&str] = &["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"];
+
+impl NodeDescription {
+    /// What a host with this driver installed has besides /proc and /sys:
+    /// device nodes (as empty files: a test tree cannot hold real ones),
+    /// the driver's libraries in a merged-/usr layout with an ld.so.conf,
+    /// its binaries, GSP firmware and the persistenced socket (a file
+    /// standing in), and `/proc/driver/nvidia-caps/mig-minors`.
+    fn materialize_user_space(&self, root: &Path, d: &DriverDesc) -> io::Result<()> {
+        let v = &d.version;
+        let dev = root.join("dev");
+        fs::create_dir_all(&dev)?;
+        let mut nodes = vec!["nvidiactl".to_string(), "nvidia-modeset".into()];
+        if d.modules.iter().any(|m| m == "nvidia_uvm") {
+            nodes.extend(["nvidia-uvm".into(), "nvidia-uvm-tools".into()]);
+        }
+        nodes.extend((0..self.gpus.len()).map(|i| format!("nvidia{i}")));
+        for n in nodes {
+            fs::write(dev.join(n), "")?;
+        }
+        let libdir = root.join("usr/lib/x86_64-linux-gnu");
+        fs::create_dir_all(libdir.join("vdpau"))?;
+        for lib in SIM_LIBRARIES {
+            fs::write(libdir.join(format!("{lib}.{v}")), "")?;
+        }
+        fs::write(libdir.join(format!("vdpau/libvdpau_nvidia.so.{v}")), "")?;
+        // Merged /usr: /lib is a link, so the same directory is reachable twice.
+        replace_symlink("usr/lib", &root.join("lib"))?;
+        let conf = root.join("etc/ld.so.conf.d");
+        fs::create_dir_all(&conf)?;
+        fs::write(root.join("etc/ld.so.conf"), "include /etc/ld.so.conf.d/*.conf\n")?;
+        fs::write(
+            conf.join("x86_64-linux-gnu.conf"),
+            "# Multiarch support\n/usr/local/lib/x86_64-linux-gnu\n/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n",
+        )?;
+        let bin = root.join("usr/bin");
+        fs::create_dir_all(&bin)?;
+        for b in SIM_BINARIES {
+            fs::write(bin.join(b), "")?;
+        }
+        let fw = root.join(format!("usr/lib/firmware/nvidia/{v}"));
+        fs::create_dir_all(&fw)?;
+        for f in ["gsp_ga10x.bin", "gsp_tu10x.bin"] {
+            fs::write(fw.join(f), "")?;
+        }
+        let persistenced = root.join("run/nvidia-persistenced");
+        fs::create_dir_all(&persistenced)?;
+        fs::write(persistenced.join("socket"), "")?;
+        if self.gpus.iter().any(|g| g.mig.capable) {
+            let caps = root.join("proc/driver/nvidia-caps");
+            fs::create_dir_all(&caps)?;
+            let mut text = String::from("config 1\nmonitor 2\n");
+            for gpu in 0..self.gpus.len() as u32 {
+                for gi in 0..15 {
+                    text.push_str(&format!(
+                        "gpu{gpu}/gi{gi}/access {}\n",
+                        mig_cap_minor(gpu, gi, None)
+                    ));
+                    for ci in 0..8 {
+                        text.push_str(&format!(
+                            "gpu{gpu}/gi{gi}/ci{ci}/access {}\n",
+                            mig_cap_minor(gpu, gi, Some(ci))
+                        ));
+                    }
+                }
+            }
+            fs::write(caps.join("mig-minors"), text)?;
+            fs::create_dir_all(dev.join("nvidia-caps"))?;
+            for (gpu, g) in self.gpus.iter().enumerate() {
+                for (k, m) in g.mig.devices.iter().enumerate() {
+                    let gi = m.gi_id(k);
+                    for minor in [
+                        mig_cap_minor(gpu as u32, gi, None),
+                        mig_cap_minor(gpu as u32, gi, Some(m.ci_id())),
+                    ] {
+                        fs::write(dev.join(format!("nvidia-caps/nvidia-cap{minor}")), "")?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 }

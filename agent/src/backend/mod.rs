@@ -72,6 +72,10 @@ pub struct MigDevice {
     pub ci_slices: u32,
     pub memory_mib: u64,
     pub multiprocessors: u32,
+    /// The GPU instance and compute instance IDs: they name the
+    /// `/dev/nvidia-caps` nodes a container needs (`None`: NVML did not say).
+    pub gpu_instance_id: Option<u32>,
+    pub compute_instance_id: Option<u32>,
 }
 
 /// NVIDIA's MIG profile name from NVML's attributes: `<G>g.<M>gb`, or

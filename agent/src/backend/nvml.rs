@@ -103,6 +103,26 @@ fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option
     }
 }
 
+type InstanceIdFn = unsafe extern "C" fn(
+    nvml_wrapper_sys::bindings::nvmlDevice_t,
+    *mut std::ffi::c_uint,
+) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+/// A MIG device's GPU-instance or compute-instance ID
+/// (`nvmlDeviceGetGpuInstanceId` / `nvmlDeviceGetComputeInstanceId`), which
+/// nvml-wrapper 0.13 does not wrap: they name the `/dev/nvidia-caps` nodes a
+/// container needs. `None` when the library lacks the symbol or the call fails.
+#[allow(unsafe_code)]
+fn instance_id<E>(f: &Result<InstanceIdFn, E>, mig: &nvml_wrapper::Device<'_>) -> Option<u32> {
+    let f = f.as_ref().ok()?;
+    let mut id: std::ffi::c_uint = 0;
+    // SAFETY: the handle belongs to `mig`, which borrows the live NVML
+    // session the function pointer was loaded from; `id` is a valid
+    // out-pointer for the duration of the call.
+    let rc = unsafe { f(mig.handle(), &mut id) };
+    (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(id)
+}
+
 /// The event thread: registers every GPU for XID and double-bit ECC events
 /// and forwards them until the receiver is gone.
 fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
@@ -280,6 +300,11 @@ impl GpuBackend for NvmlBackend {
                         ci_slices: a.compute_instance_slice_count,
                         memory_mib: a.memory_size_mb,
                         multiprocessors: a.multiprocessor_count,
+                        gpu_instance_id: instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m),
+                        compute_instance_id: instance_id(
+                            &nvml.lib().nvmlDeviceGetComputeInstanceId,
+                            &m,
+                        ),
                     });
                 }
             }

@@ -104,6 +104,8 @@ impl GpuBackend for SimulatedBackend {
                             ci_slices: m.ci_slices(),
                             memory_mib: m.memory_mib,
                             multiprocessors: m.multiprocessors,
+                            gpu_instance_id: Some(m.gi_id(k)),
+                            compute_instance_id: Some(m.ci_id()),
                         })
                         .collect()
                 } else {

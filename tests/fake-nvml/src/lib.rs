@@ -699,6 +699,14 @@ fn mig_handle(gpu: usize, mig: usize) -> nvmlDevice_t {
 
 /// Runs `f` with the MIG device behind a MIG handle.
 fn with_mig(device: nvmlDevice_t, f: impl FnOnce(&MigDeviceDesc) -> nvmlReturn_t) -> nvmlReturn_t {
+    with_mig_at(device, |_, m| f(m))
+}
+
+/// Like [`with_mig`], with the device's position in its GPU's list.
+fn with_mig_at(
+    device: nvmlDevice_t,
+    f: impl FnOnce(usize, &MigDeviceDesc) -> nvmlReturn_t,
+) -> nvmlReturn_t {
     let raw = device as usize;
     let (gpu, mig) = (
         (raw & ((1 << MIG_SHIFT) - 1)).wrapping_sub(1),
@@ -706,7 +714,7 @@ fn with_mig(device: nvmlDevice_t, f: impl FnOnce(&MigDeviceDesc) -> nvmlReturn_t
     );
     with_node(
         |node| match node.gpus.get(gpu).and_then(|g| g.mig.devices.get(mig)) {
-            Some(m) if node.gpus[gpu].mig.enabled => f(m),
+            Some(m) if node.gpus[gpu].mig.enabled => f(mig, m),
             _ => ERROR_INVALID_ARGUMENT,
         },
     )
@@ -782,4 +790,28 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
         // SAFETY: `attrs` is the caller's out-pointer.
         unsafe { answer(attrs, Some(a)) }
     })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    if !is_mig_handle(device) {
+        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
+    }
+    // SAFETY: `id` is the caller's out-pointer.
+    with_mig_at(device, |k, m| unsafe { answer(id, Some(m.gi_id(k))) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
+    device: nvmlDevice_t,
+    id: *mut c_uint,
+) -> nvmlReturn_t {
+    if !is_mig_handle(device) {
+        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
+    }
+    // SAFETY: `id` is the caller's out-pointer.
+    with_mig_at(device, |_, m| unsafe { answer(id, Some(m.ci_id())) })
 }

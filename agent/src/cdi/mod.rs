@@ -1,0 +1,666 @@
+//! CDI specs: what a container runtime injects for each GPU, MIG device and
+//! `all`, so that no NVIDIA container toolkit is needed on the host.
+//!
+//! One spec of kind [`CDI_KIND`] (`nvidia.com/gpu`, the kind the device
+//! plugin's CDI names use), written as JSON to the policy's spec directory
+//! (`/var/run/cdi` by default) through [`hostlib::managed`]:
+//! - each GPU by index (`0`) and UUID (`GPU-…`): its `/dev/nvidiaN`;
+//! - each MIG device by `<gpu>:<slot>` and UUID (`MIG-…`): the parent's
+//!   `/dev/nvidiaN` and the GPU-instance and compute-instance access nodes
+//!   under `/dev/nvidia-caps` (minors from `/proc/driver/nvidia-caps/mig-minors`);
+//! - `all`: every one of those nodes;
+//! - for every device (the spec's own edits): the control nodes that exist,
+//!   the driver's user-space libraries (files suffixed with the driver
+//!   version in the dynamic linker's directories), GSP firmware, the
+//!   driver's binaries and IPC sockets, all bind-mounted read-only at the
+//!   host's path; and two `createContainer` hooks run by gpu-agent itself
+//!   (`gpu-agent cdi-hook …`, see [`hook`]) that add the `libcuda.so` link
+//!   and refresh the container's linker cache.
+//!
+//! Paths in a spec are the host's own (the runtime reads them on the host),
+//! with links resolved, so `/lib` and `/usr/lib` on a merged-/usr host give
+//! one mount, not two.
+
+pub mod hook;
+
+use std::collections::BTreeMap;
+
+use hostlib::HostRoot;
+use serde::{Deserialize, Serialize};
+
+use crate::inventory::Inventory;
+use crate::plugin::allocate::CDI_KIND;
+
+/// The CDI specification version our specs declare: the lowest that has
+/// everything they use (device names starting with a digit came in 0.5.0).
+pub const SPEC_VERSION: &str = "0.5.0";
+
+/// The file gpu-agent writes in the spec directory.
+pub const SPEC_FILE: &str = "gpu-agent-nvidia.com-gpu.json";
+
+/// Options for bind mounts of driver files into containers.
+const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "rbind", "rprivate"];
+
+/// Directories the dynamic linker searches without being told (besides
+/// those in `/etc/ld.so.conf`).
+const DEFAULT_LIB_DIRS: &[&str] = &[
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+];
+
+/// The driver's programs a container may run.
+const BINARIES: &[&str] = &[
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+];
+const BIN_DIRS: &[&str] = &["/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin"];
+
+/// Sockets (and MPS's pipe directory) of the driver's daemons.
+const IPC: &[&str] = &[
+    "/run/nvidia-persistenced/socket",
+    "/run/nvidia-fabricmanager/socket",
+    "/tmp/nvidia-mps",
+];
+
+/// Control nodes and the module that creates each.
+const CONTROL_NODES: &[(&str, &str)] = &[
+    ("/dev/nvidiactl", "nvidia"),
+    ("/dev/nvidia-uvm", "nvidia_uvm"),
+    ("/dev/nvidia-uvm-tools", "nvidia_uvm"),
+    ("/dev/nvidia-modeset", "nvidia_modeset"),
+];
+
+/// A CDI spec (the subset of the specification gpu-agent writes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Spec {
+    pub cdi_version: String,
+    pub kind: String,
+    pub devices: Vec<Device>,
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Device {
+    pub name: String,
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ContainerEdits {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
+}
+
+/// A device node; the runtime reads its type and numbers from the host's
+/// node at container creation, so they are never stale.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceNode {
+    pub path: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Mount {
+    pub host_path: String,
+    pub container_path: String,
+    pub options: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Hook {
+    pub hook_name: String,
+    pub path: String,
+    pub args: Vec<String>,
+}
+
+/// Errors generating a spec; each says what is missing on the host.
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    #[error(
+        "no NVIDIA driver is loaded (/proc/driver/nvidia/version is missing): a CDI spec would have no driver libraries"
+    )]
+    NoDriver,
+    #[error("{path}: {message}")]
+    MigMinors { path: String, message: String },
+    #[error(transparent)]
+    Host(#[from] hostlib::HostError),
+    #[error(transparent)]
+    Managed(#[from] hostlib::managed::ManagedError),
+    #[error("spec.cdi.hookPath: {0} does not exist on the host; the spec's hooks would fail every container start")]
+    NoHookProgram(String),
+    #[error("cannot read this program ({path}) to install it for the CDI hooks: {source}")]
+    SelfCopy {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The driver's files on the host, found from its version.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DriverFiles {
+    pub version: String,
+    /// Libraries, host paths with links resolved.
+    pub libraries: Vec<String>,
+    pub firmware: Vec<String>,
+    pub binaries: Vec<String>,
+    pub ipc: Vec<String>,
+    pub control_nodes: Vec<String>,
+}
+
+impl DriverFiles {
+    /// Finds the files of driver `version` on `host`; `loaded_modules` say
+    /// which control nodes should exist (one that is missing is a note).
+    pub fn find(
+        host: &HostRoot,
+        version: &str,
+        loaded_modules: &[String],
+        notes: &mut Vec<String>,
+    ) -> Result<Self, CdiError> {
+        let suffix = format!(".so.{version}");
+        let mut libraries = Vec::new();
+        for dir in lib_dirs(host)? {
+            for sub in ["", "/vdpau"] {
+                let d = format!("{dir}{sub}");
+                let Ok(names) = host.read_dir_names(&d) else {
+                    continue;
+                };
+                for n in names {
+                    if n.starts_with("lib") && n.ends_with(&suffix) {
+                        push_unique(&mut libraries, canonical(host, &format!("{d}/{n}"))?);
+                    }
+                }
+            }
+        }
+        let mut firmware = Vec::new();
+        let fw = format!("/lib/firmware/nvidia/{version}");
+        if let Ok(names) = host.read_dir_names(&fw) {
+            for n in names.iter().filter(|n| n.ends_with(".bin")) {
+                firmware.push(canonical(host, &format!("{fw}/{n}"))?);
+            }
+        }
+        let mut binaries = Vec::new();
+        for b in BINARIES {
+            if let Some(dir) = BIN_DIRS.iter().find(|d| host.exists(format!("{d}/{b}"))) {
+                push_unique(&mut binaries, canonical(host, &format!("{dir}/{b}"))?);
+            }
+        }
+        let mut ipc = Vec::new();
+        for p in IPC.iter().filter(|p| host.exists(p)) {
+            push_unique(&mut ipc, canonical(host, p)?);
+        }
+        let mut control_nodes = Vec::new();
+        for (node, module) in CONTROL_NODES {
+            if host.exists(node) {
+                control_nodes.push(node.to_string());
+            } else if loaded_modules.iter().any(|m| m == module) {
+                notes.push(format!(
+                    "{node} is missing although {module} is loaded: containers get it once the devnodes stage creates it"
+                ));
+            }
+        }
+        Ok(DriverFiles {
+            version: version.to_string(),
+            libraries,
+            firmware,
+            binaries,
+            ipc,
+            control_nodes,
+        })
+    }
+
+    /// The directories holding the libraries, in order.
+    pub fn library_dirs(&self) -> Vec<String> {
+        let mut dirs = Vec::new();
+        for l in &self.libraries {
+            if let Some((dir, _)) = l.rsplit_once('/') {
+                push_unique(&mut dirs, dir.to_string());
+            }
+        }
+        dirs
+    }
+}
+
+fn push_unique(v: &mut Vec<String>, s: String) {
+    if !v.contains(&s) {
+        v.push(s);
+    }
+}
+
+fn canonical(host: &HostRoot, path: &str) -> Result<String, CdiError> {
+    Ok(host.canonical(path)?.display().to_string())
+}
+
+/// The dynamic linker's directories: `/etc/ld.so.conf` (and what it
+/// includes), then the defaults; only those that exist, links resolved,
+/// each once.
+pub fn lib_dirs(host: &HostRoot) -> Result<Vec<String>, CdiError> {
+    let mut listed = Vec::new();
+    read_ld_conf(host, "/etc/ld.so.conf", &mut listed, 0);
+    listed.extend(DEFAULT_LIB_DIRS.iter().map(|d| d.to_string()));
+    let mut dirs = Vec::new();
+    for d in listed {
+        if host.resolve(&d).is_ok_and(|p| p.is_dir()) {
+            push_unique(&mut dirs, canonical(host, &d)?);
+        }
+    }
+    Ok(dirs)
+}
+
+/// Reads one ld.so.conf file: directories, `include` lines with a `*`
+/// pattern in the file name, comments. `hwcap` lines and anything else are
+/// skipped, as the linker does.
+fn read_ld_conf(host: &HostRoot, path: &str, out: &mut Vec<String>, depth: u32) {
+    if depth > 8 {
+        return;
+    }
+    let Ok(Some(text)) = host.read_optional(path) else {
+        return;
+    };
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if let Some(pattern) = line.strip_prefix("include") {
+            let pattern = pattern.trim();
+            let pattern = if pattern.starts_with('/') {
+                pattern.to_string()
+            } else {
+                // Relative includes are relative to the including file's directory.
+                let base = path.rsplit_once('/').map_or("", |(d, _)| d);
+                format!("{base}/{pattern}")
+            };
+            let (dir, file) = pattern.rsplit_once('/').unwrap_or(("", &pattern));
+            let dir = if dir.is_empty() { "/" } else { dir };
+            for name in host.read_dir_names(dir).unwrap_or_default() {
+                if wildcard(file, &name) {
+                    read_ld_conf(host, &format!("{dir}/{name}"), out, depth + 1);
+                }
+            }
+        } else if line.starts_with('/') {
+            out.push(line.trim_end_matches('/').to_string());
+        }
+    }
+}
+
+/// `*` matches any run of characters; everything else matches itself.
+fn wildcard(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else {
+                return false;
+            };
+            (0..=tail.len()).any(|i| tail.is_char_boundary(i) && wildcard(rest, &tail[i..]))
+        }
+    }
+}
+
+/// `/proc/driver/nvidia-caps/mig-minors`: `gpu0/gi1/access 12`, … → minor.
+pub fn read_mig_minors(host: &HostRoot) -> Result<Option<BTreeMap<String, u32>>, CdiError> {
+    const PATH: &str = "/proc/driver/nvidia-caps/mig-minors";
+    let Some(text) = host.read_optional(PATH)? else {
+        return Ok(None);
+    };
+    let mut map = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = line
+            .split_once(' ')
+            .and_then(|(k, v)| Some((k.to_string(), v.trim().parse::<u32>().ok()?)));
+        match parsed {
+            Some((k, v)) => {
+                map.insert(k, v);
+            }
+            None => {
+                return Err(CdiError::MigMinors {
+                    path: PATH.into(),
+                    message: format!("line {}: {line:?} is not `<name> <minor>`", n + 1),
+                });
+            }
+        }
+    }
+    Ok(Some(map))
+}
+
+/// What generating a spec needs besides the inventory.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The program the spec's hooks run: gpu-agent, as a host path.
+    pub hook_path: String,
+}
+
+/// A spec and what the operator should know about it.
+#[derive(Clone, Debug)]
+pub struct Generated {
+    pub spec: Spec,
+    pub driver: DriverFiles,
+    pub notes: Vec<String>,
+}
+
+impl Generated {
+    /// The spec as written to disk: pretty JSON with a final newline.
+    pub fn to_json(&self) -> String {
+        let mut s = serde_json::to_string_pretty(&self.spec).expect("a spec always serialises");
+        s.push('\n');
+        s
+    }
+}
+
+/// The spec's host path in `spec_dir`.
+pub fn spec_path(spec_dir: &str) -> String {
+    format!("{}/{SPEC_FILE}", spec_dir.trim_end_matches('/'))
+}
+
+/// True when the spec on the host is this one (nothing to write).
+pub fn up_to_date(host: &HostRoot, spec_dir: &str, g: &Generated) -> Result<bool, CdiError> {
+    Ok(host.read_optional(spec_path(spec_dir))?.as_deref() == Some(g.to_json().as_str()))
+}
+
+/// Writes the spec under the host-files lock (atomically, restorable like
+/// every file gpu-agent changes) and, at the default hook path, installs a
+/// copy of this program for the hooks. Returns the host paths that changed.
+pub fn apply(
+    host: &HostRoot,
+    sys: &dyn hostlib::Syscalls,
+    g: &Generated,
+    cdi: &crate::policy::CdiSpec,
+    wait_for_lock: bool,
+) -> Result<Vec<String>, CdiError> {
+    let files = hostlib::managed::ManagedFiles::lock(host, sys, wait_for_lock)?;
+    let mut changed = Vec::new();
+    if cdi.hook_path == crate::policy::INSTALLED_HOOK_PATH {
+        let me = std::env::current_exe().and_then(std::fs::read).map_err(|source| {
+            CdiError::SelfCopy {
+                path: std::env::current_exe()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|_| "/proc/self/exe".into()),
+                source,
+            }
+        })?;
+        if files.write(&cdi.hook_path, &me, 0o755)? {
+            changed.push(cdi.hook_path.clone());
+        }
+    } else if !host.exists(&cdi.hook_path) {
+        return Err(CdiError::NoHookProgram(cdi.hook_path.clone()));
+    }
+    let path = spec_path(&cdi.spec_dir);
+    if files.write(&path, g.to_json().as_bytes(), 0o644)? {
+        changed.push(path);
+    }
+    Ok(changed)
+}
+
+impl Generated {
+    /// `8 GPUs, 14 MIG devices, 12 libraries, …` for logs and status.
+    pub fn summary(&self) -> String {
+        let gpus = self
+            .spec
+            .devices
+            .iter()
+            .filter(|d| d.name.starts_with("GPU-"))
+            .count();
+        let migs = self
+            .spec
+            .devices
+            .iter()
+            .filter(|d| d.name.starts_with("MIG-"))
+            .count();
+        let d = &self.driver;
+        let mut s = format!(
+            "{gpus} GPU(s), {migs} MIG device(s) and `all` as {CDI_KIND}; driver {}: {} libraries, {} binaries, {} firmware files, {} IPC sockets, {} control nodes",
+            d.version,
+            d.libraries.len(),
+            d.binaries.len(),
+            d.firmware.len(),
+            d.ipc.len(),
+            d.control_nodes.len()
+        );
+        if !self.notes.is_empty() {
+            s.push_str(&format!(" ({})", self.notes.join("; ")));
+        }
+        s
+    }
+}
+
+fn node(path: String) -> DeviceNode {
+    DeviceNode { path }
+}
+
+/// Generates the spec for the node's GPUs. `host` is where the driver's
+/// files and device nodes are looked up.
+pub fn generate(inv: &Inventory, host: &HostRoot, opts: &Options) -> Result<Generated, CdiError> {
+    let version = inv
+        .driver
+        .version
+        .clone()
+        .or_else(|| inv.backend.driver_version.clone())
+        .ok_or(CdiError::NoDriver)?;
+    let mut notes = Vec::new();
+    let loaded: Vec<String> = inv.driver.modules.iter().map(|m| m.name.clone()).collect();
+    let driver = DriverFiles::find(host, &version, &loaded, &mut notes)?;
+    if driver.libraries.is_empty() {
+        notes.push(format!(
+            "no libraries of driver {version} (lib*.so.{version}) in the linker's directories: containers get device nodes but no CUDA"
+        ));
+    }
+    let mig_minors = if inv.gpus.iter().any(|g| !g.mig_devices.is_empty()) {
+        read_mig_minors(host)?
+    } else {
+        None
+    };
+
+    let mut devices = Vec::new();
+    let mut all: Vec<DeviceNode> = Vec::new();
+    for g in &inv.gpus {
+        let (Some(index), Some(minor), Some(uuid)) = (g.index, g.minor, g.uuid.as_ref()) else {
+            notes.push(format!(
+                "GPU {} left out: its index, device minor or UUID is unknown",
+                g.bus_id
+            ));
+            continue;
+        };
+        let gpu_node = node(format!("/dev/nvidia{minor}"));
+        let edits = ContainerEdits {
+            device_nodes: vec![gpu_node.clone()],
+            ..ContainerEdits::default()
+        };
+        for name in [index.to_string(), uuid.clone()] {
+            devices.push(Device {
+                name,
+                container_edits: edits.clone(),
+            });
+        }
+        all.push(gpu_node.clone());
+        for m in &g.mig_devices {
+            let caps = match (&mig_minors, m.gpu_instance_id, m.compute_instance_id) {
+                (Some(minors), Some(gi), Some(ci)) => {
+                    let gi_key = format!("gpu{minor}/gi{gi}/access");
+                    let ci_key = format!("gpu{minor}/gi{gi}/ci{ci}/access");
+                    match (minors.get(&gi_key), minors.get(&ci_key)) {
+                        (Some(a), Some(b)) => Ok([*a, *b]),
+                        _ => Err(format!(
+                            "{gi_key} or {ci_key} is not in /proc/driver/nvidia-caps/mig-minors"
+                        )),
+                    }
+                }
+                (None, _, _) => Err("/proc/driver/nvidia-caps/mig-minors is missing".into()),
+                _ => Err("NVML did not give its GPU/compute instance IDs".into()),
+            };
+            let caps = match caps {
+                Ok(c) => c,
+                Err(why) => {
+                    notes.push(format!("MIG device {} left out: {why}", m.uuid));
+                    continue;
+                }
+            };
+            let mut nodes = vec![gpu_node.clone()];
+            nodes.extend(
+                caps.iter()
+                    .map(|c| node(format!("/dev/nvidia-caps/nvidia-cap{c}"))),
+            );
+            for n in &nodes {
+                if !all.contains(n) {
+                    all.push(n.clone());
+                }
+            }
+            let edits = ContainerEdits {
+                device_nodes: nodes,
+                ..ContainerEdits::default()
+            };
+            for name in [format!("{index}:{}", m.index), m.uuid.clone()] {
+                devices.push(Device {
+                    name,
+                    container_edits: edits.clone(),
+                });
+            }
+        }
+    }
+    if !devices.is_empty() {
+        devices.push(Device {
+            name: "all".into(),
+            container_edits: ContainerEdits {
+                device_nodes: all,
+                ..ContainerEdits::default()
+            },
+        });
+    }
+    let spec = Spec {
+        cdi_version: SPEC_VERSION.into(),
+        kind: CDI_KIND.into(),
+        devices,
+        container_edits: common_edits(&driver, opts),
+    };
+    Ok(Generated {
+        spec,
+        driver,
+        notes,
+    })
+}
+
+/// What every device gets: control nodes, driver files, hooks.
+fn common_edits(d: &DriverFiles, opts: &Options) -> ContainerEdits {
+    let mount = |p: &String| Mount {
+        host_path: p.clone(),
+        container_path: p.clone(),
+        options: MOUNT_OPTIONS.iter().map(|o| o.to_string()).collect(),
+    };
+    let mounts = d
+        .libraries
+        .iter()
+        .chain(&d.firmware)
+        .chain(&d.binaries)
+        .chain(&d.ipc)
+        .map(mount)
+        .collect();
+    let mut hooks = Vec::new();
+    let hook = |args: Vec<String>| Hook {
+        hook_name: "createContainer".into(),
+        path: opts.hook_path.clone(),
+        args: ["gpu-agent", "cdi-hook"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(args)
+            .collect(),
+    };
+    let libcuda = format!("libcuda.so.{}", d.version);
+    if let Some(lib) = d.libraries.iter().find(|l| l.ends_with(&libcuda)) {
+        // Programs that dlopen the development name (libcuda.so) find it;
+        // the soname link (libcuda.so.1) is made by the linker-cache refresh.
+        let dir = lib.rsplit_once('/').map_or("", |(d, _)| d);
+        hooks.push(hook(vec![
+            "create-symlinks".into(),
+            "--link".into(),
+            format!("libcuda.so.1::{dir}/libcuda.so"),
+        ]));
+    }
+    let dirs = d.library_dirs();
+    if !dirs.is_empty() {
+        let mut args = vec!["update-ldcache".to_string()];
+        for dir in dirs {
+            args.push("--folder".into());
+            args.push(dir);
+        }
+        hooks.push(hook(args));
+    }
+    ContainerEdits {
+        // An image that also asks nvidia-container-runtime for GPUs must not
+        // get a second set from it.
+        env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
+        device_nodes: d.control_nodes.iter().cloned().map(node).collect(),
+        mounts,
+        hooks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcards() {
+        assert!(wildcard("*.conf", "x86_64-linux-gnu.conf"));
+        assert!(wildcard("*", "anything"));
+        assert!(wildcard("a*b*c", "aXXbYc"));
+        assert!(!wildcard("*.conf", "x.conf.bak"));
+        assert!(!wildcard("lib*.so", "libcuda.so.1"));
+    }
+
+    #[test]
+    fn ld_conf_includes_relative_and_absolute() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        std::fs::create_dir_all(p.join("etc/ld.so.conf.d")).unwrap();
+        std::fs::create_dir_all(p.join("opt/nvidia/lib")).unwrap();
+        std::fs::create_dir_all(p.join("usr/local/lib")).unwrap();
+        std::fs::write(
+            p.join("etc/ld.so.conf"),
+            "include ld.so.conf.d/*.conf\n/usr/local/lib/ # trailing slash\nhwcap 0 nosegneg\n",
+        )
+        .unwrap();
+        std::fs::write(p.join("etc/ld.so.conf.d/nvidia.conf"), "/opt/nvidia/lib\n").unwrap();
+        std::fs::write(p.join("etc/ld.so.conf.d/skip.conf.bak"), "/nope\n").unwrap();
+        let host = HostRoot::new(p).unwrap();
+        assert_eq!(
+            lib_dirs(&host).unwrap(),
+            vec!["/opt/nvidia/lib".to_string(), "/usr/local/lib".into()]
+        );
+    }
+
+    #[test]
+    fn mig_minors_parse_and_bad_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("proc/driver/nvidia-caps");
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access 12\n").unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let m = read_mig_minors(&host).unwrap().unwrap();
+        assert_eq!(m["gpu0/gi1/access"], 12);
+        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access twelve\n").unwrap();
+        let err = read_mig_minors(&host).unwrap_err().to_string();
+        assert!(
+            err.starts_with("/proc/driver/nvidia-caps/mig-minors: line 2:"),
+            "{err}"
+        );
+    }
+}
