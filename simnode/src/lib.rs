@@ -720,9 +720,10 @@ impl NodeDescription {
                 }
             }
             fs::write(caps.join("mig-minors"), text)?;
-            fs::create_dir_all(dev.join("nvidia-caps"))?;
             for (gpu, g) in self.gpus.iter().enumerate() {
                 for (k, m) in g.mig.devices.iter().enumerate() {
+                    // (Only where there are nodes: git keeps no empty directories.)
+                    fs::create_dir_all(dev.join("nvidia-caps"))?;
                     let gi = m.gi_id(k);
                     for minor in [
                         mig_cap_minor(gpu as u32, gi, None),
