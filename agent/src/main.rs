@@ -397,10 +397,7 @@ fn cdi_generate(cli: &Cli, write: bool, no_wait: bool) -> Result<ExitCode, Failu
             !no_wait,
         )?;
         if changed.is_empty() {
-            eprintln!(
-                "{} is up to date",
-                cdi::spec_path(&policy.cdi.spec_dir)
-            );
+            eprintln!("{} is up to date", cdi::spec_path(&policy.cdi.spec_dir));
         }
         for p in changed {
             eprintln!("wrote {p} (`gpu-agent runtime restore` removes it)");
@@ -423,12 +420,7 @@ fn cdi_hook(command: &HookCommand) -> Result<ExitCode, Failure> {
         }
         HookCommand::UpdateLdcache { folders } => {
             let ldconfig = hook::host_ldconfig(&HostRoot::system())?;
-            hook::update_ldcache(
-                &root,
-                folders,
-                &ldconfig,
-                &hostlib::command::SystemRunner,
-            )?;
+            hook::update_ldcache(&root, folders, &ldconfig, &hostlib::command::SystemRunner)?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -382,24 +382,33 @@ fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
     };
     let path = crate::cdi::spec_path(&cdi.spec_dir);
     let summary = generated.summary();
+    // Written even then (containers can ask by UUID), but not done until
+    // NVML names the GPUs the way the device plugin hands them out.
+    let undescribed_gpus = inv
+        .gpus
+        .iter()
+        .any(|g| g.index.is_none() || g.uuid.is_none());
+    let done = |detail: String| {
+        if undescribed_gpus {
+            (
+                StageState::Waiting,
+                format!("{}; {detail}", undescribed(inv, "named by index")),
+            )
+        } else {
+            (StageState::Done, detail)
+        }
+    };
     let Some(_) = ctx.apply else {
         return match crate::cdi::up_to_date(ctx.host, &cdi.spec_dir, &generated) {
-            Ok(true) => (StageState::Done, format!("{path} is up to date: {summary}")),
-            Ok(false) => (
-                StageState::Ready,
-                format!("would write {path}: {summary}"),
-            ),
+            Ok(true) => done(format!("{path} is up to date: {summary}")),
+            Ok(false) if undescribed_gpus => done(format!("would write {path}: {summary}")),
+            Ok(false) => (StageState::Ready, format!("would write {path}: {summary}")),
             Err(e) => (StageState::Failed, e.to_string()),
         };
     };
     match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
-        Ok(changed) if changed.is_empty() => {
-            (StageState::Done, format!("{path} is up to date: {summary}"))
-        }
-        Ok(changed) => (
-            StageState::Done,
-            format!("wrote {}: {summary}", changed.join(", ")),
-        ),
+        Ok(changed) if changed.is_empty() => done(format!("{path} is up to date: {summary}")),
+        Ok(changed) => done(format!("wrote {}: {summary}", changed.join(", "))),
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }

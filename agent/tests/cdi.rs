@@ -91,8 +91,7 @@ fn check_names(spec: &Spec) {
     for d in &spec.devices {
         assert!(
             d.name.chars().next().unwrap().is_ascii_alphanumeric()
-                && d
-                    .name
+                && d.name
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || "_.:-".contains(c)),
             "device name {:?}",
@@ -128,7 +127,11 @@ fn every_simulated_node_gives_a_spec_valid_under_the_cdi_schema() {
         assert!(g.notes.is_empty(), "{node}: {:?}", g.notes);
         // Index, UUID per GPU and per MIG device, and all.
         let migs: usize = inv.gpus.iter().map(|g| g.mig_devices.len()).sum();
-        assert_eq!(g.spec.devices.len(), 2 * (inv.gpus.len() + migs) + 1, "{node}");
+        assert_eq!(
+            g.spec.devices.len(),
+            2 * (inv.gpus.len() + migs) + 1,
+            "{node}"
+        );
     }
     // The schema does catch what it should: a device without edits.
     let mut bad: Value = serde_json::from_str(&generated("a10g-1").2.to_json()).unwrap();
@@ -243,7 +246,8 @@ fn hostlib_minors(sys: &HostRoot) -> std::collections::BTreeMap<String, u32> {
 /// spec.
 #[test]
 fn every_name_the_device_plugin_hands_out_is_in_the_spec() {
-    let cdi_cri = |ids: &str| format!("    deviceListStrategy: cdi-cri\n    deviceIdStrategy: {ids}\n");
+    let cdi_cri =
+        |ids: &str| format!("    deviceListStrategy: cdi-cri\n    deviceIdStrategy: {ids}\n");
     let sliced = "    deviceListStrategy: cdi-annotations\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n              - name: nvidia.com/gpu\n                replicas: 4\n";
     let policies = [
         ("h100-sxm-8", cdi_cri("uuid")),
@@ -258,9 +262,10 @@ fn every_name_the_device_plugin_hands_out_is_in_the_spec() {
             if node != "h100-mig-2" && strategy == "mixed" {
                 continue;
             }
-            let yaml = format!("spec:\n  mig:\n    strategy: {strategy}\n  devicePlugin:\n{plugin}");
-            let policy = Policy::from_yaml(&yaml, "test.yaml")
-                .unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+            let yaml =
+                format!("spec:\n  mig:\n    strategy: {strategy}\n  devicePlugin:\n{plugin}");
+            let policy =
+                Policy::from_yaml(&yaml, "test.yaml").unwrap_or_else(|e| panic!("{e}\n{yaml}"));
             let settings = gpu_agent::plugin::settings(&policy).unwrap();
             let (view, inv, g) = generated(node);
             let names: Vec<String> = g
@@ -289,7 +294,10 @@ fn every_name_the_device_plugin_hands_out_is_in_the_spec() {
                     }
                     assert!(!handed.is_empty(), "{node}: {} gave no CDI name", d.id);
                     for h in handed {
-                        assert!(names.contains(&h), "{node}/{strategy}: {h} is not in the spec");
+                        assert!(
+                            names.contains(&h),
+                            "{node}/{strategy}: {h} is not in the spec"
+                        );
                         checked += 1;
                     }
                 }
@@ -317,7 +325,8 @@ fn the_nvml_path_gives_the_same_spec() {
 #[test]
 fn generate_write_installs_the_hook_and_restore_removes_both() {
     let host = tempfile::tempdir().unwrap();
-    let (code, out, err) = run(at(host.path()).args(["--simulate", "h100-mig-2", "cdi", "generate", "--write"]));
+    let (code, out, err) =
+        run(at(host.path()).args(["--simulate", "h100-mig-2", "cdi", "generate", "--write"]));
     assert_eq!(code, 0, "{err}");
     let spec_file = host
         .path()
@@ -328,15 +337,25 @@ fn generate_write_installs_the_hook_and_restore_removes_both() {
         fs::read(&hook).unwrap(),
         fs::read(env!("CARGO_BIN_EXE_gpu-agent")).unwrap()
     );
-    assert_eq!(fs::metadata(&hook).unwrap().permissions().mode() & 0o777, 0o755);
-    assert!(err.contains("wrote /var/run/cdi/gpu-agent-nvidia.com-gpu.json"), "{err}");
+    assert_eq!(
+        fs::metadata(&hook).unwrap().permissions().mode() & 0o777,
+        0o755
+    );
+    assert!(
+        err.contains("wrote /var/run/cdi/gpu-agent-nvidia.com-gpu.json"),
+        "{err}"
+    );
     // Again: nothing changes.
-    let (code, _, err) = run(at(host.path()).args(["--simulate", "h100-mig-2", "cdi", "generate", "--write"]));
+    let (code, _, err) =
+        run(at(host.path()).args(["--simulate", "h100-mig-2", "cdi", "generate", "--write"]));
     assert_eq!(code, 0);
     assert!(err.contains("is up to date"), "{err}");
     let (code, out, err) = run(at(host.path()).args(["runtime", "restore"]));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("removed /var/run/cdi/gpu-agent-nvidia.com-gpu.json"), "{out}");
+    assert!(
+        out.contains("removed /var/run/cdi/gpu-agent-nvidia.com-gpu.json"),
+        "{out}"
+    );
     assert!(!spec_file.exists() && !hook.exists());
 }
 
@@ -345,10 +364,13 @@ fn a_hook_path_that_is_not_on_the_host_is_refused_before_writing() {
     let host = tempfile::tempdir().unwrap();
     let policy = host.path().join("p.yaml");
     fs::write(&policy, "spec:\n  cdi:\n    hookPath: /usr/bin/gpu-agent\n").unwrap();
-    let (code, _, err) = run(at(host.path())
-        .arg("--policy")
-        .arg(&policy)
-        .args(["--simulate", "a10g-1", "cdi", "generate", "--write"]));
+    let (code, _, err) = run(at(host.path()).arg("--policy").arg(&policy).args([
+        "--simulate",
+        "a10g-1",
+        "cdi",
+        "generate",
+        "--write",
+    ]));
     assert_eq!(code, 1);
     assert!(
         err.contains("spec.cdi.hookPath: /usr/bin/gpu-agent does not exist on the host"),
@@ -400,7 +422,11 @@ fn the_create_symlinks_hook_runs_from_the_oci_state() {
         .write_all(state.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(
         fs::read_link(rootfs.join("usr/lib/x86_64-linux-gnu/libcuda.so")).unwrap(),
         Path::new("libcuda.so.1")
@@ -419,11 +445,18 @@ fn the_update_ldcache_hook_puts_the_libraries_in_the_containers_cache() {
     fs::create_dir_all(rootfs.join("etc")).unwrap();
     // Any real shared library stands in for a driver library: ldconfig
     // reads its SONAME and links it.
-    let real = ["/usr/lib/x86_64-linux-gnu/libz.so.1", "/lib/x86_64-linux-gnu/libz.so.1"]
-        .into_iter()
-        .find(|p| Path::new(p).exists())
-        .expect("libz.so.1 on this machine");
-    fs::copy(fs::canonicalize(real).unwrap(), libdir.join("libz.so.1.9.9")).unwrap();
+    let real = [
+        "/usr/lib/x86_64-linux-gnu/libz.so.1",
+        "/lib/x86_64-linux-gnu/libz.so.1",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .expect("libz.so.1 on this machine");
+    fs::copy(
+        fs::canonicalize(real).unwrap(),
+        libdir.join("libz.so.1.9.9"),
+    )
+    .unwrap();
     fs::write(
         bundle.path().join("config.json"),
         r#"{"ociVersion":"1.2.0","root":{"path":"rootfs"}}"#,
@@ -444,7 +477,11 @@ fn the_update_ldcache_hook_puts_the_libraries_in_the_containers_cache() {
         .write_all(state.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let cache = rootfs.join("etc/ld.so.cache");
     let listed = std::process::Command::new("ldconfig")
         .arg("-C")
@@ -461,5 +498,9 @@ fn the_update_ldcache_hook_puts_the_libraries_in_the_containers_cache() {
         fs::read_link(libdir.join("libz.so.1")).unwrap(),
         Path::new("libz.so.1.9.9")
     );
-    assert!(rootfs.join("etc/ld.so.conf.d/00-gpu-agent-cdi.conf").exists());
+    assert!(
+        rootfs
+            .join("etc/ld.so.conf.d/00-gpu-agent-cdi.conf")
+            .exists()
+    );
 }

@@ -37,7 +37,11 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
-    assert!(out.contains("4 stage(s) done, 7 not built yet"), "{out}");
+    assert!(out.contains("5 stage(s) done, 6 not built yet"), "{out}");
+    assert!(
+        out.contains("cdi       done             wrote /var/lib/gpu-agent/bin/gpu-agent, /var/run/cdi/gpu-agent-nvidia.com-gpu.json: 8 GPU(s), 0 MIG device(s)"),
+        "{out}"
+    );
     assert!(out.contains("runtime   done             wrote /etc/containerd/config.toml; not reloaded (spec.toolkit.reload is none)"), "{out}");
     assert!(
         out.contains("GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04 (XID 79)"),
@@ -246,6 +250,15 @@ fn status_without_an_agent_inspects_the_host() {
                     .as_str()
                     .unwrap()
                     .starts_with("8 GPU(s) on the node, none can be watched until nvml"),
+                "{s}"
+            );
+        } else if s["stage"] == "cdi" {
+            // Named by UUID (from /proc) until NVML gives indices.
+            assert_eq!(s["state"], "waiting", "{s}");
+            let d = s["detail"].as_str().unwrap();
+            assert!(d.contains("none can be named by index until nvml"), "{s}");
+            assert!(
+                d.contains("would write /var/run/cdi/gpu-agent-nvidia.com-gpu.json: 8 GPU(s)"),
                 "{s}"
             );
         } else if s["stage"] == "plugin" {

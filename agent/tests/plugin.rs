@@ -533,13 +533,24 @@ async fn allocate_flows_for_every_strategy() {
                 assert_eq!(got, ["nvidia.com/gpu=3", "nvidia.com/gpu=1"]);
             }
         }
-        // passDeviceSpecs: the GPUs' own nodes (the sandbox has no control nodes).
+        // passDeviceSpecs: the control nodes the simulated host has, then the GPUs' own.
         let specs: Vec<&str> = r
             .devices
             .iter()
             .map(|d| d.container_path.as_str())
             .collect();
-        assert_eq!(specs, ["/dev/nvidia3", "/dev/nvidia1"], "{list:?}");
+        assert_eq!(
+            specs,
+            [
+                "/dev/nvidiactl",
+                "/dev/nvidia-uvm",
+                "/dev/nvidia-uvm-tools",
+                "/dev/nvidia-modeset",
+                "/dev/nvidia3",
+                "/dev/nvidia1"
+            ],
+            "{list:?}"
+        );
         run.shutdown(kubelet).await;
     }
 }

@@ -337,10 +337,7 @@ mod tests {
             r.canonical("/lib/x86_64-linux-gnu/libcuda.so.1").unwrap(),
             Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
         );
-        assert_eq!(
-            HostRoot::system().canonical("/").unwrap(),
-            Path::new("/")
-        );
+        assert_eq!(HostRoot::system().canonical("/").unwrap(), Path::new("/"));
     }
 
     #[test]

@@ -683,7 +683,10 @@ impl NodeDescription {
         replace_symlink("usr/lib", &root.join("lib"))?;
         let conf = root.join("etc/ld.so.conf.d");
         fs::create_dir_all(&conf)?;
-        fs::write(root.join("etc/ld.so.conf"), "include /etc/ld.so.conf.d/*.conf\n")?;
+        fs::write(
+            root.join("etc/ld.so.conf"),
+            "include /etc/ld.so.conf.d/*.conf\n",
+        )?;
         fs::write(
             conf.join("x86_64-linux-gnu.conf"),
             "# Multiarch support\n/usr/local/lib/x86_64-linux-gnu\n/lib/x86_64-linux-gnu\n/usr/lib/x86_64-linux-gnu\n",

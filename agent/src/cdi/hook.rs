@@ -25,7 +25,11 @@ pub const LD_CONF: &str = "/etc/ld.so.conf.d/00-gpu-agent-cdi.conf";
 
 /// Where the host's ldconfig may be (Ubuntu's `ldconfig` is a wrapper
 /// script around `ldconfig.real`).
-const LDCONFIG: &[&str] = &["/sbin/ldconfig.real", "/sbin/ldconfig", "/usr/sbin/ldconfig"];
+const LDCONFIG: &[&str] = &[
+    "/sbin/ldconfig.real",
+    "/sbin/ldconfig",
+    "/usr/sbin/ldconfig",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {

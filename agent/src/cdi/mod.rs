@@ -146,7 +146,9 @@ pub enum CdiError {
     Host(#[from] hostlib::HostError),
     #[error(transparent)]
     Managed(#[from] hostlib::managed::ManagedError),
-    #[error("spec.cdi.hookPath: {0} does not exist on the host; the spec's hooks would fail every container start")]
+    #[error(
+        "spec.cdi.hookPath: {0} does not exist on the host; the spec's hooks would fail every container start"
+    )]
     NoHookProgram(String),
     #[error("cannot read this program ({path}) to install it for the CDI hooks: {source}")]
     SelfCopy {
@@ -390,14 +392,14 @@ pub fn apply(
     let files = hostlib::managed::ManagedFiles::lock(host, sys, wait_for_lock)?;
     let mut changed = Vec::new();
     if cdi.hook_path == crate::policy::INSTALLED_HOOK_PATH {
-        let me = std::env::current_exe().and_then(std::fs::read).map_err(|source| {
-            CdiError::SelfCopy {
+        let me = std::env::current_exe()
+            .and_then(std::fs::read)
+            .map_err(|source| CdiError::SelfCopy {
                 path: std::env::current_exe()
                     .map(|p| p.display().to_string())
                     .unwrap_or_else(|_| "/proc/self/exe".into()),
                 source,
-            }
-        })?;
+            })?;
         if files.write(&cdi.hook_path, &me, 0o755)? {
             changed.push(cdi.hook_path.clone());
         }
@@ -472,18 +474,25 @@ pub fn generate(inv: &Inventory, host: &HostRoot, opts: &Options) -> Result<Gene
 
     let mut devices = Vec::new();
     let mut all: Vec<DeviceNode> = Vec::new();
+    let mut left_out = Vec::new();
     for g in &inv.gpus {
-        let (Some(index), Some(minor), Some(uuid)) = (g.index, g.minor, g.uuid.as_ref()) else {
-            notes.push(format!(
-                "GPU {} left out: its index, device minor or UUID is unknown",
-                g.bus_id
-            ));
+        let (Some(minor), Some(uuid)) = (g.minor, g.uuid.as_ref()) else {
+            left_out.push(g.bus_id.to_string());
             continue;
         };
         let gpu_node = node(format!("/dev/nvidia{minor}"));
         let edits = ContainerEdits {
             device_nodes: vec![gpu_node.clone()],
             ..ContainerEdits::default()
+        };
+        // Without NVML there is no index: the GPU is named by UUID only.
+        let Some(index) = g.index else {
+            devices.push(Device {
+                name: uuid.clone(),
+                container_edits: edits,
+            });
+            all.push(gpu_node);
+            continue;
         };
         for name in [index.to_string(), uuid.clone()] {
             devices.push(Device {
@@ -535,6 +544,22 @@ pub fn generate(inv: &Inventory, host: &HostRoot, opts: &Options) -> Result<Gene
                 });
             }
         }
+    }
+    if !left_out.is_empty() {
+        notes.push(format!(
+            "left out (no UUID or device minor in /proc/driver/nvidia/gpus): {}",
+            left_out.join(", ")
+        ));
+    }
+    if inv
+        .gpus
+        .iter()
+        .any(|g| g.index.is_none() && g.uuid.is_some())
+    {
+        notes.push(format!(
+            "GPUs without an NVML index are named by UUID only ({} did not describe them)",
+            inv.backend.name
+        ));
     }
     if !devices.is_empty() {
         devices.push(Device {
