@@ -3,6 +3,8 @@
 //! - [`deviceplugin::v1beta1`]: the kubelet device-plugin API (our servers,
 //!   and the kubelet's `Registration` service we call).
 //! - [`podresources::v1`]: the kubelet pod-resources API (read for metrics).
+//! - [`cri::v1`]: the CRI runtime service's `Status` (a container runtime's
+//!   effective configuration, as it reports it).
 
 #![allow(missing_debug_implementations, clippy::all, clippy::pedantic)]
 
@@ -21,5 +23,11 @@ pub mod deviceplugin {
 pub mod podresources {
     pub mod v1 {
         tonic::include_proto!("v1");
+    }
+}
+
+pub mod cri {
+    pub mod v1 {
+        tonic::include_proto!("runtime.v1");
     }
 }
