@@ -471,7 +471,7 @@ fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
             format!("{name} already configured; not reloaded{notes}"),
         );
     }
-    match runtime::reload(ctx.host, rt, p.toolkit.reload, runner) {
+    match runtime::reload(ctx.host, rt, &plan.unit, p.toolkit.reload, runner) {
         Ok(did) => (
             StageState::Done,
             format!("wrote {}; {did}{notes}", written.join(", ")),

@@ -27,7 +27,10 @@ fn containerd_1_6() -> PathBuf {
         panic!("containerd is not installed (scripts/test installs Debian's containerd)")
     });
     let v = String::from_utf8_lossy(&out.stdout);
-    assert!(v.contains(" 1.6."), "expected Debian's containerd 1.6, got {v}");
+    assert!(
+        v.contains(" 1.6."),
+        "expected Debian's containerd 1.6, got {v}"
+    );
     PathBuf::from("containerd")
 }
 
@@ -67,12 +70,8 @@ fn configured(fixture: Option<&str>, version: &str) -> tempfile::TempDir {
         )
         .unwrap();
     }
-    let (code, out, err) = run(at(host.path()).args([
-        "runtime",
-        "configure",
-        "--containerd-version",
-        version,
-    ]));
+    let (code, out, err) =
+        run(at(host.path()).args(["runtime", "configure", "--containerd-version", version]));
     assert_eq!(code, 0, "{out}{err}");
     host
 }
@@ -164,7 +163,10 @@ fn containerd_2_merges_our_drop_in_with_cdi_on_and_the_users_runc_kept() {
             );
             // No NVIDIA toolkit on this host: plain runc, with the user's options.
             let nvidia_opts = table(&text, ".containerd.runtimes.nvidia.options]").unwrap();
-            assert!(nvidia_opts.contains("SystemdCgroup = true"), "{nvidia_opts}");
+            assert!(
+                nvidia_opts.contains("SystemdCgroup = true"),
+                "{nvidia_opts}"
+            );
             assert!(!nvidia_opts.contains("BinaryName"), "{nvidia_opts}");
         }
     }
@@ -206,7 +208,11 @@ impl Daemon {
             if let Some(status) = d.child.try_wait().unwrap() {
                 panic!("containerd exited ({status}):\n{}", d.log());
             }
-            assert!(Instant::now() < deadline, "no socket after 30 s:\n{}", d.log());
+            assert!(
+                Instant::now() < deadline,
+                "no socket after 30 s:\n{}",
+                d.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         d
@@ -290,7 +296,10 @@ fn running_containerd_1_6_and_2_serve_the_nvidia_runtime() {
         nvidia["options"]["BinaryName"], "/usr/bin/nvidia-container-runtime",
         "{cfg:#}"
     );
-    assert_eq!(cfg["containerd"]["runtimes"]["runc"]["runtimeType"], "io.containerd.runc.v2");
+    assert_eq!(
+        cfg["containerd"]["runtimes"]["runc"]["runtimeType"],
+        "io.containerd.runc.v2"
+    );
     drop(d);
 
     // 2.x: drop-in plus one import, CDI on.

@@ -484,3 +484,176 @@ fn crio_drop_in_is_created_and_removed_by_restore() {
     );
     assert!(!drop_in.exists());
 }
+
+const K3S_DIR: &str = "var/lib/rancher/k3s/agent/etc/containerd";
+
+/// A k3s host: `rendered` (a fixture under containerd/k3s/) as the config
+/// k3s rendered, optionally the user's template, and a policy naming k3s's
+/// config path.
+fn k3s_host(
+    rendered: &str,
+    template: Option<&str>,
+    nvidia_runtime: bool,
+) -> (tempfile::TempDir, PathBuf) {
+    let host = host_with(None, nvidia_runtime);
+    let dir = host.path().join(K3S_DIR);
+    fs::create_dir_all(&dir).unwrap();
+    fs::copy(
+        fixture_path(&format!("k3s/{rendered}")),
+        dir.join("config.toml"),
+    )
+    .unwrap();
+    if let Some(t) = template {
+        fs::copy(fixture_path(&format!("k3s/{t}")), dir.join(t)).unwrap();
+    }
+    let policy = host.path().join("policy.yaml");
+    fs::write(
+        &policy,
+        format!("spec:\n  toolkit:\n    containerd:\n      config: /{K3S_DIR}/config.toml\n"),
+    )
+    .unwrap();
+    (host, policy)
+}
+
+/// What k3s does at start: the template with `{{ template "base" . }}`
+/// replaced by its own config; containerd reads the result.
+fn render_like_k3s(template: &str, base: &str) -> String {
+    template.replace("{{ template \"base\" . }}", base)
+}
+
+#[test]
+fn k3s_gets_a_template_not_an_edit_of_its_rendered_config() {
+    // containerd 2 (k3s >= 1.31): a new config-v3.toml.tmpl with k3s's base and our block.
+    let (host, policy) = k3s_host("config-v3.toml", None, false);
+    let before = files(host.path());
+    let p = policy.to_str().unwrap();
+    let (code, out, err) = configure(host.path(), "2.0.5", &["--policy", p]);
+    assert_eq!(code, 0, "{out}{err}");
+    let dir = host.path().join(K3S_DIR);
+    let template = fs::read_to_string(dir.join("config-v3.toml.tmpl")).unwrap();
+    golden("k3s-config-v3.toml.tmpl@new.toml", template.as_bytes());
+    assert!(template.starts_with("{{ template \"base\" . }}\n"));
+    assert_eq!(
+        fs::read(dir.join("config.toml")).unwrap(),
+        fs::read(fixture_path("k3s/config-v3.toml")).unwrap(),
+        "the rendered config (k3s's own) was edited"
+    );
+    // Rendered as k3s would, real containerd 2 reads it: our runtime with
+    // the user's runc options, no duplicate table.
+    let rendered = render_like_k3s(
+        &template,
+        &fs::read_to_string(dir.join("config.toml")).unwrap(),
+    );
+    let check = host.path().join("rendered.toml");
+    fs::write(&check, rendered).unwrap();
+    let c2 = repo().join("target/containerd-2/usr/bin/containerd");
+    assert!(
+        c2.exists(),
+        "run scripts/fetch-containerd2 (scripts/test does)"
+    );
+    let dump = std::process::Command::new(&c2)
+        .arg("--config")
+        .arg(&check)
+        .args(["config", "dump"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(
+        dump.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    let nvidia = text
+        .split("containerd.runtimes.nvidia.options]")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no nvidia runtime:\n{text}"));
+    assert!(nvidia.contains("SystemdCgroup = true"), "{text}");
+    assert!(text.contains("enable_cdi = true"), "{text}");
+
+    // Again: nothing to change. Restore: the template is gone, all as before.
+    let (code, out, _) = configure(host.path(), "2.0.5", &["--policy", p]);
+    assert_eq!(code, 0);
+    assert!(out.contains("nothing to change"), "{out}");
+    let (code, _, err) = run(at(host.path()).args(["runtime", "restore"]));
+    assert_eq!(code, 0, "{err}");
+    let after: BTreeMap<String, Vec<u8>> = files(host.path())
+        .into_iter()
+        .filter(|(k, _)| {
+            !k.starts_with("var/lib/gpu-agent")
+                && !k.starts_with("run/gpu-agent")
+                && k != "rendered.toml"
+        })
+        .collect();
+    assert_eq!(after, before);
+}
+
+#[test]
+fn a_users_k3s_template_keeps_every_line_and_gets_our_block_once() {
+    let (host, policy) = k3s_host("config.toml", Some("config.toml.tmpl"), false);
+    let p = policy.to_str().unwrap();
+    let (code, out, err) = configure(host.path(), "1.7.22", &["--policy", p]);
+    assert_eq!(code, 0, "{out}{err}");
+    let dir = host.path().join(K3S_DIR);
+    let template = fs::read_to_string(dir.join("config.toml.tmpl")).unwrap();
+    let original = fs::read_to_string(fixture_path("k3s/config.toml.tmpl")).unwrap();
+    assert!(
+        template.starts_with(&original),
+        "the user's template changed:\n{template}"
+    );
+    golden("k3s-config.toml.tmpl@user.toml", template.as_bytes());
+    let (_, out, _) = configure(host.path(), "1.7.22", &["--policy", p]);
+    assert!(out.contains("nothing to change"), "{out}");
+    // Real containerd 1.6 reads the rendered result (both runtimes, no clash).
+    let rendered = render_like_k3s(
+        &template,
+        &fs::read_to_string(dir.join("config.toml")).unwrap(),
+    );
+    let check = host.path().join("rendered.toml");
+    fs::write(&check, rendered).unwrap();
+    let dump = std::process::Command::new("containerd")
+        .arg("--config")
+        .arg(&check)
+        .args(["config", "dump"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&dump.stdout);
+    assert!(
+        dump.status.success(),
+        "{}",
+        String::from_utf8_lossy(&dump.stderr)
+    );
+    assert!(text.contains("containerd.runtimes.nvidia]"), "{text}");
+    assert!(text.contains("containerd.runtimes.runsc]"), "{text}");
+    let (code, _, _) = run(at(host.path()).args(["runtime", "restore"]));
+    assert_eq!(code, 0);
+    assert_eq!(
+        fs::read_to_string(dir.join("config.toml.tmpl")).unwrap(),
+        original
+    );
+}
+
+#[test]
+fn k3s_with_the_toolkit_configures_itself_and_without_cdi_is_refused() {
+    // k3s adds the nvidia runtime itself when it finds nvidia-container-runtime.
+    let (host, policy) = k3s_host("config.toml", None, true);
+    let p = policy.to_str().unwrap();
+    let (code, out, err) = configure(host.path(), "1.7.22", &["--policy", p]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("nothing to change"), "{out}");
+    assert!(
+        err.contains("k3s/RKE2 add the nvidia runtime themselves"),
+        "{err}"
+    );
+    assert!(!host.path().join(K3S_DIR).join("config.toml.tmpl").exists());
+    // CDI off in k3s's config and no toolkit: no way to inject GPUs; said, nothing written.
+    let (host, policy) = k3s_host("config-cdi-off.toml", None, false);
+    let p = policy.to_str().unwrap();
+    let before = files(host.path());
+    let (code, _, err) = configure(host.path(), "1.7.22", &["--policy", p]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("has CDI off, and the host has no nvidia-container-runtime"),
+        "{err}"
+    );
+    assert_eq!(files(host.path()), before);
+}

@@ -103,6 +103,9 @@ pub struct Plan {
     pub changes: Vec<FileChange>,
     /// Things the operator should know (e.g. why CDI was not enabled).
     pub notes: Vec<String>,
+    /// The systemd unit whose restart makes containerd read the change
+    /// (`containerd`; k3s's or RKE2's own unit for their templates).
+    pub unit: String,
 }
 
 const DROP_IN_NAME: &str = "99-gpu-agent.toml";
@@ -282,6 +285,50 @@ fn insert_indented(table: &mut Table, key: &str, item: Item) {
     }
 }
 
+/// The `nvidia` runtime's table: the default (or runc) runtime's options
+/// copied from `doc`, with the toolkit's runtime as `BinaryName` when the
+/// host has one.
+fn nvidia_runtime(doc: &DocumentMut, cri: &str, opts: &Options) -> Table {
+    // The runtime's options start from the default (or runc) runtime's.
+    let base_runtime = {
+        let ctr = doc
+            .get("plugins")
+            .and_then(|p| p.get(cri))
+            .and_then(|c| c.get("containerd"));
+        let default = ctr
+            .and_then(|c| c.get("default_runtime_name"))
+            .and_then(Item::as_str)
+            .filter(|n| !n.starts_with(&opts.runtime_name))
+            .unwrap_or("runc")
+            .to_string();
+        ctr.and_then(|c| c.get("runtimes"))
+            .and_then(|r| r.get(&default).or_else(|| r.get("runc")))
+            .and_then(Item::as_table)
+            .cloned()
+    };
+    let mut runtime = base_runtime.unwrap_or_default();
+    runtime.set_implicit(false);
+    runtime.set_position(None);
+    if !runtime.contains_key("runtime_type") {
+        runtime.insert("runtime_type", value("io.containerd.runc.v2"));
+    }
+    match &opts.binary_name {
+        Some(bin) => {
+            let options = runtime
+                .entry("options")
+                .or_insert_with(|| Item::Table(Table::new()));
+            if let Some(t) = options.as_table_mut() {
+                t.set_position(None);
+                insert_indented(t, "BinaryName", value(bin.as_str()));
+            }
+        }
+        None => {
+            // Plain runc: a BinaryName copied from the default runtime stays.
+        }
+    }
+    runtime
+}
+
 /// Plans the changes for containerd `version` (`None` when it cannot be
 /// asked; the config's shape then decides).
 pub fn plan(
@@ -338,43 +385,7 @@ pub fn plan(
     let cri = cri_plugin(config_version);
     let drop_in = version.is_some_and(|v| v.at_least(2, 1));
 
-    // The runtime's options start from the default (or runc) runtime's.
-    let base_runtime = {
-        let ctr = doc
-            .get("plugins")
-            .and_then(|p| p.get(cri))
-            .and_then(|c| c.get("containerd"));
-        let default = ctr
-            .and_then(|c| c.get("default_runtime_name"))
-            .and_then(Item::as_str)
-            .filter(|n| !n.starts_with(&opts.runtime_name))
-            .unwrap_or("runc")
-            .to_string();
-        ctr.and_then(|c| c.get("runtimes"))
-            .and_then(|r| r.get(&default).or_else(|| r.get("runc")))
-            .and_then(Item::as_table)
-            .cloned()
-    };
-    let mut runtime = base_runtime.unwrap_or_default();
-    runtime.set_implicit(false);
-    runtime.set_position(None);
-    if !runtime.contains_key("runtime_type") {
-        runtime.insert("runtime_type", value("io.containerd.runc.v2"));
-    }
-    match &opts.binary_name {
-        Some(bin) => {
-            let options = runtime
-                .entry("options")
-                .or_insert_with(|| Item::Table(Table::new()));
-            if let Some(t) = options.as_table_mut() {
-                t.set_position(None);
-                insert_indented(t, "BinaryName", value(bin.as_str()));
-            }
-        }
-        None => {
-            // Plain runc: a BinaryName copied from the default runtime stays.
-        }
-    }
+    let runtime = nvidia_runtime(&doc, cri, opts);
 
     let mut changes = Vec::new();
     let target_doc: &mut DocumentMut;
@@ -458,7 +469,219 @@ pub fn plan(
     }
     changes.insert(0, FileChange::new(&opts.config, before, doc.to_string()));
     changes.retain(FileChange::changes_anything);
-    Ok(Plan { changes, notes })
+    Ok(Plan {
+        changes,
+        notes,
+        unit: "containerd".into(),
+    })
+}
+
+/// RKE2 and k3s write containerd's `config.toml` anew from a Go template
+/// at every start, so an edit there would be lost. Their documented way in
+/// is a template beside it: `config.toml.tmpl` (`config-v3.toml.tmpl` for
+/// the containerd 2 they ship since v1.31), starting with their own
+/// `{{ template "base" . }}`. The template for `config`, when it is one of
+/// theirs: `config` itself when it ends in `.tmpl`, an existing template
+/// beside it, or a new one for a config under `/var/lib/rancher/`.
+pub fn template_for(host: &HostRoot, config: &str) -> Option<String> {
+    if config.ends_with(".tmpl") {
+        return Some(config.to_string());
+    }
+    let (dir, _) = config.rsplit_once('/')?;
+    for name in ["config-v3.toml.tmpl", "config.toml.tmpl"] {
+        let t = format!("{dir}/{name}");
+        if host.exists(&t) {
+            return Some(t);
+        }
+    }
+    if config.starts_with("/var/lib/rancher/") {
+        let v3 = host
+            .read_optional(config)
+            .ok()
+            .flatten()
+            .and_then(|t| toml_edit::Document::parse(t).ok())
+            .and_then(|d| d.get("version").and_then(Item::as_integer))
+            == Some(3);
+        let name = if v3 {
+            "config-v3.toml.tmpl"
+        } else {
+            "config.toml.tmpl"
+        };
+        return Some(format!("{dir}/{name}"));
+    }
+    None
+}
+
+const BLOCK_BEGIN: &str =
+    "# --- gpu-agent begin: added by gpu-agent (`gpu-agent runtime restore` takes it out) ---";
+const BLOCK_END: &str = "# --- gpu-agent end ---";
+
+/// The template without gpu-agent's block.
+fn without_block(text: &str) -> String {
+    match (text.find(BLOCK_BEGIN), text.find(BLOCK_END)) {
+        (Some(b), Some(e)) if e > b => {
+            let rest = &text[e + BLOCK_END.len()..];
+            // The blank line we put before the block goes with it.
+            let head = &text[..b];
+            let head = if head.ends_with("\n\n") {
+                &head[..head.len() - 1]
+            } else {
+                head
+            };
+            format!("{head}{}", rest.strip_prefix('\n').unwrap_or(rest))
+        }
+        _ => text.to_string(),
+    }
+}
+
+/// The k3s/RKE2 systemd unit that restarts their containerd.
+fn rancher_unit(host: &HostRoot, template: &str) -> (String, Option<String>) {
+    let candidates: &[&str] = if template.contains("/rke2/") {
+        &["rke2-server", "rke2-agent"]
+    } else {
+        &["k3s", "k3s-agent"]
+    };
+    let dirs = [
+        "/etc/systemd/system",
+        "/usr/local/lib/systemd/system",
+        "/usr/lib/systemd/system",
+        "/lib/systemd/system",
+    ];
+    for unit in candidates {
+        if dirs
+            .iter()
+            .any(|d| host.exists(format!("{d}/{unit}.service")))
+        {
+            return (unit.to_string(), None);
+        }
+    }
+    (
+        candidates[0].to_string(),
+        Some(format!(
+            "no {} unit file found; a reload restarts {}",
+            candidates.join(" or "),
+            candidates[0]
+        )),
+    )
+}
+
+/// Plans the change to a k3s/RKE2 template: our tables appended in a
+/// marked block after the user's text (which is Go template, not TOML, so
+/// it is never parsed or changed). The rendered `config` is read to copy the
+/// runc options and to learn the config version and whether CDI is on.
+///
+/// What a template cannot do: reopen a table k3s's base already defines
+/// (TOML forbids it), so `enable_cdi` and `default_runtime_name` are not
+/// written there. k3s adds the `nvidia` runtime itself when it finds
+/// nvidia-container-runtime; then there is nothing to add.
+pub fn plan_template(
+    host: &HostRoot,
+    opts: &Options,
+    version: Option<Version>,
+    template: &str,
+) -> Result<Plan, RuntimeError> {
+    let rendered_path = match template.rsplit_once('/') {
+        Some((dir, _)) => format!("{dir}/config.toml"),
+        None => opts.config.clone(),
+    };
+    let rendered_text = host
+        .read_optional(&rendered_path)
+        .map_err(RuntimeError::Host)?;
+    let rendered = parse(&rendered_path, rendered_text.as_deref().unwrap_or(""))?;
+    let config_version = rendered
+        .get("version")
+        .and_then(Item::as_integer)
+        .unwrap_or(
+            if template.ends_with("config-v3.toml.tmpl") || version.is_some_and(|v| v.major >= 2) {
+                3
+            } else {
+                2
+            },
+        );
+    let cri = cri_plugin(config_version);
+    let (unit, unit_note) = rancher_unit(host, template);
+    let mut notes: Vec<String> = unit_note.into_iter().collect();
+    let before = host.read_optional(template).map_err(RuntimeError::Host)?;
+    let body = before.as_deref().map(without_block);
+    if opts.set_as_default {
+        notes.push(
+            "a k3s/RKE2 template cannot set containerd's default runtime; start k3s/RKE2 with --default-runtime instead"
+                .into(),
+        );
+    }
+    let cdi_on = {
+        let flag = rendered
+            .get("plugins")
+            .and_then(|p| p.get(cri))
+            .and_then(|c| c.get("enable_cdi"))
+            .and_then(Item::as_bool);
+        flag.unwrap_or(config_version >= 3)
+    };
+    let block = if opts.binary_name.is_some() {
+        notes.push(format!(
+            "k3s/RKE2 add the {} runtime themselves when they find nvidia-container-runtime: nothing to add to {template}",
+            opts.runtime_name
+        ));
+        None
+    } else {
+        if opts.enable_cdi && !cdi_on {
+            let why = match &rendered_text {
+                None => format!("{rendered_path} does not exist yet (start k3s/RKE2 once)"),
+                Some(_) => format!("{rendered_path} has CDI off"),
+            };
+            return Err(RuntimeError::NoInjection(format!(
+                "{why}, and the host has no nvidia-container-runtime: containers could not get GPUs. A template cannot turn CDI on after k3s's base; use a k3s/RKE2 with containerd 2 (CDI on by default) or install the NVIDIA container toolkit"
+            )));
+        }
+        let user_has_it = body.as_deref().is_some_and(|b| {
+            b.contains(&format!("runtimes.{}]", opts.runtime_name))
+                || b.contains(&format!("runtimes.\"{}\"]", opts.runtime_name))
+        });
+        if user_has_it {
+            notes.push(format!(
+                "{template} already defines the {} runtime: left as it is",
+                opts.runtime_name
+            ));
+            None
+        } else {
+            let mut doc = DocumentMut::new();
+            let runtimes = table_at(
+                doc.as_table_mut(),
+                &["plugins", cri, "containerd", "runtimes"],
+            );
+            runtimes.insert(
+                &opts.runtime_name,
+                Item::Table(nvidia_runtime(&rendered, cri, opts)),
+            );
+            Some(doc.to_string())
+        }
+    };
+    let after = match (body, block) {
+        (None, None) => None,
+        (body, block) => {
+            let mut text = body.unwrap_or_else(|| "{{ template \"base\" . }}\n".to_string());
+            if let Some(block) = block {
+                if !text.ends_with('\n') {
+                    text.push('\n');
+                }
+                text.push_str(&format!(
+                    "\n{BLOCK_BEGIN}\n{}{BLOCK_END}\n",
+                    block.trim_start()
+                ));
+            }
+            Some(text)
+        }
+    };
+    let changes = after
+        .map(|a| FileChange::new(template, before, a))
+        .into_iter()
+        .filter(FileChange::changes_anything)
+        .collect();
+    Ok(Plan {
+        changes,
+        notes,
+        unit,
+    })
 }
 
 #[cfg(test)]
@@ -484,6 +707,55 @@ mod tests {
             })
         );
         assert_eq!(Version::parse("github.com/containerd/containerd"), None);
+    }
+
+    #[test]
+    fn k3s_and_rke2_units_are_found_from_their_unit_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let k3s = "/var/lib/rancher/k3s/agent/etc/containerd/config.toml.tmpl";
+        let rke2 = "/var/lib/rancher/rke2/agent/etc/containerd/config.toml.tmpl";
+        let (unit, note) = rancher_unit(&host, k3s);
+        assert_eq!(unit, "k3s");
+        assert!(
+            note.unwrap()
+                .contains("no k3s or k3s-agent unit file found")
+        );
+        std::fs::create_dir_all(dir.path().join("etc/systemd/system")).unwrap();
+        std::fs::write(dir.path().join("etc/systemd/system/k3s-agent.service"), "").unwrap();
+        assert_eq!(rancher_unit(&host, k3s), ("k3s-agent".to_string(), None));
+        std::fs::create_dir_all(dir.path().join("usr/lib/systemd/system")).unwrap();
+        std::fs::write(
+            dir.path().join("usr/lib/systemd/system/rke2-agent.service"),
+            "",
+        )
+        .unwrap();
+        assert_eq!(rancher_unit(&host, rke2), ("rke2-agent".to_string(), None));
+    }
+
+    #[test]
+    fn templates_are_found_by_name_place_or_suffix() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        assert_eq!(template_for(&host, "/etc/containerd/config.toml"), None);
+        assert_eq!(
+            template_for(&host, "/opt/k3s/config.toml.tmpl").as_deref(),
+            Some("/opt/k3s/config.toml.tmpl")
+        );
+        assert_eq!(
+            template_for(
+                &host,
+                "/var/lib/rancher/rke2/agent/etc/containerd/config.toml"
+            )
+            .as_deref(),
+            Some("/var/lib/rancher/rke2/agent/etc/containerd/config.toml.tmpl")
+        );
+        std::fs::create_dir_all(dir.path().join("etc/containerd")).unwrap();
+        std::fs::write(dir.path().join("etc/containerd/config-v3.toml.tmpl"), "").unwrap();
+        assert_eq!(
+            template_for(&host, "/etc/containerd/config.toml").as_deref(),
+            Some("/etc/containerd/config-v3.toml.tmpl")
+        );
     }
 
     #[test]

@@ -93,7 +93,7 @@ pub enum RuntimeError {
     Managed(#[from] ManagedError),
     #[error("reloading {runtime}: {source}")]
     Reload {
-        runtime: &'static str,
+        runtime: String,
         #[source]
         source: CommandError,
     },
@@ -121,6 +121,8 @@ pub struct RuntimePlan {
     pub runtime: ContainerRuntime,
     pub changes: Vec<FileChange>,
     pub notes: Vec<String>,
+    /// The systemd unit a restart goes to (k3s/RKE2 restart their own containerd).
+    pub unit: String,
 }
 
 /// Plans the configuration of the policy's container runtime.
@@ -142,7 +144,10 @@ pub fn plan(
                 enable_cdi: policy.cdi.enabled,
                 binary_name: host_nvidia_runtime(host),
             };
-            let mut p = containerd::plan(host, &opts, version)?;
+            let mut p = match containerd::template_for(host, &c.config) {
+                Some(template) => containerd::plan_template(host, &opts, version, &template)?,
+                None => containerd::plan(host, &opts, version)?,
+            };
             if version.is_none() {
                 p.notes.push(format!("cannot run {} --version through the host root; planned from the config's shape", c.binary));
             }
@@ -150,6 +155,7 @@ pub fn plan(
                 runtime,
                 changes: p.changes,
                 notes: p.notes,
+                unit: p.unit,
             })
         }
         ContainerRuntime::Crio => {
@@ -168,6 +174,7 @@ pub fn plan(
                 runtime,
                 changes,
                 notes,
+                unit: unit(runtime).into(),
             })
         }
         ContainerRuntime::Docker => {
@@ -182,6 +189,7 @@ pub fn plan(
                 runtime,
                 changes: docker::plan(host, &opts)?,
                 notes: Vec::new(),
+                unit: unit(runtime).into(),
             })
         }
     }
@@ -228,12 +236,13 @@ fn unit(runtime: ContainerRuntime) -> &'static str {
 pub fn reload(
     host: &HostRoot,
     runtime: ContainerRuntime,
+    unit: &str,
     mode: ReloadMode,
     runner: &dyn CommandRunner,
 ) -> Result<String, RuntimeError> {
-    let name = unit(runtime);
+    let name = unit;
     let err = |source| RuntimeError::Reload {
-        runtime: name,
+        runtime: name.to_string(),
         source,
     };
     match mode {
@@ -284,7 +293,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
         let r = RecordingRunner::new();
-        let said = reload(&host, ContainerRuntime::Containerd, ReloadMode::Restart, &r).unwrap();
+        let said = reload(
+            &host,
+            ContainerRuntime::Containerd,
+            "containerd",
+            ReloadMode::Restart,
+            &r,
+        )
+        .unwrap();
         assert_eq!(said, "restarted containerd");
         let root = host.path().display().to_string();
         assert_eq!(
@@ -301,6 +317,7 @@ mod tests {
         reload(
             &HostRoot::system(),
             ContainerRuntime::Crio,
+            "crio",
             ReloadMode::Restart,
             &r,
         )
@@ -321,6 +338,7 @@ mod tests {
         let said = reload(
             &HostRoot::system(),
             ContainerRuntime::Containerd,
+            "containerd",
             ReloadMode::None,
             &r,
         )
@@ -330,6 +348,7 @@ mod tests {
             reload(
                 &HostRoot::system(),
                 ContainerRuntime::Containerd,
+                "containerd",
                 ReloadMode::Signal,
                 &r
             )
@@ -340,7 +359,14 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("var/run")).unwrap();
         std::fs::write(dir.path().join("var/run/docker.pid"), "4242\n").unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
-        reload(&host, ContainerRuntime::Docker, ReloadMode::Signal, &r).unwrap();
+        reload(
+            &host,
+            ContainerRuntime::Docker,
+            "docker",
+            ReloadMode::Signal,
+            &r,
+        )
+        .unwrap();
         assert_eq!(
             r.calls(),
             vec![vec![
@@ -359,6 +385,7 @@ mod tests {
         let err = reload(
             &HostRoot::system(),
             ContainerRuntime::Containerd,
+            "containerd",
             ReloadMode::Restart,
             &r,
         )
