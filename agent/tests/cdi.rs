@@ -403,25 +403,15 @@ fn the_create_symlinks_hook_runs_from_the_oci_state() {
         r#"{{"ociVersion":"1.2.0","id":"abc","status":"creating","pid":1,"bundle":"{}"}}"#,
         bundle.path().display()
     );
-    let mut child = bin()
-        .args([
+    let out = run_with_stdin(
+        &[
             "cdi-hook",
             "create-symlinks",
             "--link",
             "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(state.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+        ],
+        &state,
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -463,20 +453,10 @@ fn the_update_ldcache_hook_puts_the_libraries_in_the_containers_cache() {
     )
     .unwrap();
     let state = format!(r#"{{"bundle":"{}"}}"#, bundle.path().display());
-    let mut child = bin()
-        .args(["cdi-hook", "update-ldcache", "--folder", "/opt/driver/lib"])
-        .stdin(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(state.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = run_with_stdin(
+        &["cdi-hook", "update-ldcache", "--folder", "/opt/driver/lib"],
+        &state,
+    );
     assert!(
         out.status.success(),
         "{}",

@@ -34,19 +34,6 @@ fn containerd_1_6() -> PathBuf {
     PathBuf::from("containerd")
 }
 
-/// Debian sid's containerd 2.x, unpacked by scripts/fetch-containerd2.
-fn containerd_2() -> PathBuf {
-    let bin = std::env::var_os("GPU_AGENT_CONTAINERD2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/containerd-2/usr/bin/containerd"));
-    assert!(
-        bin.exists(),
-        "{} is missing: run scripts/fetch-containerd2 (scripts/test does)",
-        bin.display()
-    );
-    bin
-}
-
 fn version_of(bin: &Path) -> String {
     let out = Command::new(bin).arg("--version").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();
@@ -93,21 +80,6 @@ fn config_for_containerd(host: &Path) -> PathBuf {
     path
 }
 
-fn dump(bin: &Path, config: &Path) -> String {
-    let out = Command::new(bin)
-        .arg("--config")
-        .arg(config)
-        .args(["config", "dump"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "config dump: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 /// The text of one table in a `config dump`, up to the next header.
 fn table<'a>(dump: &'a str, header_suffix: &str) -> Option<&'a str> {
     let start = dump
@@ -141,7 +113,7 @@ fn containerd_2_merges_our_drop_in_with_cdi_on_and_the_users_runc_kept() {
                 .exists(),
             "{fixture:?}: no drop-in on containerd {version}"
         );
-        let text = dump(&bin, &config_for_containerd(host.path()));
+        let text = containerd_dump(&bin, &config_for_containerd(host.path()));
         let nvidia = table(&text, ".containerd.runtimes.nvidia]").unwrap_or_else(|| {
             panic!("{fixture:?}: no nvidia runtime in the effective config:\n{text}")
         });

@@ -312,18 +312,7 @@ fn real_containerd_1_6_sees_the_nvidia_runtime() {
         let host = host_with(Some(&format!("valid/{fixture}")), true);
         let (code, _, err) = configure(host.path(), "1.6.20", &[]);
         assert_eq!(code, 0, "{fixture}: {err}");
-        let dump = std::process::Command::new("containerd")
-            .arg("--config")
-            .arg(host.path().join(CONFIG))
-            .args(["config", "dump"])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&dump.stdout);
-        assert!(
-            dump.status.success(),
-            "{fixture}: {}",
-            String::from_utf8_lossy(&dump.stderr)
-        );
+        let text = containerd_dump(Path::new("containerd"), &host.path().join(CONFIG));
         let nvidia = text
             .split("containerd.runtimes.nvidia]")
             .nth(1)
@@ -546,23 +535,7 @@ fn k3s_gets_a_template_not_an_edit_of_its_rendered_config() {
     );
     let check = host.path().join("rendered.toml");
     fs::write(&check, rendered).unwrap();
-    let c2 = repo().join("target/containerd-2/usr/bin/containerd");
-    assert!(
-        c2.exists(),
-        "run scripts/fetch-containerd2 (scripts/test does)"
-    );
-    let dump = std::process::Command::new(&c2)
-        .arg("--config")
-        .arg(&check)
-        .args(["config", "dump"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
+    let text = containerd_dump(&containerd_2(), &check);
     let nvidia = text
         .split("containerd.runtimes.nvidia.options]")
         .nth(1)
@@ -610,18 +583,7 @@ fn a_users_k3s_template_keeps_every_line_and_gets_our_block_once() {
     );
     let check = host.path().join("rendered.toml");
     fs::write(&check, rendered).unwrap();
-    let dump = std::process::Command::new("containerd")
-        .arg("--config")
-        .arg(&check)
-        .args(["config", "dump"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&dump.stdout);
-    assert!(
-        dump.status.success(),
-        "{}",
-        String::from_utf8_lossy(&dump.stderr)
-    );
+    let text = containerd_dump(Path::new("containerd"), &check);
     assert!(text.contains("containerd.runtimes.nvidia]"), "{text}");
     assert!(text.contains("containerd.runtimes.runsc]"), "{text}");
     let (code, _, _) = run(at(host.path()).args(["runtime", "restore"]));

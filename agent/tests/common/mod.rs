@@ -79,3 +79,54 @@ pub fn run(cmd: &mut Command) -> (i32, String, String) {
 pub fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
 }
+
+/// `containerd --config <config> config dump`: the effective config (imports
+/// merged), or a panic with containerd's own words.
+pub fn containerd_dump(bin: &Path, config: &Path) -> String {
+    let out = Command::new(bin)
+        .arg("--config")
+        .arg(config)
+        .args(["config", "dump"])
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+    assert!(
+        out.status.success(),
+        "{} config dump: {}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Debian sid's containerd 2.x, unpacked by scripts/fetch-containerd2
+/// (`GPU_AGENT_CONTAINERD2` names another).
+pub fn containerd_2() -> PathBuf {
+    let bin = std::env::var_os("GPU_AGENT_CONTAINERD2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/containerd-2/usr/bin/containerd"));
+    assert!(
+        bin.exists(),
+        "{} is missing: run scripts/fetch-containerd2 (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `gpu-agent <args>` with `stdin` fed in, as a container runtime runs a hook.
+pub fn run_with_stdin(args: &[&str], stdin: &str) -> Output {
+    use std::io::Write;
+    let mut child = bin()
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
