@@ -1,0 +1,15 @@
+//! The NVIDIA driver's kernel side on the host.
+//!
+//! - [`modules`]: load `nvidia`, `nvidia-uvm`, `nvidia-modeset` (and by
+//!   policy `nvidia-drm`, `nvidia-peermem`) in dependency order through
+//!   `finit_module` with per-module parameters; read their state from
+//!   `/proc/modules` and `/sys/module`; unload in reverse, refusing while in
+//!   use and naming who holds them.
+//! - [`devnodes`]: `/dev/nvidia*` with majors read from `/proc/devices`,
+//!   NVIDIA's modes, and `/dev/char/MAJ:MIN` links.
+//!
+//! Every privileged call goes through [`hostlib::Syscalls`]; every path
+//! through [`hostlib::HostRoot`].
+
+pub mod devnodes;
+pub mod modules;
