@@ -474,6 +474,41 @@ fn crio_drop_in_is_created_and_removed_by_restore() {
     assert!(!drop_in.exists());
 }
 
+#[test]
+fn crio_copies_the_default_runtime_and_refuses_a_config_it_cannot_read() {
+    let host = host_with(None, true);
+    let conf = host.path().join("etc/crio/crio.conf");
+    fs::create_dir_all(conf.parent().unwrap()).unwrap();
+    fs::copy(fixture("crio/valid/crio.conf"), &conf).unwrap();
+    let policy = policy_for(host.path(), "crio");
+    let cmd = |args: &[&str]| run(at(host.path()).arg("--policy").arg(&policy).args(args));
+    let (code, _, err) = cmd(&["runtime", "configure"]);
+    assert_eq!(code, 0, "{err}");
+    let drop_in = host.path().join("etc/crio/crio.conf.d/99-nvidia.conf");
+    golden(
+        "99-nvidia.conf-from-crun@crio.toml",
+        &fs::read(&drop_in).unwrap(),
+    );
+    assert_eq!(
+        fs::read(&conf).unwrap(),
+        fs::read(fixture("crio/valid/crio.conf")).unwrap(),
+        "crio.conf was changed"
+    );
+    let (code, _, _) = cmd(&["runtime", "restore"]);
+    assert_eq!(code, 0);
+    for bad in [
+        "not-toml.conf",
+        "runtimes-not-a-table.conf",
+        "runtime-not-a-table.conf",
+    ] {
+        fs::copy(fixture(&format!("crio/invalid/{bad}")), &conf).unwrap();
+        let (code, _, err) = cmd(&["runtime", "configure"]);
+        assert_eq!(code, 2, "{bad}: {err}");
+        assert!(err.contains("/etc/crio/crio.conf:"), "{bad}: {err}");
+        assert!(!drop_in.exists(), "{bad}: written");
+    }
+}
+
 const K3S_DIR: &str = "var/lib/rancher/k3s/agent/etc/containerd";
 
 /// A k3s host: `rendered` (a fixture under containerd/k3s/) as the config

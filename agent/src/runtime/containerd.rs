@@ -149,7 +149,7 @@ const NEAR_MISSES: &[(&str, &str)] = &[
     ("default_runtimes_name", "default_runtime_name"),
 ];
 
-fn line_col(text: &str, offset: usize) -> (usize, usize) {
+pub(super) fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
     let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
@@ -157,7 +157,17 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
 }
 
 fn parse(path: &str, text: &str) -> Result<DocumentMut, RuntimeError> {
-    let doc = toml_edit::Document::parse(text.to_string()).map_err(|e| {
+    let doc = parse_toml(path, text)?;
+    validate(path, text, &doc)?;
+    Ok(doc.into_mut())
+}
+
+/// TOML, or an error naming the file, line and column.
+pub(super) fn parse_toml(
+    path: &str,
+    text: &str,
+) -> Result<toml_edit::Document<String>, RuntimeError> {
+    toml_edit::Document::parse(text.to_string()).map_err(|e| {
         let (line, column) = e.span().map_or((0, 0), |s| line_col(text, s.start));
         RuntimeError::Parse {
             path: path.to_string(),
@@ -165,9 +175,7 @@ fn parse(path: &str, text: &str) -> Result<DocumentMut, RuntimeError> {
             column,
             message: e.message().trim().to_string(),
         }
-    })?;
-    validate(path, text, &doc)?;
-    Ok(doc.into_mut())
+    })
 }
 
 /// Checks what `config dump` would let through: the version, and typos in

@@ -161,6 +161,7 @@ pub fn plan(
         ContainerRuntime::Crio => {
             let opts = crio::Options {
                 drop_in: "/etc/crio/crio.conf.d/99-nvidia.conf".into(),
+                config: "/etc/crio/crio.conf".into(),
                 runtime_name: policy.operator.runtime_class.clone(),
                 runtime_path: host_nvidia_runtime(host),
                 set_as_default: policy.toolkit.set_as_default,
