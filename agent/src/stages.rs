@@ -398,14 +398,14 @@ fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
             (StageState::Done, detail)
         }
     };
-    let Some(_) = ctx.apply else {
+    if ctx.apply.is_none() {
         return match crate::cdi::up_to_date(ctx.host, &cdi.spec_dir, &generated) {
             Ok(true) => done(format!("{path} is up to date: {summary}")),
             Ok(false) if undescribed_gpus => done(format!("would write {path}: {summary}")),
             Ok(false) => (StageState::Ready, format!("would write {path}: {summary}")),
             Err(e) => (StageState::Failed, e.to_string()),
         };
-    };
+    }
     match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
         Ok(changed) if changed.is_empty() => done(format!("{path} is up to date: {summary}")),
         Ok(changed) => done(format!("wrote {}: {summary}", changed.join(", "))),

@@ -238,7 +238,7 @@ fn mig_devices_get_their_parent_and_capability_nodes() {
 }
 
 fn hostlib_minors(sys: &HostRoot) -> std::collections::BTreeMap<String, u32> {
-    cdi::read_mig_minors(sys).unwrap().unwrap()
+    hostlib::driver::read_mig_minors(sys).unwrap().unwrap()
 }
 
 /// Every CDI name the device plugin puts in an Allocate response, for every
@@ -307,19 +307,32 @@ fn every_name_the_device_plugin_hands_out_is_in_the_spec() {
     assert!(checked > 50, "only {checked} names checked");
 }
 
-/// The NVML path (fake library) over the committed host fixture gives the
-/// same spec as the simulated backend.
+/// The NVML path (fake library) gives the same spec as the simulated
+/// backend: over the committed 8x H100 fixture, and over the MIG node, whose
+/// capability nodes need the GPU/compute instance IDs that NVML gives
+/// through the raw calls nvml-wrapper does not wrap.
 #[test]
 fn the_nvml_path_gives_the_same_spec() {
     let (_dir, lib) = fake_nvml();
-    let (code, out, err) = run(at(host_fixture("h100-sxm-8"))
-        .args(["--nvml-lib"])
-        .arg(&lib)
-        .args(["cdi", "generate"])
-        .env("FAKE_NVML_NODE", "h100-sxm-8"));
-    assert_eq!(code, 0, "{err}");
-    let (_view, _inv, g) = generated("h100-sxm-8");
-    assert_eq!(out, g.to_json());
+    let mig_host = tempfile::tempdir().unwrap();
+    simnode::NodeDescription::load("h100-mig-2")
+        .unwrap()
+        .materialize(mig_host.path())
+        .unwrap();
+    for (node, host) in [
+        ("h100-sxm-8", host_fixture("h100-sxm-8")),
+        ("h100-mig-2", mig_host.path().to_path_buf()),
+    ] {
+        let (code, out, err) = run(at(&host)
+            .args(["--nvml-lib"])
+            .arg(&lib)
+            .args(["cdi", "generate"])
+            .env("FAKE_NVML_NODE", node));
+        assert_eq!(code, 0, "{node}: {err}");
+        assert!(err.is_empty(), "{node}: notes: {err}");
+        let (_view, _inv, g) = generated(node);
+        assert_eq!(out, g.to_json(), "{node}");
+    }
 }
 
 #[test]

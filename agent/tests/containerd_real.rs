@@ -45,14 +45,14 @@ fn version_of(bin: &Path) -> String {
         .to_string()
 }
 
-/// A host root with `fixture` (or no config) and no NVIDIA toolkit, configured
-/// for `version` by `gpu-agent runtime configure`.
-fn configured(fixture: Option<&str>, version: &str) -> tempfile::TempDir {
+/// A host root with the valid containerd fixture `config` (or no config) and
+/// no NVIDIA toolkit, configured for `version` by `gpu-agent runtime configure`.
+fn configured(config: Option<&str>, version: &str) -> tempfile::TempDir {
     let host = tempfile::tempdir().unwrap();
     fs::create_dir_all(host.path().join("etc/containerd")).unwrap();
-    if let Some(f) = fixture {
+    if let Some(f) = config {
         fs::copy(
-            fixture_path_of(&format!("containerd/valid/{f}")),
+            fixture(&format!("containerd/valid/{f}")),
             host.path().join(CONFIG),
         )
         .unwrap();
@@ -61,10 +61,6 @@ fn configured(fixture: Option<&str>, version: &str) -> tempfile::TempDir {
         run(at(host.path()).args(["runtime", "configure", "--containerd-version", version]));
     assert_eq!(code, 0, "{out}{err}");
     host
-}
-
-fn fixture_path_of(rel: &str) -> PathBuf {
-    fixture(rel)
 }
 
 /// The config containerd is pointed at. The main config imports the drop-in
@@ -216,8 +212,7 @@ impl Daemon {
                 match answer {
                     Ok(resp) => break resp.into_inner().info,
                     // The CRI service comes up a moment after the socket.
-                    Err(e) if Instant::now() < deadline => {
-                        let _ = e;
+                    Err(_) if Instant::now() < deadline => {
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                     Err(e) => panic!("CRI Status: {e}\n{}", self.log()),

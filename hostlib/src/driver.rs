@@ -186,6 +186,36 @@ pub fn parse_information(bus_id: PciAddress, text: &str) -> ProcGpu {
     gpu
 }
 
+/// Where the driver lists the `/dev/nvidia-caps` minor of every MIG
+/// capability (`config 1`, `gpu0/gi1/access 12`, `gpu0/gi1/ci0/access 13`, …).
+pub const PROC_MIG_MINORS: &str = "/proc/driver/nvidia-caps/mig-minors";
+
+/// [`PROC_MIG_MINORS`] as a map from capability to minor; `None` when the
+/// file does not exist (no MIG-capable driver loaded). A malformed line is an
+/// error naming the file and the line.
+pub fn read_mig_minors(root: &HostRoot) -> Result<Option<BTreeMap<String, u32>>, DriverError> {
+    let Some(text) = root.read_optional(PROC_MIG_MINORS)? else {
+        return Ok(None);
+    };
+    let mut map = BTreeMap::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = line
+            .split_once(' ')
+            .and_then(|(k, v)| Some((k.to_string(), v.trim().parse::<u32>().ok()?)));
+        let Some((k, v)) = parsed else {
+            return Err(DriverError::Parse {
+                path: PROC_MIG_MINORS.into(),
+                message: format!("line {}: {line:?} is not `<name> <minor>`", n + 1),
+            });
+        };
+        map.insert(k, v);
+    }
+    Ok(Some(map))
+}
+
 fn resolved(root: &HostRoot, p: &str) -> PathBuf {
     root.resolve(p).unwrap_or_else(|_| p.into())
 }
@@ -300,5 +330,24 @@ mod tests {
         let (_d, root) = proc_tree(Some("hello\n"), "", DEVICES);
         let err = DriverState::read(&root).unwrap_err().to_string();
         assert!(err.contains("proc/driver/nvidia/version"), "{err}");
+    }
+
+    #[test]
+    fn mig_minors_parse_and_bad_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("proc/driver/nvidia-caps");
+        std::fs::create_dir_all(&p).unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access 12\n").unwrap();
+        let m = read_mig_minors(&host).unwrap().unwrap();
+        assert_eq!(m["gpu0/gi1/access"], 12);
+        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access twelve\n").unwrap();
+        let err = read_mig_minors(&host).unwrap_err().to_string();
+        assert!(
+            err.starts_with("/proc/driver/nvidia-caps/mig-minors: line 2:"),
+            "{err}"
+        );
+        std::fs::remove_file(p.join("mig-minors")).unwrap();
+        assert_eq!(read_mig_minors(&host).unwrap(), None);
     }
 }

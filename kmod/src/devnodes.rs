@@ -43,6 +43,8 @@ pub enum NodeError {
     Syscall(#[from] SyscallError),
     #[error(transparent)]
     Host(#[from] HostError),
+    #[error(transparent)]
+    Driver(#[from] hostlib::driver::DriverError),
 }
 
 /// The nodes the loaded driver needs: control nodes for the modules that
@@ -85,18 +87,11 @@ pub fn plan(
         nodes.push(node("/dev/nvidia-uvm-tools".into(), uvm, 1, 0o666));
     }
     if let Some(caps) = driver.char_majors.get("nvidia-caps").copied()
-        && host.exists("/proc/driver/nvidia-caps/mig-minors")
+        && let Some(mig_minors) = hostlib::driver::read_mig_minors(host)?
     {
-        let text = host.read_to_string("/proc/driver/nvidia-caps/mig-minors")?;
-        let minor_of = |key: &str| {
-            text.lines().find_map(|l| {
-                let (k, v) = l.split_once(' ')?;
-                (k == key).then(|| v.trim().parse::<u32>().ok()).flatten()
-            })
-        };
         let mut minors: Vec<u32> = ["config", "monitor"]
             .iter()
-            .filter_map(|k| minor_of(k))
+            .filter_map(|k| mig_minors.get(*k).copied())
             .collect();
         minors.extend(extra_caps);
         minors.sort_unstable();

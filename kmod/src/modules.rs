@@ -9,7 +9,7 @@
 //! `/dev/nvidia*` open.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use hostlib::{HostError, HostRoot, SyscallError, Syscalls};
 use nix::errno::Errno;
@@ -370,11 +370,4 @@ pub fn unload(
         done.push(name.clone());
     }
     Ok(done)
-}
-
-/// The module name of a `.ko` file: `nvidia-uvm.ko` → `nvidia_uvm`.
-pub fn module_name(file: &Path) -> String {
-    file.file_stem()
-        .map(|s| s.to_string_lossy().replace('-', "_"))
-        .unwrap_or_default()
 }

@@ -22,9 +22,6 @@
 //! one mount, not two.
 
 pub mod hook;
-
-use std::collections::BTreeMap;
-
 use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
 
@@ -140,8 +137,8 @@ pub enum CdiError {
         "no NVIDIA driver is loaded (/proc/driver/nvidia/version is missing): a CDI spec would have no driver libraries"
     )]
     NoDriver,
-    #[error("{path}: {message}")]
-    MigMinors { path: String, message: String },
+    #[error(transparent)]
+    Driver(#[from] hostlib::driver::DriverError),
     #[error(transparent)]
     Host(#[from] hostlib::HostError),
     #[error(transparent)]
@@ -316,35 +313,6 @@ fn wildcard(pattern: &str, name: &str) -> bool {
     }
 }
 
-/// `/proc/driver/nvidia-caps/mig-minors`: `gpu0/gi1/access 12`, … → minor.
-pub fn read_mig_minors(host: &HostRoot) -> Result<Option<BTreeMap<String, u32>>, CdiError> {
-    const PATH: &str = "/proc/driver/nvidia-caps/mig-minors";
-    let Some(text) = host.read_optional(PATH)? else {
-        return Ok(None);
-    };
-    let mut map = BTreeMap::new();
-    for (n, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let parsed = line
-            .split_once(' ')
-            .and_then(|(k, v)| Some((k.to_string(), v.trim().parse::<u32>().ok()?)));
-        match parsed {
-            Some((k, v)) => {
-                map.insert(k, v);
-            }
-            None => {
-                return Err(CdiError::MigMinors {
-                    path: PATH.into(),
-                    message: format!("line {}: {line:?} is not `<name> <minor>`", n + 1),
-                });
-            }
-        }
-    }
-    Ok(Some(map))
-}
-
 /// What generating a spec needs besides the inventory.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -467,7 +435,7 @@ pub fn generate(inv: &Inventory, host: &HostRoot, opts: &Options) -> Result<Gene
         ));
     }
     let mig_minors = if inv.gpus.iter().any(|g| !g.mig_devices.is_empty()) {
-        read_mig_minors(host)?
+        hostlib::driver::read_mig_minors(host)?
     } else {
         None
     };
@@ -669,23 +637,6 @@ mod tests {
         assert_eq!(
             lib_dirs(&host).unwrap(),
             vec!["/opt/nvidia/lib".to_string(), "/usr/local/lib".into()]
-        );
-    }
-
-    #[test]
-    fn mig_minors_parse_and_bad_lines_are_named() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("proc/driver/nvidia-caps");
-        std::fs::create_dir_all(&p).unwrap();
-        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access 12\n").unwrap();
-        let host = HostRoot::new(dir.path()).unwrap();
-        let m = read_mig_minors(&host).unwrap().unwrap();
-        assert_eq!(m["gpu0/gi1/access"], 12);
-        std::fs::write(p.join("mig-minors"), "config 1\ngpu0/gi1/access twelve\n").unwrap();
-        let err = read_mig_minors(&host).unwrap_err().to_string();
-        assert!(
-            err.starts_with("/proc/driver/nvidia-caps/mig-minors: line 2:"),
-            "{err}"
         );
     }
 }
