@@ -66,6 +66,8 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         host: &host,
         apply: Some(&hostlib::command::RecordingRunner::new()),
         syscalls: &hostlib::LinuxSyscalls,
+        simulated: true,
+        drain: None,
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

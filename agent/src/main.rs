@@ -1,6 +1,7 @@
 //! The `gpu-agent` command.
 
 mod demo;
+mod driver_cli;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -107,6 +108,11 @@ enum Command {
     CdiHook {
         #[command(subcommand)]
         command: HookCommand,
+    },
+    /// The NVIDIA driver on the host: bundles, kernel modules, device nodes, upgrades.
+    Driver {
+        #[command(subcommand)]
+        command: driver_cli::DriverCommand,
     },
     /// Policy files.
     Policy {
@@ -249,6 +255,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
             command: CdiCommand::Generate { write, no_wait },
         } => cdi_generate(&cli, *write, *no_wait),
         Command::CdiHook { command } => cdi_hook(command),
+        Command::Driver { command } => driver_cli::command(&cli, command),
         Command::Demo { node, keep } => {
             demo::run(node, *keep, &mut std::io::stdout().lock())
                 .map_err(bad_input_if_description)?;
@@ -451,7 +458,7 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
 
 fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
-    let policy = load_policy(cli.policy.as_deref())?;
+    let mut policy = load_policy(cli.policy.as_deref())?;
     let caps = HeldCaps::read();
     let view = node_view(cli, &host)?;
     tracing::info!(
@@ -469,6 +476,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         host: &host,
         apply: Some(&hostlib::command::SystemRunner),
         syscalls: &hostlib::LinuxSyscalls,
+        simulated: view.simulated.is_some(),
+        drain: None,
     });
     let ok = pass.ok();
     let mut st = AgentState::new(&host, heartbeat, caps.names());
@@ -522,7 +531,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 }
                 _ = hup.recv() => {
                     if let Some(p) = &plugin {
-                        reload(cli, &host, &view, &caps, &mut st, p);
+                        reload(cli, &host, &view, &caps, &mut st, p, &mut policy).await;
                         write_state(&st, &host);
                     }
                 }
@@ -546,13 +555,14 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
 /// the new resources (a MIG layout or sharing change takes effect; resources
 /// that are gone are unregistered). An invalid policy is logged and the
 /// running one kept.
-fn reload(
+async fn reload(
     cli: &Cli,
     host: &HostRoot,
     view: &NodeView,
     caps: &HeldCaps,
     st: &mut AgentState,
     plugin: &RunningPlugin,
+    running: &mut Policy,
 ) {
     let policy = match load_policy(cli.policy.as_deref()) {
         Ok(p) => p,
@@ -562,6 +572,25 @@ fn reload(
         }
     };
     tracing::info!("SIGHUP: reloading the policy and discovering again");
+    // A new driver in the policy may mean an upgrade: stop advertising GPUs
+    // first (resources unregistered), and let the device plugin act on it
+    // before the pass blocks this thread.
+    let drained = if policy.driver.enabled
+        && policy.driver.bundle.is_some()
+        && driver_source_changed(running, &policy)
+    {
+        let _ = plugin.updater.send(Vec::new());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while plugin.board.lock().unwrap().iter().any(|r| r.registered)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Some(PluginDrained)
+    } else {
+        None
+    };
+    *running = policy.clone();
     let pass = stages::run_pass(&Context {
         policy: &policy,
         caps,
@@ -570,6 +599,8 @@ fn reload(
         host,
         apply: Some(&hostlib::command::SystemRunner),
         syscalls: &hostlib::LinuxSyscalls,
+        simulated: view.simulated.is_some(),
+        drain: drained.as_ref().map(|d| d as &dyn gpu_agent::driver::Drain),
     });
     let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
     let _ = plugin.updater.send(resources);
@@ -582,6 +613,23 @@ fn reload(
         }
     }
     st.inventory = pass.inventory;
+}
+
+/// The driver the policy asks for is not the one it asked for before.
+fn driver_source_changed(old: &Policy, new: &Policy) -> bool {
+    let (a, b) = (&old.driver, &new.driver);
+    (&a.bundle, &a.bundle_sha256, &a.version, &a.module_dir, a.use_open_kernel_modules)
+        != (&b.bundle, &b.bundle_sha256, &b.version, &b.module_dir, b.use_open_kernel_modules)
+}
+
+/// The device plugin was told to advertise nothing (SIGHUP with a new driver).
+#[derive(Debug)]
+struct PluginDrained;
+
+impl gpu_agent::driver::Drain for PluginDrained {
+    fn stop_advertising(&self) -> String {
+        "device-plugin resources unregistered".into()
+    }
 }
 
 /// Starts the health monitor when the pass planned it: the backend's events
@@ -775,6 +823,8 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         host: &host,
         apply: None,
         syscalls: &hostlib::LinuxSyscalls,
+        simulated: view.simulated.is_some(),
+        drain: None,
     });
     let report = StatusReport {
         source: "host-inspection",

@@ -5,6 +5,7 @@
 //! an empty file means all defaults. Unknown keys and wrong types are
 //! refused with the key's path.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use hostlib::strict::{self, YamlError};
@@ -243,6 +244,46 @@ pub struct DriverSpec {
     /// generation when unset (open for Turing and newer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_open_kernel_modules: Option<bool>,
+    /// A driver bundle to install (a host path, `.tar.gz`; README, "Driver
+    /// bundles"). Unpacked once under /var/lib/gpu-agent/drivers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundle: Option<String>,
+    /// The bundle's sha256; without it, `<bundle>.sha256` beside it is read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundle_sha256: Option<String>,
+    /// Load the modules from this host directory (`nvidia.ko`, …) instead of
+    /// the installed bundle (e.g. modules DKMS built).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub module_dir: Option<String>,
+    /// Parameters per module: `{nvidia: {NVreg_EnableGpuFirmware: "1"}}`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kernel_module_config: BTreeMap<String, BTreeMap<String, String>>,
+    /// Also load `nvidia-drm`.
+    #[serde(default)]
+    pub drm: bool,
+    /// Also load `nvidia-peermem` (GPUDirect RDMA).
+    #[serde(default)]
+    pub peermem: bool,
+    /// A module already loaded with other parameters: `error` (default,
+    /// say so and change nothing) or `reload` (unload and load again).
+    #[serde(default)]
+    pub on_param_mismatch: OnParamMismatch,
+    /// How long an upgrade waits for processes using the GPUs to exit.
+    #[serde(default = "upgrade_timeout")]
+    pub upgrade_timeout_seconds: u64,
+}
+
+fn upgrade_timeout() -> u64 {
+    300
+}
+
+/// `spec.driver.onParamMismatch`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnParamMismatch {
+    #[default]
+    Error,
+    Reload,
 }
 
 impl Default for DriverSpec {
@@ -251,6 +292,14 @@ impl Default for DriverSpec {
             enabled: true,
             version: None,
             use_open_kernel_modules: None,
+            bundle: None,
+            bundle_sha256: None,
+            module_dir: None,
+            kernel_module_config: BTreeMap::new(),
+            drm: false,
+            peermem: false,
+            on_param_mismatch: OnParamMismatch::Error,
+            upgrade_timeout_seconds: upgrade_timeout(),
         }
     }
 }
@@ -452,6 +501,7 @@ impl Policy {
                 ));
             }
         }
+        self.check_driver(origin)?;
         if let Some(c) = self.device_plugin.config.as_ref() {
             if c.file.is_some() && c.inline.is_some() {
                 return Err(YamlError::invalid(
@@ -497,6 +547,83 @@ impl Policy {
             ));
         }
         Ok(())
+    }
+}
+
+impl Policy {
+    /// `spec.driver`'s own rules: module names gpu-agent loads, parameter
+    /// names and values the kernel's parser takes, host paths, a sha256.
+    fn check_driver(&self, origin: &str) -> Result<(), YamlError> {
+        let d = &self.driver;
+        for (module, params) in &d.kernel_module_config {
+            let key = format!("spec.driver.kernelModuleConfig.{module}");
+            let name = module.replace('-', "_");
+            if !kmod::modules::LOAD_ORDER.iter().any(|(m, _)| *m == name) {
+                let known: Vec<&str> = kmod::modules::LOAD_ORDER.iter().map(|(m, _)| *m).collect();
+                return Err(YamlError::invalid(
+                    origin,
+                    key,
+                    format!("{module:?} is not a module gpu-agent loads ({})", known.join(", ")),
+                ));
+            }
+            for (p, v) in params {
+                let ident = !p.is_empty()
+                    && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    && !p.starts_with(|c: char| c.is_ascii_digit());
+                if !ident {
+                    return Err(YamlError::invalid(
+                        origin,
+                        format!("{key}.{p}"),
+                        "not a module parameter name (letters, digits and _)",
+                    ));
+                }
+                if v.is_empty() || v.chars().any(|c| c.is_whitespace() || c == '"') {
+                    return Err(YamlError::invalid(
+                        origin,
+                        format!("{key}.{p}"),
+                        format!("{v:?}: a value must be non-empty, without spaces or quotes"),
+                    ));
+                }
+            }
+        }
+        for (field, value) in [("bundle", &d.bundle), ("moduleDir", &d.module_dir)] {
+            if let Some(v) = value
+                && !v.starts_with('/')
+            {
+                return Err(YamlError::invalid(
+                    origin,
+                    format!("spec.driver.{field}"),
+                    format!("{v:?} is not an absolute host path"),
+                ));
+            }
+        }
+        if d.bundle.is_some() && d.module_dir.is_some() {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.driver",
+                "give `bundle` or `moduleDir`, not both",
+            ));
+        }
+        if let Some(h) = &d.bundle_sha256
+            && (h.len() != 64 || !h.chars().all(|c| c.is_ascii_hexdigit()))
+        {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.driver.bundleSha256",
+                format!("{h:?} is not a sha256 (64 hex digits)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `spec.driver.kernelModuleConfig` with module names as the kernel
+    /// knows them (`nvidia-uvm` → `nvidia_uvm`).
+    pub fn module_params(&self) -> BTreeMap<String, BTreeMap<String, String>> {
+        self.driver
+            .kernel_module_config
+            .iter()
+            .map(|(m, p)| (m.replace('-', "_"), p.clone()))
+            .collect()
     }
 }
 

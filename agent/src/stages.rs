@@ -105,6 +105,16 @@ impl Stage {
         }
     }
 
+    /// [`Stage::needs`] for this policy and node: the host-driver mode
+    /// loads no module, and a simulated node gets no system calls.
+    pub fn needs_under(self, policy: &Policy, simulated: bool) -> &'static [Capability] {
+        match self {
+            Stage::Driver if simulated || !policy.driver.enabled => &[],
+            Stage::Devnodes if simulated => &[],
+            other => other.needs(),
+        }
+    }
+
     /// Earlier stages this one waits on.
     pub fn after(self) -> &'static [Stage] {
         match self {
@@ -122,9 +132,6 @@ impl Stage {
     /// `Some(reason)` when the policy turns the stage off.
     pub fn disabled_by(self, p: &Policy) -> Option<&'static str> {
         match self {
-            Stage::Driver if !p.driver.enabled => {
-                Some("spec.driver.enabled is false: the host's driver is used")
-            }
             Stage::Runtime if !p.toolkit.enabled => Some("spec.toolkit.enabled is false"),
             Stage::Cdi if !p.cdi.enabled => Some("spec.cdi.enabled is false"),
             Stage::Validate if !p.validator.enabled => Some("spec.validator.enabled is false"),
@@ -145,7 +152,13 @@ impl Stage {
     pub fn implemented(self) -> bool {
         matches!(
             self,
-            Stage::Discover | Stage::Runtime | Stage::Cdi | Stage::Plugin | Stage::Health
+            Stage::Discover
+                | Stage::Driver
+                | Stage::Devnodes
+                | Stage::Runtime
+                | Stage::Cdi
+                | Stage::Plugin
+                | Stage::Health
         )
     }
 }
@@ -248,6 +261,13 @@ pub struct Context<'a> {
     pub apply: Option<&'a dyn CommandRunner>,
     /// The privileged calls stages make on the host.
     pub syscalls: &'a dyn Syscalls,
+    /// The node is simulated (`--simulate`, the demo): the driver and
+    /// device-node stages plan against the simulated tree and make no
+    /// system calls.
+    pub simulated: bool,
+    /// Stops the device plugin's advertising before a driver upgrade;
+    /// `None`: nothing is advertised yet.
+    pub drain: Option<&'a dyn crate::driver::Drain>,
 }
 
 /// Runs the stages in order, once.
@@ -256,8 +276,9 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     let mut inventory: Option<Inventory> = None;
     let mut plugin_plan = None;
     for stage in Stage::ALL {
-        let needs: Vec<String> = stage.needs().iter().map(|c| c.to_string()).collect();
-        let missing = ctx.caps.missing(stage.needs());
+        let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
+        let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
+        let missing = ctx.caps.missing(stage_needs);
         let (state, detail) = if let Some(gated) =
             gate(stage, stage.implemented(), ctx.policy, &missing, &stages)
         {
@@ -297,6 +318,14 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                         }
                         Err(e) => (StageState::Failed, e.to_string()),
                     },
+                },
+                Stage::Driver => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => driver_stage(ctx, inv),
+                },
+                Stage::Devnodes => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => devnodes_stage(ctx, inv),
                 },
                 Stage::Runtime => runtime_stage(ctx),
                 Stage::Cdi => match inventory.as_ref() {
@@ -409,6 +438,246 @@ fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
     match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
         Ok(changed) if changed.is_empty() => done(format!("{path} is up to date: {summary}")),
         Ok(changed) => done(format!("wrote {}: {summary}", changed.join(", "))),
+        Err(e) => (StageState::Failed, e.to_string()),
+    }
+}
+
+/// The driver: the host's (`spec.driver.enabled: false`: recorded, no
+/// module touched), or gpu-agent's: the policy's bundle installed, modules
+/// loaded with their parameters, an upgrade when the bundle's version is
+/// not the loaded one.
+fn driver_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
+    let d = &ctx.policy.driver;
+    let state = &inv.driver;
+    let loaded = state.is_loaded();
+    let loaded_text = || {
+        format!(
+            "driver {} ({}) loaded",
+            state.version.as_deref().unwrap_or("of unknown version"),
+            state
+                .flavour
+                .map(|f| format!("{f:?}").to_lowercase())
+                .unwrap_or_else(|| "flavour unknown".into())
+        )
+    };
+    if !d.enabled {
+        return match (loaded, inv.gpus.is_empty()) {
+            (true, _) => (
+                StageState::Done,
+                format!(
+                    "host {}; modules not managed (spec.driver.enabled is false)",
+                    loaded_text()
+                ),
+            ),
+            (false, true) => (StageState::Done, "no NVIDIA GPU and no driver".into()),
+            (false, false) => (
+                StageState::Waiting,
+                "no NVIDIA driver loaded on the host, and spec.driver.enabled is false: gpu-agent loads none".into(),
+            ),
+        };
+    }
+    if inv.gpus.is_empty() && !loaded {
+        return (
+            StageState::Done,
+            "no NVIDIA GPU on this node: nothing to load".into(),
+        );
+    }
+    if ctx.simulated {
+        return if loaded {
+            (
+                StageState::Done,
+                format!("{} (simulated node: no module touched)", loaded_text()),
+            )
+        } else {
+            (
+                StageState::Ready,
+                "simulated node without a driver: a real node would load one here".into(),
+            )
+        };
+    }
+    match driver_apply(ctx, inv) {
+        Ok((state, detail)) => (state, detail),
+        Err(e) => (StageState::Failed, e.to_string()),
+    }
+}
+
+fn driver_apply(
+    ctx: &Context<'_>,
+    inv: &Inventory,
+) -> Result<(StageState, String), crate::driver::DriverError> {
+    use crate::driver;
+    use kmod::bundle;
+    let d = &ctx.policy.driver;
+    let kernel = driver::running_kernel(ctx.sys)?;
+    let loaded_version = inv.driver.version.clone();
+    let mut notes = Vec::new();
+    // The policy's bundle, unpacked (once) beside the others.
+    let mut wanted: Option<String> = None;
+    if let Some(b) = &d.bundle {
+        let path = ctx.host.resolve(b)?;
+        if ctx.apply.is_none() {
+            return Ok((
+                StageState::Ready,
+                format!("would install {b} and load its modules"),
+            ));
+        }
+        let expected = bundle::expected_sha256(&path, d.bundle_sha256.as_deref())?;
+        let installed = bundle::install(
+            ctx.host,
+            &path,
+            (&expected.0, &expected.1),
+            &kernel,
+            Box::new(|_| {}),
+        )?;
+        if let Some(v) = &d.version
+            && v != &installed.manifest.driver_version
+        {
+            return Err(driver::DriverError::Validate(format!(
+                "spec.driver.version is {v}, the bundle {b} holds {}",
+                installed.manifest.driver_version
+            )));
+        }
+        if installed.unpacked {
+            notes.push(format!(
+                "unpacked {b} into {} ({} files)",
+                installed.dir, installed.files
+            ));
+        }
+        let name = installed.manifest.dir_name(&kernel);
+        if bundle::current(ctx.host)?.is_none() {
+            bundle::switch(ctx.host, &name)?;
+        }
+        wanted = Some(name);
+    }
+    let current = bundle::current(ctx.host)?;
+    if let (Some(want), Some(have)) = (&wanted, &loaded_version) {
+        let want_version = bundle::read_installed(ctx.host, want)?.driver_version;
+        if &want_version != have || current.as_ref() != Some(want) {
+            let up = driver::Upgrade {
+                host: ctx.host,
+                sys: ctx.syscalls,
+                policy: ctx.policy,
+                inv: Some(inv),
+                kernel: &kernel,
+                drain: ctx.drain.unwrap_or(&driver::NothingAdvertised),
+                nvml: None,
+            };
+            let report = up.run(want)?;
+            return Ok((StageState::Done, join_notes(report, &notes)));
+        }
+    }
+    if wanted.is_none()
+        && let (Some(v), Some(have)) = (&d.version, &loaded_version)
+        && v != have
+    {
+        return Err(driver::DriverError::Validate(format!(
+            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
+        )));
+    }
+    let plan = match driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None) {
+        Ok(p) => p,
+        // Loaded by someone else (the distribution's packages): keep it.
+        Err(driver::DriverError::NothingToLoad) if inv.driver.is_loaded() => {
+            return Ok((
+                StageState::Done,
+                format!(
+                    "driver {} loaded (not by gpu-agent; no bundle or moduleDir in the policy)",
+                    loaded_version.as_deref().unwrap_or("of unknown version")
+                ),
+            ));
+        }
+        Err(e) => return Err(e),
+    };
+    if ctx.apply.is_none() {
+        let todo: Vec<&str> = plan
+            .specs
+            .iter()
+            .filter(|s| !inv.driver.modules.iter().any(|m| m.name == s.name))
+            .map(|s| s.name.as_str())
+            .collect();
+        return Ok(if todo.is_empty() {
+            (StageState::Done, format!("modules loaded from {}", plan.dir))
+        } else {
+            (
+                StageState::Ready,
+                format!("would load {} from {}", todo.join(", "), plan.dir),
+            )
+        });
+    }
+    let outcomes = driver::load(ctx.host, ctx.syscalls, &plan, d.on_param_mismatch)?;
+    let newly: Vec<String> = outcomes
+        .iter()
+        .filter_map(|o| match o {
+            kmod::modules::LoadOutcome::Loaded { module, .. } => Some(module.clone()),
+            kmod::modules::LoadOutcome::AlreadyLoaded { .. } => None,
+        })
+        .collect();
+    let want = plan.bundle.as_ref().map(|(_, v)| v.as_str());
+    let version = driver::validate(ctx.host, want, None)?;
+    let what = if newly.is_empty() {
+        format!("driver {version} already loaded as the policy asks")
+    } else {
+        format!(
+            "loaded {} from {} (driver {version}{})",
+            newly.join(", "),
+            plan.dir,
+            if plan.why.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", plan.why)
+            }
+        )
+    };
+    Ok((StageState::Done, join_notes(what, &notes)))
+}
+
+fn join_notes(what: String, notes: &[String]) -> String {
+    if notes.is_empty() {
+        what
+    } else {
+        format!("{what}; {}", notes.join("; "))
+    }
+}
+
+/// `/dev/nvidia*` and `/dev/char` links for the loaded driver (also in the
+/// host-driver mode).
+fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
+    use crate::driver;
+    // Read the driver again: the driver stage may have just loaded it.
+    let nodes = match driver::plan_nodes(ctx.sys, Some(inv)) {
+        Ok(n) => n,
+        Err(e) => return (StageState::Failed, e.to_string()),
+    };
+    if nodes.is_empty() {
+        return if inv.gpus.is_empty() {
+            (StageState::Done, "no NVIDIA driver loaded: no device node to make".into())
+        } else {
+            (StageState::Waiting, "the nvidia module is not loaded".into())
+        };
+    }
+    let wrong: Vec<&str> = nodes
+        .iter()
+        .filter(|n| !kmod::devnodes::is_right(ctx.host, n))
+        .map(|n| n.path.as_str())
+        .collect();
+    if ctx.simulated || ctx.apply.is_none() {
+        let why = if ctx.simulated { "simulated node: " } else { "" };
+        return if wrong.is_empty() {
+            (StageState::Done, format!("{} device node(s) right", nodes.len()))
+        } else {
+            (
+                StageState::Ready,
+                format!(
+                    "{why}would make {} of {} device node(s): {}",
+                    wrong.len(),
+                    nodes.len(),
+                    wrong.join(", ")
+                ),
+            )
+        };
+    }
+    match kmod::devnodes::ensure(ctx.host, ctx.syscalls, &nodes) {
+        Ok(out) => (StageState::Done, driver::nodes_summary(&out)),
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }
@@ -629,6 +898,8 @@ mod tests {
             host: &sys,
             apply: None,
             syscalls: &hostlib::RecordingSyscalls::new(),
+            simulated: true,
+            drain: None,
         })
     }
 

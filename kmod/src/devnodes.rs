@@ -135,6 +135,21 @@ fn describe(meta: &std::fs::Metadata) -> String {
     }
 }
 
+fn matches(m: &std::fs::Metadata, n: &Node) -> bool {
+    m.file_type().is_char_device()
+        && nix::sys::stat::major(m.rdev()) == u64::from(n.major)
+        && nix::sys::stat::minor(m.rdev()) == u64::from(n.minor)
+        && m.permissions().mode() & 0o7777 == n.mode
+}
+
+/// True when `n` exists on the host as it should (type, numbers, mode).
+pub fn is_right(host: &HostRoot, n: &Node) -> bool {
+    host.resolve_no_follow(&n.path)
+        .ok()
+        .and_then(|p| std::fs::symlink_metadata(p).ok())
+        .is_some_and(|m| matches(&m, n))
+}
+
 /// Makes every node right and links `/dev/char/MAJ:MIN` to it.
 pub fn ensure(
     host: &HostRoot,
@@ -149,12 +164,7 @@ pub fn ensure(
             source,
         };
         let existing = std::fs::symlink_metadata(&real).ok();
-        let right = existing.as_ref().is_some_and(|m| {
-            m.file_type().is_char_device()
-                && nix::sys::stat::major(m.rdev()) == u64::from(n.major)
-                && nix::sys::stat::minor(m.rdev()) == u64::from(n.minor)
-                && m.permissions().mode() & 0o7777 == n.mode
-        });
+        let right = existing.as_ref().is_some_and(|m| matches(m, n));
         if right {
             out.push(Outcome::Unchanged(n.path.clone()));
         } else {

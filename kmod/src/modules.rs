@@ -329,6 +329,29 @@ pub fn unload(
     sys: &dyn Syscalls,
     names: &[String],
 ) -> Result<Vec<String>, ModuleError> {
+    // Refuse before unloading anything: a module is free when every user it
+    // counts is one of the modules unloaded with it (each dependent module
+    // holds one reference; an open device file holds another).
+    let current = loaded(host)?;
+    for name in names.iter().rev() {
+        let Some(l) = current.get(name) else {
+            continue;
+        };
+        let outside: Vec<String> = l
+            .holders
+            .iter()
+            .filter(|h| !names.contains(*h))
+            .cloned()
+            .collect();
+        let inside = l.holders.len() - outside.len();
+        if !outside.is_empty() || l.refcount > inside as i32 {
+            return Err(ModuleError::InUse {
+                module: name.clone(),
+                holders: outside,
+                processes: device_holders(host),
+            });
+        }
+    }
     let mut done = Vec::new();
     for name in names.iter().rev() {
         // Re-read each time: unloading a holder frees the module it held

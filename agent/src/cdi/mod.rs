@@ -470,19 +470,9 @@ pub fn generate(inv: &Inventory, host: &HostRoot, opts: &Options) -> Result<Gene
         }
         all.push(gpu_node.clone());
         for m in &g.mig_devices {
-            let caps = match (&mig_minors, m.gpu_instance_id, m.compute_instance_id) {
-                (Some(minors), Some(gi), Some(ci)) => {
-                    let gi_key = format!("gpu{minor}/gi{gi}/access");
-                    let ci_key = format!("gpu{minor}/gi{gi}/ci{ci}/access");
-                    match (minors.get(&gi_key), minors.get(&ci_key)) {
-                        (Some(a), Some(b)) => Ok([*a, *b]),
-                        _ => Err(format!(
-                            "{gi_key} or {ci_key} is not in /proc/driver/nvidia-caps/mig-minors"
-                        )),
-                    }
-                }
-                (None, _, _) => Err("/proc/driver/nvidia-caps/mig-minors is missing".into()),
-                _ => Err("NVML did not give its GPU/compute instance IDs".into()),
+            let caps = match &mig_minors {
+                Some(minors) => mig_access_minors(minors, minor, m),
+                None => Err("/proc/driver/nvidia-caps/mig-minors is missing".into()),
             };
             let caps = match caps {
                 Ok(c) => c,
@@ -603,6 +593,27 @@ fn common_edits(d: &DriverFiles, opts: &Options) -> ContainerEdits {
         device_nodes: d.control_nodes.iter().cloned().map(node).collect(),
         mounts,
         hooks,
+    }
+}
+
+/// The `/dev/nvidia-caps` minors of a MIG device's GPU-instance and
+/// compute-instance access capabilities (`gpu<minor>/gi<g>/access`,
+/// `gpu<minor>/gi<g>/ci<c>/access` in `mig-minors`).
+pub fn mig_access_minors(
+    minors: &std::collections::BTreeMap<String, u32>,
+    gpu_minor: u32,
+    m: &crate::backend::MigDevice,
+) -> Result<[u32; 2], String> {
+    let (Some(gi), Some(ci)) = (m.gpu_instance_id, m.compute_instance_id) else {
+        return Err("NVML did not give its GPU/compute instance IDs".into());
+    };
+    let gi_key = format!("gpu{gpu_minor}/gi{gi}/access");
+    let ci_key = format!("gpu{gpu_minor}/gi{gi}/ci{ci}/access");
+    match (minors.get(&gi_key), minors.get(&ci_key)) {
+        (Some(a), Some(b)) => Ok([*a, *b]),
+        _ => Err(format!(
+            "{gi_key} or {ci_key} is not in /proc/driver/nvidia-caps/mig-minors"
+        )),
     }
 }
 
