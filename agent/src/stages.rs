@@ -508,8 +508,24 @@ fn driver_apply(
     use crate::driver;
     use kmod::bundle;
     let d = &ctx.policy.driver;
-    let kernel = driver::running_kernel(ctx.sys)?;
     let loaded_version = inv.driver.version.clone();
+    let nothing_of_ours =
+        d.bundle.is_none() && d.module_dir.is_none() && bundle::current(ctx.host)?.is_none();
+    if nothing_of_ours && let Some(have) = &loaded_version {
+        // Loaded by someone else (the distribution's packages): keep it.
+        if let Some(v) = &d.version
+            && v != have
+        {
+            return Err(driver::DriverError::Validate(format!(
+                "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
+            )));
+        }
+        return Ok((
+            StageState::Done,
+            format!("driver {have} loaded (not by gpu-agent: no bundle or moduleDir in the policy)"),
+        ));
+    }
+    let kernel = driver::running_kernel(ctx.sys)?;
     let mut notes = Vec::new();
     // The policy's bundle, unpacked (once) beside the others.
     let mut wanted: Option<String> = None;
@@ -574,20 +590,7 @@ fn driver_apply(
             "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
         )));
     }
-    let plan = match driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None) {
-        Ok(p) => p,
-        // Loaded by someone else (the distribution's packages): keep it.
-        Err(driver::DriverError::NothingToLoad) if inv.driver.is_loaded() => {
-            return Ok((
-                StageState::Done,
-                format!(
-                    "driver {} loaded (not by gpu-agent; no bundle or moduleDir in the policy)",
-                    loaded_version.as_deref().unwrap_or("of unknown version")
-                ),
-            ));
-        }
-        Err(e) => return Err(e),
-    };
+    let plan = driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None)?;
     if ctx.apply.is_none() {
         let todo: Vec<&str> = plan
             .specs
@@ -928,8 +931,34 @@ mod tests {
                 assert_eq!(s.state, StageState::NotImplemented, "{:?}", s.stage);
             }
         }
-        // The driver stage names what it will need even before it is built.
-        assert_eq!(state_of(&p, Stage::Driver).missing, vec!["CAP_SYS_MODULE"]);
+        // A simulated node: the driver is observed, nothing is loaded or made.
+        let d = state_of(&p, Stage::Driver);
+        assert_eq!(d.state, StageState::Done);
+        assert_eq!(
+            d.detail,
+            "driver 550.127.08 (open) loaded (simulated node: no module touched)"
+        );
+        let n = state_of(&p, Stage::Devnodes);
+        assert_eq!(n.state, StageState::Ready);
+        assert!(
+            n.detail.starts_with("simulated node: would make 14 of 14 device node(s): /dev/nvidiactl, /dev/nvidia-modeset, /dev/nvidia0,"),
+            "{}",
+            n.detail
+        );
+        // On a real node the driver stage needs CAP_SYS_MODULE; the
+        // host-driver mode loads nothing and needs none.
+        let policy = Policy::default();
+        assert_eq!(
+            Stage::Driver.needs_under(&policy, false),
+            &[Capability::CAP_SYS_MODULE]
+        );
+        assert!(Stage::Driver.needs_under(&policy, true).is_empty());
+        let host_driver = Policy::from_yaml("spec:\n  driver: {enabled: false}\n", "p").unwrap();
+        assert!(Stage::Driver.needs_under(&host_driver, false).is_empty());
+        assert_eq!(
+            Stage::Devnodes.needs_under(&host_driver, false),
+            &[Capability::CAP_MKNOD]
+        );
     }
 
     #[test]
@@ -940,9 +969,13 @@ mod tests {
         )
         .unwrap();
         let p = pass(&policy, &HeldCaps::from_caps(&[]));
+        // The host-driver mode: the driver is recorded, no module touched.
         let d = state_of(&p, Stage::Driver);
-        assert_eq!(d.state, StageState::Disabled);
-        assert!(d.detail.contains("spec.driver.enabled is false"));
+        assert_eq!(d.state, StageState::Done);
+        assert_eq!(
+            d.detail,
+            "host driver 550.127.08 (open) loaded; modules not managed (spec.driver.enabled is false)"
+        );
         assert_eq!(state_of(&p, Stage::Runtime).state, StageState::Disabled);
     }
 

@@ -37,7 +37,7 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
     assert!(out.contains("driver    not implemented"), "{out}");
-    assert!(out.contains("5 stage(s) done, 6 not built yet"), "{out}");
+    assert!(out.contains("6 stage(s) done, 4 not built yet"), "{out}");
     assert!(
         out.contains("cdi       done             wrote /var/lib/gpu-agent/bin/gpu-agent, /var/run/cdi/gpu-agent-nvidia.com-gpu.json: 8 GPU(s), 0 MIG device(s)"),
         "{out}"
@@ -270,11 +270,31 @@ fn status_without_an_agent_inspects_the_host() {
                 ),
                 "{s}"
             );
+        } else if s["stage"] == "driver" {
+            // Loaded, and the policy names no bundle: the host's driver is kept.
+            assert_eq!(s["state"], "done", "{s}");
+            assert_eq!(
+                s["detail"],
+                "driver 550.127.08 loaded (not by gpu-agent: no bundle or moduleDir in the policy)"
+            );
+        } else if s["stage"] == "devnodes" {
+            // The fixture's /dev holds plain files: every node would be made
+            // (inspecting changes nothing). Without CAP_MKNOD: blocked.
+            let d = s["detail"].as_str().unwrap();
+            match s["state"].as_str().unwrap() {
+                "ready" => assert!(
+                    d.starts_with("would make 14 of 14 device node(s): /dev/nvidiactl,"),
+                    "{s}"
+                ),
+                "blocked" => assert_eq!(d, "missing CAP_MKNOD", "{s}"),
+                other => panic!("devnodes {other}: {s}"),
+            }
         } else {
             assert_eq!(s["state"], "not-implemented", "{s}");
         }
     }
     assert_eq!(stages[1]["needs"], serde_json::json!(["CAP_SYS_MODULE"]));
+    assert_eq!(stages[2]["needs"], serde_json::json!(["CAP_MKNOD"]));
 }
 
 #[test]
@@ -302,7 +322,9 @@ fn status_table_shows_policy_disabled_stages() {
         .arg("status"));
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("driver    disabled         spec.driver.enabled is false"),
+        out.contains(
+            "driver    done             host driver 550.127.05 (proprietary) loaded; modules not managed (spec.driver.enabled is false)"
+        ),
         "{out}"
     );
     assert!(

@@ -254,6 +254,33 @@ fn unload_refuses_while_in_use_naming_holders_and_processes() {
     );
 }
 
+#[test]
+fn unload_refuses_before_unloading_anything_when_the_base_module_is_held() {
+    // nvidia counts 3 users: its two modules and an open /dev/nvidia0. The
+    // free nvidia_modeset and nvidia_uvm must not be unloaded first (the
+    // VM test caught exactly that).
+    let (d, root) = host(
+        KERNEL,
+        &STACK.replace("nvidia 56524800 2 ", "nvidia 56524800 3 "),
+    );
+    let fd = d.path().join("proc/77/fd");
+    fs::create_dir_all(&fd).unwrap();
+    symlink("/dev/nvidia0", fd.join("3")).unwrap();
+    fs::write(d.path().join("proc/77/comm"), "sleep\n").unwrap();
+    let sys = RecordingSyscalls::new();
+    let err = modules::unload(
+        &root,
+        &sys,
+        &names(&["nvidia", "nvidia_uvm", "nvidia_modeset"]),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "nvidia is in use (1 process(es) have NVIDIA devices open: sleep (pid 77, /dev/nvidia0)); stop them first"
+    );
+    assert!(sys.calls().is_empty(), "{:?}", sys.calls());
+}
+
 /// The simulated 2x H100 MIG node's /proc and /sys, read by the real discovery.
 fn mig_node() -> (tempfile::TempDir, HostRoot, DriverState) {
     let dir = tempfile::tempdir().unwrap();
