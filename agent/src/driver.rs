@@ -70,7 +70,10 @@ pub fn choose_flavour(
     available: &[Flavour],
 ) -> Result<(Flavour, String), DriverError> {
     let (flavour, why) = match policy.driver.use_open_kernel_modules {
-        Some(true) => (Flavour::Open, "spec.driver.useOpenKernelModules".to_string()),
+        Some(true) => (
+            Flavour::Open,
+            "spec.driver.useOpenKernelModules".to_string(),
+        ),
         Some(false) => (
             Flavour::Proprietary,
             "spec.driver.useOpenKernelModules: false".to_string(),
@@ -213,7 +216,10 @@ fn mig_access_caps(sys: &HostRoot, inv: Option<&Inventory>) -> Result<Vec<u32>, 
 }
 
 /// The device nodes the loaded driver needs (driver state read from `sys`).
-pub fn plan_nodes(sys: &HostRoot, inv: Option<&Inventory>) -> Result<Vec<devnodes::Node>, DriverError> {
+pub fn plan_nodes(
+    sys: &HostRoot,
+    inv: Option<&Inventory>,
+) -> Result<Vec<devnodes::Node>, DriverError> {
     let state = DriverState::read(sys)?;
     let extra = mig_access_caps(sys, inv)?;
     Ok(devnodes::plan(sys, &state, &extra)?)
@@ -245,7 +251,9 @@ pub fn validate(
 ) -> Result<String, DriverError> {
     let state = DriverState::read(sys)?;
     if !state.is_loaded() {
-        return Err(DriverError::Validate("the nvidia module is not loaded".into()));
+        return Err(DriverError::Validate(
+            "the nvidia module is not loaded".into(),
+        ));
     }
     let Some(version) = state.version else {
         return Err(DriverError::Validate(
@@ -323,7 +331,9 @@ pub struct Upgrade<'a> {
 
 impl std::fmt::Debug for Upgrade<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Upgrade").field("kernel", &self.kernel).finish()
+        f.debug_struct("Upgrade")
+            .field("kernel", &self.kernel)
+            .finish()
     }
 }
 

@@ -198,8 +198,8 @@ fn pack(
     let mut files = Vec::new();
     for n in &names {
         let path = dir.join(n);
-        let bytes = std::fs::read(&path)
-            .map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))?;
+        let bytes =
+            std::fs::read(&path).map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))?;
         files.push((
             format!("modules/{kernel}/{}/{n}", flavour.name()),
             bytes,
@@ -243,7 +243,10 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
     let sys = hostlib::LinuxSyscalls;
     match cmd {
         DriverCommand::List => list(&e),
-        DriverCommand::Install { bundle: file, sha256 } => {
+        DriverCommand::Install {
+            bundle: file,
+            sha256,
+        } => {
             let name = install_file(&e, file, sha256.as_deref())?;
             let loaded = !modules::loaded(&e.host)
                 .map_err(DriverError::from)

@@ -618,8 +618,19 @@ async fn reload(
 /// The driver the policy asks for is not the one it asked for before.
 fn driver_source_changed(old: &Policy, new: &Policy) -> bool {
     let (a, b) = (&old.driver, &new.driver);
-    (&a.bundle, &a.bundle_sha256, &a.version, &a.module_dir, a.use_open_kernel_modules)
-        != (&b.bundle, &b.bundle_sha256, &b.version, &b.module_dir, b.use_open_kernel_modules)
+    (
+        &a.bundle,
+        &a.bundle_sha256,
+        &a.version,
+        &a.module_dir,
+        a.use_open_kernel_modules,
+    ) != (
+        &b.bundle,
+        &b.bundle_sha256,
+        &b.version,
+        &b.module_dir,
+        b.use_open_kernel_modules,
+    )
 }
 
 /// The device plugin was told to advertise nothing (SIGHUP with a new driver).

@@ -563,7 +563,10 @@ impl Policy {
                 return Err(YamlError::invalid(
                     origin,
                     key,
-                    format!("{module:?} is not a module gpu-agent loads ({})", known.join(", ")),
+                    format!(
+                        "{module:?} is not a module gpu-agent loads ({})",
+                        known.join(", ")
+                    ),
                 ));
             }
             for (p, v) in params {

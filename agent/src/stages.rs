@@ -522,7 +522,9 @@ fn driver_apply(
         }
         return Ok((
             StageState::Done,
-            format!("driver {have} loaded (not by gpu-agent: no bundle or moduleDir in the policy)"),
+            format!(
+                "driver {have} loaded (not by gpu-agent: no bundle or moduleDir in the policy)"
+            ),
         ));
     }
     let kernel = driver::running_kernel(ctx.sys)?;
@@ -599,7 +601,10 @@ fn driver_apply(
             .map(|s| s.name.as_str())
             .collect();
         return Ok(if todo.is_empty() {
-            (StageState::Done, format!("modules loaded from {}", plan.dir))
+            (
+                StageState::Done,
+                format!("modules loaded from {}", plan.dir),
+            )
         } else {
             (
                 StageState::Ready,
@@ -653,9 +658,15 @@ fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
     };
     if nodes.is_empty() {
         return if inv.gpus.is_empty() {
-            (StageState::Done, "no NVIDIA driver loaded: no device node to make".into())
+            (
+                StageState::Done,
+                "no NVIDIA driver loaded: no device node to make".into(),
+            )
         } else {
-            (StageState::Waiting, "the nvidia module is not loaded".into())
+            (
+                StageState::Waiting,
+                "the nvidia module is not loaded".into(),
+            )
         };
     }
     let wrong: Vec<&str> = nodes
@@ -664,9 +675,16 @@ fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
         .map(|n| n.path.as_str())
         .collect();
     if ctx.simulated || ctx.apply.is_none() {
-        let why = if ctx.simulated { "simulated node: " } else { "" };
+        let why = if ctx.simulated {
+            "simulated node: "
+        } else {
+            ""
+        };
         return if wrong.is_empty() {
-            (StageState::Done, format!("{} device node(s) right", nodes.len()))
+            (
+                StageState::Done,
+                format!("{} device node(s) right", nodes.len()),
+            )
         } else {
             (
                 StageState::Ready,

@@ -23,13 +23,20 @@ fn vm_dir() -> PathBuf {
 /// did not reach the end marker within `limit`.
 fn boot(accel: &str, limit: Duration) -> (Option<String>, Duration) {
     let dir = vm_dir();
-    let kernel = std::fs::read_to_string(dir.join("kernel")).expect(
-        "target/vm/kernel is missing: run scripts/vm-prepare first (scripts/test does)",
-    );
+    let kernel = std::fs::read_to_string(dir.join("kernel"))
+        .expect("target/vm/kernel is missing: run scripts/vm-prepare first (scripts/test does)");
     let start = Instant::now();
     let mut child = Command::new("qemu-system-x86_64")
         .args(["-accel", accel, "-m", "512", "-smp", "1", "-nodefaults"])
-        .args(["-display", "none", "-serial", "stdio", "-no-reboot", "-net", "none"])
+        .args([
+            "-display",
+            "none",
+            "-serial",
+            "stdio",
+            "-no-reboot",
+            "-net",
+            "none",
+        ])
         .arg("-kernel")
         .arg(dir.join(format!("vmlinuz-{}", kernel.trim())))
         .arg("-initrd")
@@ -86,11 +93,7 @@ fn sections(text: &str) -> BTreeMap<String, String> {
             };
             let n = seen.entry(base.clone()).or_default();
             *n += 1;
-            name = if *n == 1 {
-                base
-            } else {
-                format!("{base}#{n}")
-            };
+            name = if *n == 1 { base } else { format!("{base}#{n}") };
         } else {
             body.push_str(line);
             body.push('\n');
@@ -162,7 +165,11 @@ fn driver_commands_in_a_real_kernel() {
     let modules = get("modules");
     let mut names = module_names(modules);
     names.sort();
-    assert_eq!(names, ["nvidia", "nvidia_modeset", "nvidia_uvm"], "{modules}");
+    assert_eq!(
+        names,
+        ["nvidia", "nvidia_modeset", "nvidia_uvm"],
+        "{modules}"
+    );
     let nvidia = modules.lines().find(|l| l.starts_with("nvidia ")).unwrap();
     assert!(
         nvidia.contains("nvidia_modeset,nvidia_uvm"),
@@ -207,7 +214,10 @@ fn driver_commands_in_a_real_kernel() {
                 ))
             })
             .collect();
-        assert!(body.lines().all(|l| l.contains("character special file")), "{body}");
+        assert!(
+            body.lines().all(|l| l.contains("character special file")),
+            "{body}"
+        );
         let want: BTreeMap<&str, (u32, u32, &str)> = [
             ("/dev/nvidiactl", (fe, 255, "666")),
             ("/dev/nvidia-modeset", (fe, 254, "666")),
@@ -234,13 +244,22 @@ fn driver_commands_in_a_real_kernel() {
 
     // Loading again: nothing to do.
     let again = get("step load-again");
-    assert_eq!(again.matches("already loaded with these parameters").count(), 3, "{again}");
+    assert_eq!(
+        again
+            .matches("already loaded with these parameters")
+            .count(),
+        3,
+        "{again}"
+    );
     assert!(again.contains("5 already right"), "{again}");
 
     // A process holding /dev/nvidia0: unload refuses, names it, unloads nothing.
     let busy = get("step busy");
     assert!(busy.contains("nvidia is in use"), "{busy}");
-    assert!(busy.contains("sleep (pid ") && busy.contains("/dev/nvidia0"), "{busy}");
+    assert!(
+        busy.contains("sleep (pid ") && busy.contains("/dev/nvidia0"),
+        "{busy}"
+    );
     assert!(busy.ends_with("rc=1\n"), "{busy}");
     let mut still = module_names(get("step busy-modules"));
     still.sort();
@@ -271,7 +290,10 @@ fn driver_commands_in_a_real_kernel() {
             .unwrap_or_else(|| panic!("{name} in {list}"))
     };
     assert!(row("560.35.03-").trim_end().ends_with("current"), "{list}");
-    assert!(row("550.127.08-").trim_end().ends_with("previous"), "{list}");
+    assert!(
+        row("550.127.08-").trim_end().ends_with("previous"),
+        "{list}"
+    );
 
     // Unload: reverse order, nothing left.
     let unload = get("step unload");
@@ -279,7 +301,11 @@ fn driver_commands_in_a_real_kernel() {
         .lines()
         .filter_map(|l| l.strip_prefix("unloaded "))
         .collect();
-    assert_eq!(order, ["nvidia_modeset", "nvidia_uvm", "nvidia"], "{unload}");
+    assert_eq!(
+        order,
+        ["nvidia_modeset", "nvidia_uvm", "nvidia"],
+        "{unload}"
+    );
     assert_eq!(get("modules#4").trim(), "");
     let exits: Vec<&str> = dmesg
         .lines()

@@ -87,30 +87,50 @@ impl Manifest {
         if self.format != FORMAT {
             return Err(bad(
                 "format",
-                format!("{} is not a format this gpu-agent reads ({FORMAT})", self.format),
+                format!(
+                    "{} is not a format this gpu-agent reads ({FORMAT})",
+                    self.format
+                ),
             ));
         }
         if !is_version(&self.driver_version) {
             return Err(bad(
                 "driverVersion",
-                format!("{:?} is not a driver version like 550.127.08", self.driver_version),
+                format!(
+                    "{:?} is not a driver version like 550.127.08",
+                    self.driver_version
+                ),
             ));
         }
         if self.kernels.is_empty() {
-            return Err(bad("kernels", "empty: name the kernel releases the modules were built for".into()));
+            return Err(bad(
+                "kernels",
+                "empty: name the kernel releases the modules were built for".into(),
+            ));
         }
         if let Some(k) = self.kernels.iter().find(|k| !is_name(k)) {
             return Err(bad("kernels", format!("{k:?} is not a kernel release")));
         }
         if self.flavours.is_empty() {
-            return Err(bad("flavours", "empty: name open, proprietary or both".into()));
+            return Err(bad(
+                "flavours",
+                "empty: name open, proprietary or both".into(),
+            ));
         }
         for (name, f) in &self.files {
             if let Err(why) = relative(Path::new(name)) {
                 return Err(bad(&format!("files.{name}"), why));
             }
-            if f.sha256.len() != 64 || !f.sha256.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
-                return Err(bad(&format!("files.{name}.sha256"), format!("{:?} is not 64 lowercase hex digits", f.sha256)));
+            if f.sha256.len() != 64
+                || !f
+                    .sha256
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            {
+                return Err(bad(
+                    &format!("files.{name}.sha256"),
+                    format!("{:?} is not 64 lowercase hex digits", f.sha256),
+                ));
             }
         }
         Ok(())
@@ -124,7 +144,8 @@ impl Manifest {
 
 fn is_version(v: &str) -> bool {
     v.split('.').count() >= 2
-        && v.split('.').all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        && v.split('.')
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
 }
 
 fn is_name(s: &str) -> bool {
@@ -270,7 +291,10 @@ pub fn sidecar_path(bundle: &Path) -> PathBuf {
 
 /// The expected sha256: `given` (policy or command line) or the sidecar's
 /// (`sha256sum` format: `<hex>  <name>`). Returns it and where it came from.
-pub fn expected_sha256(bundle: &Path, given: Option<&str>) -> Result<(String, String), BundleError> {
+pub fn expected_sha256(
+    bundle: &Path,
+    given: Option<&str>,
+) -> Result<(String, String), BundleError> {
     let valid = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
     if let Some(g) = given {
         if !valid(g) {
@@ -520,7 +544,10 @@ impl Unpacker {
                     if !link_stays_inside(&name, &target) {
                         return Err(self.entry_err(
                             &shown,
-                            format!("symbolic link to {} points out of the bundle", target.display()),
+                            format!(
+                                "symbolic link to {} points out of the bundle",
+                                target.display()
+                            ),
                         ));
                     }
                     std::os::unix::fs::symlink(&target, &dest).map_err(|source| {
@@ -531,12 +558,16 @@ impl Unpacker {
                     })?;
                     self.links.insert(name);
                 }
-                tar::EntryType::Link => return Err(self.entry_err(&shown, "hard links are not allowed")),
+                tar::EntryType::Link => {
+                    return Err(self.entry_err(&shown, "hard links are not allowed"));
+                }
                 tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
                     return Err(self.entry_err(&shown, "device files are not allowed"));
                 }
                 other => {
-                    return Err(self.entry_err(&shown, format!("entry type {other:?} is not allowed")));
+                    return Err(
+                        self.entry_err(&shown, format!("entry type {other:?} is not allowed"))
+                    );
                 }
             }
         }
@@ -564,11 +595,17 @@ impl Unpacker {
     }
 
     /// Reads and checks the manifest; false when this bundle is already unpacked.
-    fn read_manifest<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>) -> Result<bool, BundleError> {
+    fn read_manifest<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+    ) -> Result<bool, BundleError> {
         if entry.size() > MANIFEST_MAX {
             return Err(BundleError::Manifest {
                 bundle: self.bundle.clone(),
-                message: format!("{} bytes, more than the {MANIFEST_MAX} allowed", entry.size()),
+                message: format!(
+                    "{} bytes, more than the {MANIFEST_MAX} allowed",
+                    entry.size()
+                ),
             });
         }
         let mut text = Vec::new();
@@ -645,10 +682,7 @@ impl Unpacker {
         })?;
         let got = hex(&hashing.hash.finalize());
         if got != want {
-            return Err(self.entry_err(
-                name,
-                format!("sha256 is {got}, the manifest says {want}"),
-            ));
+            return Err(self.entry_err(name, format!("sha256 is {got}, the manifest says {want}")));
         }
         self.files += 1;
         self.bytes += n;

@@ -11,7 +11,10 @@ use sha2::{Digest, Sha256};
 const KERNEL: &str = "6.1.0-27-amd64";
 
 fn hex(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 struct Raw<'a> {
@@ -149,7 +152,10 @@ fn a_good_bundle_is_unpacked_switched_and_listed() {
     let got = e.install(&p).unwrap();
     assert!(got.unpacked);
     assert_eq!(got.files, 3);
-    assert_eq!(got.dir, format!("/var/lib/gpu-agent/drivers/550.127.08-{KERNEL}"));
+    assert_eq!(
+        got.dir,
+        format!("/var/lib/gpu-agent/drivers/550.127.08-{KERNEL}")
+    );
     let dir = e.host.resolve(&got.dir).unwrap();
     assert_eq!(
         fs::read(dir.join(format!("modules/{KERNEL}/open/nvidia.ko"))).unwrap(),
@@ -157,35 +163,53 @@ fn a_good_bundle_is_unpacked_switched_and_listed() {
     );
     // setuid never survives unpacking.
     use std::os::unix::fs::PermissionsExt;
-    let mode = fs::metadata(dir.join("bin/nvidia-smi")).unwrap().permissions().mode();
+    let mode = fs::metadata(dir.join("bin/nvidia-smi"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o7777, 0o755);
     assert!(dir.join(MANIFEST).exists());
     // Unpacked, not yet current.
     assert_eq!(bundle::current(&e.host).unwrap(), None);
     let name = got.manifest.dir_name(KERNEL);
     assert_eq!(bundle::switch(&e.host, &name).unwrap(), None);
-    assert_eq!(bundle::current(&e.host).unwrap().as_deref(), Some(name.as_str()));
+    assert_eq!(
+        bundle::current(&e.host).unwrap().as_deref(),
+        Some(name.as_str())
+    );
     // The same bundle again: recognised, nothing unpacked.
     assert!(!e.install(&p).unwrap().unpacked);
 
     // A second version: current/previous swap, rollback, prune.
     let p2 = e.write("b.tar.gz", &good("560.35.03"));
     let b = e.install(&p2).unwrap().manifest.dir_name(KERNEL);
-    assert_eq!(bundle::switch(&e.host, &b).unwrap().as_deref(), Some(name.as_str()));
+    assert_eq!(
+        bundle::switch(&e.host, &b).unwrap().as_deref(),
+        Some(name.as_str())
+    );
     let list = bundle::list(&e.host).unwrap();
     assert_eq!(list.len(), 2);
     assert!(list.iter().any(|x| x.name == b && x.current));
     assert!(list.iter().any(|x| x.name == name && x.previous));
     assert_eq!(bundle::rollback(&e.host).unwrap(), name);
-    assert_eq!(bundle::current(&e.host).unwrap().as_deref(), Some(name.as_str()));
-    assert_eq!(bundle::previous(&e.host).unwrap().as_deref(), Some(b.as_str()));
+    assert_eq!(
+        bundle::current(&e.host).unwrap().as_deref(),
+        Some(name.as_str())
+    );
+    assert_eq!(
+        bundle::previous(&e.host).unwrap().as_deref(),
+        Some(b.as_str())
+    );
     let p3 = e.write("c.tar.gz", &good("570.86.10"));
     let c = e.install(&p3).unwrap().manifest.dir_name(KERNEL);
     bundle::switch(&e.host, &c).unwrap();
     // b is neither current nor previous now.
     assert_eq!(bundle::prune(&e.host).unwrap(), vec![b.clone()]);
     bundle::set_links(&e.host, &name, None).unwrap();
-    assert_eq!(bundle::current(&e.host).unwrap().as_deref(), Some(name.as_str()));
+    assert_eq!(
+        bundle::current(&e.host).unwrap().as_deref(),
+        Some(name.as_str())
+    );
     assert_eq!(bundle::previous(&e.host).unwrap(), None);
     assert_eq!(
         bundle::module_dir(&name, KERNEL, Flavour::Open),
@@ -198,11 +222,16 @@ fn a_wrong_checksum_unpacks_nothing() {
     let e = env();
     let p = e.write("a.tar.gz", &good("550.127.08"));
     let zero = "0".repeat(64);
-    let err = bundle::install(&e.host, &p, (&zero, "the policy"), KERNEL, Box::new(|_| {}))
-        .unwrap_err();
+    let err =
+        bundle::install(&e.host, &p, (&zero, "the policy"), KERNEL, Box::new(|_| {})).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("a.tar.gz: sha256 is "), "{msg}");
-    assert!(msg.contains(&format!("expected {zero} (from the policy); nothing was unpacked")), "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "expected {zero} (from the policy); nothing was unpacked"
+        )),
+        "{msg}"
+    );
     assert!(e.drivers().is_empty(), "{:?}", e.drivers());
     // No sidecar and no sum given: said, not guessed.
     fs::remove_file(bundle::sidecar_path(&p)).unwrap();
@@ -359,7 +388,10 @@ fn unsafe_or_inconsistent_bundles_are_refused_and_leave_nothing() {
         let p = e.write("bad.tar.gz", &raw_bundle(&entries));
         let err = e.install(&p).expect_err(what).to_string();
         assert!(err.contains(want), "{what}: {err}");
-        assert!(err.contains("bad.tar.gz"), "{what}: names the bundle: {err}");
+        assert!(
+            err.contains("bad.tar.gz"),
+            "{what}: names the bundle: {err}"
+        );
         let left: Vec<String> = e.drivers().into_iter().filter(|n| !n.is_empty()).collect();
         assert!(left.is_empty(), "{what}: left {left:?}");
     }
