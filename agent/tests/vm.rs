@@ -103,6 +103,13 @@ fn sections(text: &str) -> BTreeMap<String, String> {
     out
 }
 
+/// What follows `prefix` on the lines that start with it.
+fn after<'a>(body: &'a str, prefix: &str) -> Vec<&'a str> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .collect()
+}
+
 fn module_names(proc_modules: &str) -> Vec<&str> {
     proc_modules
         .lines()
@@ -152,12 +159,8 @@ fn driver_commands_in_a_real_kernel() {
 
     // Load: in dependency order, with the policy's parameter.
     let load = get("step load");
-    let order: Vec<&str> = load
-        .lines()
-        .filter_map(|l| l.strip_prefix("loaded "))
-        .collect();
     assert_eq!(
-        order,
+        after(load, "loaded "),
         ["nvidia (NVreg_TestLevel=7)", "nvidia_uvm", "nvidia_modeset"],
         "{load}"
     );
@@ -297,12 +300,8 @@ fn driver_commands_in_a_real_kernel() {
 
     // Unload: reverse order, nothing left.
     let unload = get("step unload");
-    let order: Vec<&str> = unload
-        .lines()
-        .filter_map(|l| l.strip_prefix("unloaded "))
-        .collect();
     assert_eq!(
-        order,
+        after(unload, "unloaded "),
         ["nvidia_modeset", "nvidia_uvm", "nvidia"],
         "{unload}"
     );

@@ -188,6 +188,23 @@ fn names(n: &[&str]) -> Vec<String> {
     n.iter().map(|s| s.to_string()).collect()
 }
 
+/// A process `comm` (pid `pid`) with /dev/nvidia0 (and /dev/null) open.
+fn holder(root: &std::path::Path, pid: u32, comm: &str) {
+    let fd = root.join(format!("proc/{pid}/fd"));
+    fs::create_dir_all(&fd).unwrap();
+    symlink("/dev/nvidia0", fd.join("7")).unwrap();
+    symlink("/dev/null", fd.join("0")).unwrap();
+    fs::write(root.join(format!("proc/{pid}/comm")), format!("{comm}\n")).unwrap();
+}
+
+fn unload_all(root: &HostRoot, sys: &RecordingSyscalls) -> Result<Vec<String>, ModuleError> {
+    modules::unload(
+        root,
+        sys,
+        &names(&["nvidia", "nvidia_uvm", "nvidia_modeset"]),
+    )
+}
+
 #[test]
 fn unload_goes_in_reverse_order() {
     let (_d, root) = host(KERNEL, STACK);
@@ -221,18 +238,9 @@ fn unload_refuses_while_in_use_naming_holders_and_processes() {
         )
     );
     let (d, root) = host(KERNEL, &stack);
-    let fd = d.path().join("proc/4242/fd");
-    fs::create_dir_all(&fd).unwrap();
-    symlink("/dev/nvidia0", fd.join("7")).unwrap();
-    symlink("/dev/null", fd.join("0")).unwrap();
-    fs::write(d.path().join("proc/4242/comm"), "python3\n").unwrap();
+    holder(d.path(), 4242, "python3");
     let sys = RecordingSyscalls::new();
-    let err = modules::unload(
-        &root,
-        &sys,
-        &names(&["nvidia", "nvidia_uvm", "nvidia_modeset"]),
-    )
-    .unwrap_err();
+    let err = unload_all(&root, &sys).unwrap_err();
     assert_eq!(
         err.to_string(),
         "nvidia_modeset is in use by module(s) nvidia_drm (1 process(es) have NVIDIA devices open: python3 (pid 4242, /dev/nvidia0)); stop them first"
@@ -263,17 +271,9 @@ fn unload_refuses_before_unloading_anything_when_the_base_module_is_held() {
         KERNEL,
         &STACK.replace("nvidia 56524800 2 ", "nvidia 56524800 3 "),
     );
-    let fd = d.path().join("proc/77/fd");
-    fs::create_dir_all(&fd).unwrap();
-    symlink("/dev/nvidia0", fd.join("3")).unwrap();
-    fs::write(d.path().join("proc/77/comm"), "sleep\n").unwrap();
+    holder(d.path(), 77, "sleep");
     let sys = RecordingSyscalls::new();
-    let err = modules::unload(
-        &root,
-        &sys,
-        &names(&["nvidia", "nvidia_uvm", "nvidia_modeset"]),
-    )
-    .unwrap_err();
+    let err = unload_all(&root, &sys).unwrap_err();
     assert_eq!(
         err.to_string(),
         "nvidia is in use (1 process(es) have NVIDIA devices open: sleep (pid 77, /dev/nvidia0)); stop them first"
