@@ -562,7 +562,8 @@ fn driver_apply(
             ));
         }
         let name = installed.manifest.dir_name(&kernel);
-        if bundle::current(ctx.host)?.is_none() {
+        // Nothing loaded: nothing to drain, the policy's bundle becomes current.
+        if !inv.driver.is_loaded() && bundle::current(ctx.host)?.as_deref() != Some(name.as_str()) {
             bundle::switch(ctx.host, &name)?;
         }
         wanted = Some(name);
