@@ -36,7 +36,14 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
     );
     assert!(out.contains("GPU0      X     NV18"), "{out}");
     assert!(out.contains("from the running agent"), "{out}");
-    assert!(out.contains("driver    not implemented"), "{out}");
+    assert!(
+        out.contains("driver    done             driver 550.127.08 (open) loaded (simulated node: no module touched)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("devnodes  ready            simulated node: would make 14 of 14"),
+        "{out}"
+    );
     assert!(out.contains("6 stage(s) done, 4 not built yet"), "{out}");
     assert!(
         out.contains("cdi       done             wrote /var/lib/gpu-agent/bin/gpu-agent, /var/run/cdi/gpu-agent-nvidia.com-gpu.json: 8 GPU(s), 0 MIG device(s)"),
