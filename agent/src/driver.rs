@@ -410,3 +410,57 @@ impl Upgrade<'_> {
         self.bring_up(old)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ComputeCapability;
+    use crate::test_support::sim_node;
+
+    fn inventory(node: &str) -> Inventory {
+        let (_dir, sys, backend) = sim_node(node);
+        crate::inventory::discover(&sys, &backend).unwrap()
+    }
+
+    #[test]
+    fn flavour_follows_the_oldest_gpu_or_the_policy() {
+        let both = [Flavour::Open, Flavour::Proprietary];
+        let policy = Policy::default();
+        // T4 is Turing (7.5): open.
+        let mut t4 = inventory("t4-4");
+        let (f, why) = choose_flavour(&policy, Some(&t4), &both).unwrap();
+        assert_eq!(f, Flavour::Open, "{why}");
+        // One GPU older than Turing: proprietary, naming it.
+        t4.gpus[2].compute_capability = Some(ComputeCapability { major: 7, minor: 0 });
+        let bus = t4.gpus[2].bus_id.to_string();
+        let (f, why) = choose_flavour(&policy, Some(&t4), &both).unwrap();
+        assert_eq!(f, Flavour::Proprietary);
+        assert_eq!(why, format!("GPU(s) older than Turing: {bus}"));
+        // No compute capability (driver not loaded yet): the PCI device ID.
+        for g in &mut t4.gpus {
+            g.compute_capability = None;
+        }
+        let (f, _) = choose_flavour(&policy, Some(&t4), &both).unwrap();
+        assert_eq!(f, Flavour::Open, "T4's device ID 0x1eb8 is Turing");
+        t4.gpus[0].pci.as_mut().unwrap().device = 0x1db4; // V100
+        let (f, _) = choose_flavour(&policy, Some(&t4), &both).unwrap();
+        assert_eq!(f, Flavour::Proprietary);
+        // The policy decides when it says; a flavour the bundle lacks is refused.
+        let open =
+            Policy::from_yaml("spec:\n  driver: {useOpenKernelModules: true}\n", "p").unwrap();
+        assert_eq!(
+            choose_flavour(&open, Some(&t4), &both).unwrap().0,
+            Flavour::Open
+        );
+        let err = choose_flavour(&policy, Some(&t4), &[Flavour::Open])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "the proprietary modules are needed (GPU(s) older than Turing: {}), the bundle carries only open",
+                t4.gpus[0].bus_id
+            )
+        );
+    }
+}

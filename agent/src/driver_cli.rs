@@ -248,11 +248,7 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             sha256,
         } => {
             let name = install_file(&e, file, sha256.as_deref())?;
-            let loaded = !modules::loaded(&e.host)
-                .map_err(DriverError::from)
-                .map_err(map_driver)?
-                .is_empty()
-                && hostlib::driver::DriverState::read(&e.host)?.is_loaded();
+            let loaded = hostlib::driver::DriverState::read(&e.host)?.is_loaded();
             let current = bundle::current(&e.host).map_err(map_bundle)?;
             if current.as_deref() == Some(name.as_str()) {
                 println!("{name} is the current driver");
@@ -347,27 +343,7 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
         }
         DriverCommand::Pack { .. } => unreachable!("handled above"),
         DriverCommand::Remove { name } => {
-            let all = bundle::list(&e.host).map_err(map_bundle)?;
-            let Some(entry) = all.iter().find(|x| &x.name == name) else {
-                return Err(bad_input(anyhow::anyhow!(
-                    "{name} is not an unpacked driver under {} (see `gpu-agent driver list`)",
-                    bundle::DRIVERS_DIR
-                )));
-            };
-            if entry.current {
-                return Err(bad_input(anyhow::anyhow!(
-                    "{name} is the current driver; upgrade or roll back first"
-                )));
-            }
-            let dir = e.host.resolve(format!("{}/{name}", bundle::DRIVERS_DIR))?;
-            std::fs::remove_dir_all(&dir)
-                .map_err(|err| anyhow::anyhow!("{}: {err}", dir.display()))?;
-            if entry.previous {
-                let link = e
-                    .host
-                    .resolve_no_follow(format!("{}/previous", bundle::DRIVERS_DIR))?;
-                let _ = std::fs::remove_file(link);
-            }
+            bundle::remove(&e.host, name).map_err(map_bundle)?;
             println!("removed {name}");
             Ok(ExitCode::SUCCESS)
         }

@@ -509,17 +509,19 @@ fn driver_apply(
     use kmod::bundle;
     let d = &ctx.policy.driver;
     let loaded_version = inv.driver.version.clone();
+    // Without a bundle nothing can bring another version.
+    if d.bundle.is_none()
+        && let (Some(v), Some(have)) = (&d.version, &loaded_version)
+        && v != have
+    {
+        return Err(driver::DriverError::Validate(format!(
+            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
+        )));
+    }
     let nothing_of_ours =
         d.bundle.is_none() && d.module_dir.is_none() && bundle::current(ctx.host)?.is_none();
     if nothing_of_ours && let Some(have) = &loaded_version {
         // Loaded by someone else (the distribution's packages): keep it.
-        if let Some(v) = &d.version
-            && v != have
-        {
-            return Err(driver::DriverError::Validate(format!(
-                "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
-            )));
-        }
         return Ok((
             StageState::Done,
             format!(
@@ -584,14 +586,6 @@ fn driver_apply(
             let report = up.run(want)?;
             return Ok((StageState::Done, join_notes(report, &notes)));
         }
-    }
-    if wanted.is_none()
-        && let (Some(v), Some(have)) = (&d.version, &loaded_version)
-        && v != have
-    {
-        return Err(driver::DriverError::Validate(format!(
-            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
-        )));
     }
     let plan = driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None)?;
     if ctx.apply.is_none() {

@@ -436,8 +436,9 @@ pub fn install(
     // The gzip trailer may be left unread: say the whole file was read.
     let mut counting = archive.into_inner().into_inner();
     (counting.progress)(Progress::Unpacking { done: total, total });
+    // An already-unpacked bundle stops before staging; only a refused one leaves it.
     if let Some(staging) = &u.staging
-        && (result.is_err() || matches!(result, Ok(false)))
+        && result.is_err()
     {
         let _ = fs::remove_dir_all(staging);
     }
@@ -874,6 +875,32 @@ pub fn rollback(host: &HostRoot) -> Result<String, BundleError> {
     Ok(prev)
 }
 
+/// Deletes unpacked driver `name` (never the current one); a `previous`
+/// link to it goes too.
+pub fn remove(host: &HostRoot, name: &str) -> Result<(), BundleError> {
+    let all = list(host)?;
+    let Some(entry) = all.iter().find(|x| x.name == name) else {
+        return Err(BundleError::Installed {
+            dir: format!("{DRIVERS_DIR}/{name}"),
+            message: "not an unpacked driver (see `gpu-agent driver list`)".into(),
+        });
+    };
+    if entry.current {
+        return Err(BundleError::Installed {
+            dir: format!("{DRIVERS_DIR}/{name}"),
+            message: "the current driver; upgrade or roll back first".into(),
+        });
+    }
+    let dir = host.resolve(format!("{DRIVERS_DIR}/{name}"))?;
+    fs::remove_dir_all(&dir).map_err(|source| BundleError::Write { path: dir, source })?;
+    if entry.previous {
+        let link = host.resolve_no_follow(format!("{DRIVERS_DIR}/previous"))?;
+        fs::remove_file(&link).map_err(|source| BundleError::Write { path: link, source })?;
+    }
+    tracing::info!(stage = "driver", removed = %name, "removed an unpacked driver");
+    Ok(())
+}
+
 /// Removes unpacked drivers that are neither current nor previous. Returns their names.
 pub fn prune(host: &HostRoot) -> Result<Vec<String>, BundleError> {
     let mut removed = Vec::new();
@@ -881,9 +908,7 @@ pub fn prune(host: &HostRoot) -> Result<Vec<String>, BundleError> {
         if e.current || e.previous {
             continue;
         }
-        let dir = host.resolve(format!("{DRIVERS_DIR}/{}", e.name))?;
-        fs::remove_dir_all(&dir).map_err(|source| BundleError::Write { path: dir, source })?;
-        tracing::info!(stage = "driver", removed = %e.name, "removed an old unpacked driver");
+        remove(host, &e.name)?;
         removed.push(e.name);
     }
     Ok(removed)

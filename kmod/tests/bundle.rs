@@ -205,6 +205,29 @@ fn a_good_bundle_is_unpacked_switched_and_listed() {
     bundle::switch(&e.host, &c).unwrap();
     // b is neither current nor previous now.
     assert_eq!(bundle::prune(&e.host).unwrap(), vec![b.clone()]);
+    // Remove: never the current one; the previous one takes its link along.
+    let err = bundle::remove(&e.host, &c).unwrap_err().to_string();
+    assert!(
+        err.ends_with("the current driver; upgrade or roll back first"),
+        "{err}"
+    );
+    assert_eq!(
+        bundle::previous(&e.host).unwrap().as_deref(),
+        Some(name.as_str())
+    );
+    bundle::remove(&e.host, &name).unwrap();
+    assert_eq!(bundle::previous(&e.host).unwrap(), None);
+    assert_eq!(e.drivers(), vec![c.clone(), "current".to_string()]);
+    let err = bundle::remove(&e.host, "nope").unwrap_err().to_string();
+    assert!(err.contains("not an unpacked driver"), "{err}");
+    // set_links puts both links back as they were.
+    let a = e.install(&p).unwrap().manifest.dir_name(KERNEL);
+    assert_eq!(a, name);
+    bundle::set_links(&e.host, &c, Some(&name)).unwrap();
+    assert_eq!(
+        bundle::previous(&e.host).unwrap().as_deref(),
+        Some(name.as_str())
+    );
     bundle::set_links(&e.host, &name, None).unwrap();
     assert_eq!(
         bundle::current(&e.host).unwrap().as_deref(),
