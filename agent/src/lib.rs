@@ -6,6 +6,7 @@ pub mod backend;
 pub mod caps;
 pub mod cdi;
 pub mod driver;
+pub mod grpc;
 pub mod health;
 pub mod inventory;
 pub mod logging;

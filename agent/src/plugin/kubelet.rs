@@ -128,7 +128,7 @@ impl MockKubelet {
         let (stop, stopped) = oneshot::channel::<()>();
         let svc = RegistrationServer::new(MockService(state.clone()));
         let task = tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = crate::grpc::incoming(listener);
             let _ = Server::builder()
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, async {

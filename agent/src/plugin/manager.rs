@@ -293,7 +293,7 @@ impl PluginManager {
         );
         let name = p.name.clone();
         tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let incoming = crate::grpc::incoming(listener);
             if let Err(e) = Server::builder()
                 .add_service(DevicePluginServer::new(svc))
                 .serve_with_incoming_shutdown(incoming, async {
