@@ -159,7 +159,8 @@ async fn serve_plugin(
     std::fs::create_dir_all(&dir)?;
     let mock =
         MockKubelet::start(&dir.join(KUBELET_SOCKET)).context("cannot start the mock kubelet")?;
-    let mut plugin = RunningPlugin::start(host, plan, inventory).map_err(|f| f.error)?;
+    let mut plugin =
+        RunningPlugin::start(host, plan, inventory, Default::default()).map_err(|f| f.error)?;
     let registered = mock.wait_for(1, std::time::Duration::from_secs(5)).await;
     // Let the plugin record the kubelet's answer.
     for _ in 0..100 {
@@ -235,8 +236,14 @@ async fn health_demo(
     use tokio_stream::StreamExt;
 
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let Some(board) = crate::start_health(st, &Policy::default(), backend, Some(plugin), stopped)
-    else {
+    let Some(board) = crate::start_health(
+        st,
+        &Policy::default(),
+        backend,
+        Some(plugin),
+        stopped,
+        Default::default(),
+    ) else {
         return Ok(());
     };
     let mut stream = client.list_and_watch(Empty {}).await?.into_inner();

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 
 use crate::backend::HealthEvent;
@@ -66,6 +66,8 @@ pub struct HealthMonitor {
     blind: Option<String>,
     resources: Vec<watch::Sender<Resource>>,
     board: HealthBoard,
+    /// Told whenever the board changes.
+    changed: Arc<Notify>,
 }
 
 impl std::fmt::Debug for HealthMonitor {
@@ -103,9 +105,16 @@ impl HealthMonitor {
             blind: None,
             resources,
             board: Arc::default(),
+            changed: Arc::new(Notify::new()),
         };
         m.publish();
         m
+    }
+
+    /// Notifies `changed` whenever a GPU's health changes.
+    pub fn with_change_signal(mut self, changed: Arc<Notify>) -> Self {
+        self.changed = changed;
+        self
     }
 
     /// The live health of every GPU.
@@ -113,25 +122,43 @@ impl HealthMonitor {
         self.board.clone()
     }
 
-    /// Handles events until `events` closes or `shutdown` resolves.
+    /// Handles events until `events` closes or `shutdown` resolves. Nothing
+    /// runs between events: the only timer is the next recovery, armed
+    /// while a GPU is unhealthy.
     pub async fn run(
         mut self,
         mut events: mpsc::UnboundedReceiver<HealthEvent>,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
         tokio::pin!(shutdown);
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
+            let next = self.next_recovery();
+            let recovery = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = &mut shutdown => return,
                 ev = events.recv() => match ev {
                     Some(ev) => self.apply(ev, Instant::now()),
                     None => return,
                 },
-                _ = tick.tick() => self.recover(Instant::now()),
+                _ = recovery => self.recover(Instant::now()),
             }
         }
+    }
+
+    /// When the next unhealthy GPU is due to recover, if any.
+    pub fn next_recovery(&self) -> Option<Instant> {
+        let after = self.policy.recover_after?;
+        self.gpus
+            .values()
+            .filter(|st| st.reason.is_some())
+            .filter_map(|st| st.last_critical)
+            .map(|t| t + after)
+            .min()
     }
 
     /// One event.
@@ -225,6 +252,7 @@ impl HealthMonitor {
             })
             .collect();
         *self.board.lock().unwrap() = board;
+        self.changed.notify_one();
     }
 }
 
@@ -275,6 +303,7 @@ mod tests {
                 .as_deref(),
             Some("XID 79")
         );
+        assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(60)));
         m.recover(t0 + Duration::from_secs(59));
         assert_eq!(health(&rx), [true, false, true, true]);
         // Another event restarts the quiet period.
@@ -286,8 +315,33 @@ mod tests {
         );
         m.recover(t0 + Duration::from_secs(61));
         assert_eq!(health(&rx), [true, false, true, true]);
+        assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(90)));
         m.recover(t0 + Duration::from_secs(90));
         assert_eq!(health(&rx), [true; 4]);
+        assert_eq!(m.next_recovery(), None, "nothing to wait for once healthy");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_monitor_sleeps_until_the_recovery_is_due_and_not_before() {
+        let (m, rx, uuids) = setup(HealthPolicy {
+            recover_after: Some(Duration::from_secs(60)),
+            ..HealthPolicy::default()
+        });
+        let (tx, events) = mpsc::unbounded_channel();
+        let task = tokio::spawn(m.run(events, std::future::pending()));
+        tx.send(HealthEvent::Xid {
+            uuid: uuids[2].clone(),
+            xid: 48,
+        })
+        .unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(health(&rx), [true, true, false, true]);
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        assert_eq!(health(&rx), [true, true, false, true]);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(health(&rx), [true; 4]);
+        drop(tx);
+        task.await.unwrap();
     }
 
     #[test]

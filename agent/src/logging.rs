@@ -2,6 +2,7 @@
 //! they go to the journal (structured fields kept); in a container to stderr
 //! as text or JSON.
 
+use std::io::IsTerminal;
 use std::os::unix::fs::MetadataExt;
 
 use tracing_subscriber::EnvFilter;
@@ -81,9 +82,33 @@ pub fn init(format: LogFormat, default_level: &str) -> Option<String> {
             .with(
                 tracing_subscriber::fmt::layer()
                     .with_writer(std::io::stderr)
+                    .with_ansi(colour(
+                        std::io::stderr().is_terminal(),
+                        std::env::var_os("NO_COLOR"),
+                    ))
                     .with_target(false),
             )
             .try_init()
     };
     note
+}
+
+/// Colour codes only for a person at a terminal: never into a file, a pipe
+/// or `kubectl logs`, and not when `NO_COLOR` is set to anything but the
+/// empty string (no-color.org).
+pub fn colour(stderr_is_tty: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stderr_is_tty && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".into())));
+        assert!(!colour(true, Some("1".into())));
+        assert!(!colour(false, None));
+    }
 }

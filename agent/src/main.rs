@@ -236,10 +236,27 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(code) => code,
         Err(Failure { code, error }) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_text(&error));
             ExitCode::from(code)
         }
     }
+}
+
+/// The error and its causes, `: `-joined; a cause whose words the message
+/// already carries (`{path}: {source}` errors) is not said twice.
+fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let words = cause.to_string();
+        if text.contains(&words) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&words);
+    }
+    text
 }
 
 fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
@@ -357,9 +374,17 @@ fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Fail
             let changed =
                 runtime::apply(&host, &hostlib::LinuxSyscalls, &plan, !no_wait).map_err(map)?;
             for p in &changed {
-                eprintln!(
-                    "wrote {p} (the original is kept; `gpu-agent runtime restore` puts it back)"
-                );
+                let created = plan
+                    .changes
+                    .iter()
+                    .any(|c| &c.path == p && c.before.is_none());
+                if created {
+                    eprintln!("wrote {p} (a new file; `gpu-agent runtime restore` removes it)");
+                } else {
+                    eprintln!(
+                        "wrote {p} (the original is kept; `gpu-agent runtime restore` puts it back)"
+                    );
+                }
             }
         }
         RuntimeCommand::Restore { no_wait } => {
@@ -485,16 +510,17 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     st.simulated = view.simulated.clone();
     st.stages = pass.stages;
     st.inventory = pass.inventory;
+    let mut file = state::StateFile::default();
     if once {
         st.stopped_at = Some(state::now());
-        write_state(&st, &host);
+        sync_state(&mut file, &mut st, &host, false);
         return Ok(if ok {
             ExitCode::SUCCESS
         } else {
             ExitCode::FAILURE
         });
     }
-    write_state(&st, &host);
+    sync_state(&mut file, &mut st, &host, false);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -503,8 +529,16 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let mut hup = signal(SignalKind::hangup())?;
+        // The plugins and the health monitor say when their status changes:
+        // the state file is written then, and only then.
+        let changed = Arc::new(tokio::sync::Notify::new());
         let mut plugin = match (pass.plugin, &st.inventory) {
-            (Some(plan), Some(inv)) => Some(RunningPlugin::start(&host, plan, inv.clone())?),
+            (Some(plan), Some(inv)) => Some(RunningPlugin::start(
+                &host,
+                plan,
+                inv.clone(),
+                changed.clone(),
+            )?),
             _ => None,
         };
         let (health_stop, health_stopped) = tokio::sync::oneshot::channel::<()>();
@@ -514,30 +548,34 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             view.backend.as_ref(),
             plugin.as_ref(),
             health_stopped,
+            changed.clone(),
         );
+        // The heartbeat only stamps the file (and notices a plugin task
+        // that ended); with nothing happening that is all the agent does.
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
         loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    if let Some(p) = &mut plugin {
-                        p.refresh(&mut st);
-                    }
-                    if let Some(board) = &health {
-                        st.health = board.lock().unwrap().clone();
-                        stages::apply_health_status(&mut st.stages, &st.health);
-                    }
-                    st.updated_at = state::now();
-                    write_state(&st, &host);
-                }
+            let stamp = tokio::select! {
+                _ = tick.tick() => true,
+                _ = changed.notified() => false,
                 _ = hup.recv() => {
                     if let Some(p) = &plugin {
                         reload(cli, &host, &view, &caps, &mut st, p, &mut policy).await;
-                        write_state(&st, &host);
                     }
+                    false
                 }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
+            };
+            if let Some(p) = &mut plugin {
+                p.refresh(&mut st);
             }
+            if let Some(board) = &health {
+                st.health = board.lock().unwrap().clone();
+                stages::apply_health_status(&mut st.stages, &st.health);
+            }
+            sync_state(&mut file, &mut st, &host, stamp);
         }
         let _ = health_stop.send(());
         if let Some(p) = plugin {
@@ -547,7 +585,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     })?;
     tracing::info!("gpu-agent stopping");
     st.stopped_at = Some(state::now());
-    write_state(&st, &host);
+    sync_state(&mut file, &mut st, &host, false);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -651,6 +689,7 @@ fn start_health(
     backend: &dyn gpu_agent::backend::GpuBackend,
     plugin: Option<&RunningPlugin>,
     stopped: tokio::sync::oneshot::Receiver<()>,
+    changed: Arc<tokio::sync::Notify>,
 ) -> Option<HealthBoard> {
     let planned = st
         .stages
@@ -675,7 +714,8 @@ fn start_health(
     let senders = plugin
         .map(|p| p.senders.values().cloned().collect())
         .unwrap_or_default();
-    let monitor = HealthMonitor::new(policy.health.to_policy(), uuids, senders);
+    let monitor =
+        HealthMonitor::new(policy.health.to_policy(), uuids, senders).with_change_signal(changed);
     let board = monitor.board();
     tokio::spawn(monitor.run(rx, async {
         let _ = stopped.await;
@@ -698,7 +738,12 @@ struct RunningPlugin {
 }
 
 impl RunningPlugin {
-    fn start(host: &HostRoot, plan: PluginPlan, inventory: Inventory) -> Result<Self, Failure> {
+    fn start(
+        host: &HostRoot,
+        plan: PluginPlan,
+        inventory: Inventory,
+        changed: Arc<tokio::sync::Notify>,
+    ) -> Result<Self, Failure> {
         let dir = manager::plugin_dir(host)?;
         let mgr = PluginManager::new(
             dir,
@@ -706,7 +751,8 @@ impl RunningPlugin {
             Arc::new(inventory),
             Arc::new(plan.settings),
             host.clone(),
-        );
+        )
+        .with_change_signal(changed);
         let board = mgr.board();
         let updater = mgr.updater();
         let senders = mgr.resource_senders();
@@ -755,8 +801,9 @@ impl RunningPlugin {
     }
 }
 
-fn write_state(st: &AgentState, host: &HostRoot) {
-    if let Err(e) = st.write(host) {
+/// Writes the state file if it changed (else, with `stamp`, marks it alive).
+fn sync_state(file: &mut state::StateFile, st: &mut AgentState, host: &HostRoot, stamp: bool) {
+    if let Err(e) = file.sync(st, host, stamp) {
         tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
     }
 }

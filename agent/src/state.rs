@@ -1,7 +1,9 @@
 //! The running agent's state file, `/run/gpu-agent/state.json` under the
-//! host root. `run` writes it after every pass and refreshes it every
-//! heartbeat; `status` reads it, and knows a stale file from a live one by
-//! its age (which works across PID namespaces, unlike a PID check).
+//! host root. `run` writes it when what it says changes, and otherwise only
+//! sets its modification time every heartbeat (no data written, no fsync);
+//! `status` reads it, and knows a stale file from a live one by the age of
+//! the later of the two (which works across PID namespaces, unlike a PID
+//! check).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -26,6 +28,8 @@ pub struct AgentState {
     pub version: String,
     /// Unix seconds.
     pub started_at: u64,
+    /// The last sign of life: when the agent wrote the file, or (as read)
+    /// the file's modification time if that is later.
     pub updated_at: u64,
     /// Set when the agent stopped cleanly.
     pub stopped_at: Option<u64>,
@@ -137,18 +141,56 @@ impl AgentState {
                 message: format!("format {format:?}, this gpu-agent reads format {FORMAT}"),
             });
         }
-        serde_json::from_value(value)
-            .map(Some)
-            .map_err(|e| StateError::Parse {
-                path,
-                message: e.to_string(),
-            })
+        let mut st: AgentState = serde_json::from_value(value).map_err(|e| StateError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let stamped = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs());
+        st.updated_at = st.updated_at.max(stamped);
+        Ok(Some(st))
+    }
+}
+
+/// Writes the state file only when its content changes.
+#[derive(Debug, Default)]
+pub struct StateFile {
+    /// What was last written, `updated_at` left out.
+    last: Option<Vec<u8>>,
+}
+
+impl StateFile {
+    /// Writes `st` (with `updated_at` now) when it says something new and
+    /// returns true; otherwise, with `stamp`, only sets the file's mtime.
+    pub fn sync(
+        &mut self,
+        st: &mut AgentState,
+        host: &HostRoot,
+        stamp: bool,
+    ) -> Result<bool, HostError> {
+        let at = std::mem::replace(&mut st.updated_at, 0);
+        let body = serde_json::to_vec(st).expect("state serialises");
+        st.updated_at = at;
+        if self.last.as_ref() == Some(&body) {
+            if stamp {
+                host.touch(STATE_FILE)?;
+            }
+            return Ok(false);
+        }
+        st.updated_at = now();
+        st.write(host)?;
+        self.last = Some(body);
+        Ok(true)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn sample() -> AgentState {
         AgentState {
@@ -180,12 +222,54 @@ mod tests {
     }
 
     #[test]
+    fn written_only_when_changed_and_stamped_otherwise() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let path = host.resolve(STATE_FILE).unwrap();
+        let mut file = StateFile::default();
+        let mut st = sample();
+        assert!(file.sync(&mut st, &host, true).unwrap());
+        let written = std::fs::read(&path).unwrap();
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        // Unchanged: same bytes, same inode (no rename), only the mtime moves.
+        let old = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000);
+        std::fs::File::open(&path)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        assert!(!file.sync(&mut st, &host, true).unwrap());
+        assert_eq!(std::fs::read(&path).unwrap(), written);
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino);
+        let read = AgentState::read(&host).unwrap().unwrap();
+        assert!(
+            read.updated_at >= now() - 5,
+            "the stamp counts as a sign of life"
+        );
+        // Changed: written anew.
+        st.stages.push(crate::stages::StageStatus {
+            stage: crate::stages::Stage::Discover,
+            state: crate::stages::StageState::Done,
+            detail: "8 GPUs".into(),
+            needs: vec![],
+            missing: vec![],
+        });
+        assert!(file.sync(&mut st, &host, false).unwrap());
+        assert_ne!(std::fs::read(&path).unwrap(), written);
+    }
+
+    #[test]
     fn round_trip_and_bad_files() {
         let dir = tempfile::tempdir().unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
         assert_eq!(AgentState::read(&host).unwrap(), None);
         sample().write(&host).unwrap();
-        assert_eq!(AgentState::read(&host).unwrap(), Some(sample()));
+        let mut got = AgentState::read(&host).unwrap().unwrap();
+        assert!(
+            got.updated_at >= now() - 5,
+            "the file's mtime is the later sign of life"
+        );
+        got.updated_at = 1000;
+        assert_eq!(got, sample());
         host.write_atomic(STATE_FILE, b"{\"format\": 9}", 0o644)
             .unwrap();
         let err = AgentState::read(&host).unwrap_err().to_string();

@@ -156,10 +156,7 @@ impl RawH2 {
                         .unwrap()
                         .into_iter()
                         .map(|(k, v)| {
-                            (
-                                String::from_utf8(k).unwrap(),
-                                String::from_utf8(v).unwrap(),
-                            )
+                            (String::from_utf8(k).unwrap(), String::from_utf8(v).unwrap())
                         })
                         .collect();
                     if id != stream {
@@ -206,7 +203,12 @@ fn grpc_messages(mut data: &[u8]) -> Vec<Vec<u8>> {
     out
 }
 
-fn sim_node() -> (tempfile::TempDir, HostRoot, Arc<inventory::Inventory>, PathBuf) {
+fn sim_node() -> (
+    tempfile::TempDir,
+    HostRoot,
+    Arc<inventory::Inventory>,
+    PathBuf,
+) {
     let dir = tempfile::tempdir().unwrap();
     let desc = simnode::NodeDescription::load("h100-sxm-8").unwrap();
     desc.materialize(dir.path()).unwrap();
@@ -221,11 +223,19 @@ fn sim_node() -> (tempfile::TempDir, HostRoot, Arc<inventory::Inventory>, PathBu
 fn every_rpc(sock: &Path, authority: &[u8]) {
     let mut c = RawH2::connect(sock);
     let opts: DevicePluginOptions = c
-        .call(authority, "/v1beta1.DevicePlugin/GetDevicePluginOptions", &Empty {}.encode_to_vec())
+        .call(
+            authority,
+            "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+            &Empty {}.encode_to_vec(),
+        )
         .message();
     assert!(opts.get_preferred_allocation_available);
     let list: ListAndWatchResponse = c
-        .call(authority, "/v1beta1.DevicePlugin/ListAndWatch", &Empty {}.encode_to_vec())
+        .call(
+            authority,
+            "/v1beta1.DevicePlugin/ListAndWatch",
+            &Empty {}.encode_to_vec(),
+        )
         .message();
     assert_eq!(list.devices.len(), 8);
     let ids: Vec<String> = list.devices.iter().map(|d| d.id.clone()).collect();
@@ -397,7 +407,12 @@ fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
     let out = kubelet.wait_with_output().unwrap();
     assert_eq!(sigterm(&mut agent), Some(0));
     let mut log = String::new();
-    agent.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    agent
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut log)
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -433,8 +448,8 @@ fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
     assert_eq!(r["prestart"], "ok");
     // grpcio really sent the socket path (percent-encoded) as :authority.
     assert!(
-        log.lines().any(|l| l.contains("serving it as localhost")
-            && l.contains("nvidia-gpu.sock")),
+        log.lines()
+            .any(|l| l.contains("serving it as localhost") && l.contains("nvidia-gpu.sock")),
         "no rewrite logged:\n{log}"
     );
 }

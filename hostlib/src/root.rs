@@ -223,6 +223,15 @@ impl HostRoot {
         self.resolve(host_path).map(|p| p.exists()).unwrap_or(false)
     }
 
+    /// Sets the file's modification time to now: a sign of life that
+    /// writes no data (no fsync).
+    pub fn touch(&self, host_path: impl AsRef<Path>) -> Result<(), HostError> {
+        let path = self.resolve(host_path)?;
+        fs::File::open(&path)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now()))
+            .map_err(|e| HostError::io(&path, e))
+    }
+
     /// Writes a host file atomically (see [`fsutil::write_atomic`]),
     /// creating its parent directories.
     pub fn write_atomic(

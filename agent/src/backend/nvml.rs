@@ -20,8 +20,12 @@ use super::{
     HealthEvent, HealthSender, MigDevice, MigMode, PcieLevel, Telemetry, mig_profile_name,
 };
 
-/// How long one wait for events blocks (so the thread notices a closed channel).
-const EVENT_WAIT_MS: u32 = 1000;
+/// How long one wait for events blocks. Events wake the thread at once; the
+/// timeout only lets it notice that nobody listens any more (after a
+/// reload), so it is long: an idle agent wakes for it once in 5 s.
+const EVENT_WAIT_MS: u32 = 5_000;
+/// Between tries while the event wait fails.
+const RETRY_MS: u32 = 1_000;
 
 /// The library name the dynamic loader looks for.
 pub const DEFAULT_LIB: &str = "libnvidia-ml.so.1";
@@ -147,7 +151,9 @@ fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
     }
     let mut failing = false;
     while !events.is_closed() {
-        match set.wait(EVENT_WAIT_MS) {
+        // While failing, look again every second so that recovery is seen soon.
+        let timeout = if failing { RETRY_MS } else { EVENT_WAIT_MS };
+        match set.wait(timeout) {
             Ok(ev) => {
                 if std::mem::take(&mut failing) {
                     let _ = events.send(HealthEvent::Answering);
@@ -183,7 +189,7 @@ fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
                     let _ = events.send(HealthEvent::WaitFailed(format!("NVML event wait: {e}")));
                 }
                 failing = true;
-                std::thread::sleep(Duration::from_millis(u64::from(EVENT_WAIT_MS)));
+                std::thread::sleep(Duration::from_millis(u64::from(RETRY_MS)));
             }
         }
     }

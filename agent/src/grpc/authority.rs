@@ -352,7 +352,9 @@ fn put_string(out: &mut Vec<u8>, s: &[u8]) {
 
 fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, parts: &[&[u8]]) {
     let len: usize = parts.iter().map(|p| p.len()).sum();
-    let len = u32::try_from(len).expect("frame under 16 KiB").to_be_bytes();
+    let len = u32::try_from(len)
+        .expect("frame under 16 KiB")
+        .to_be_bytes();
     out.extend_from_slice(&len[1..]);
     out.push(kind);
     out.push(flags);
@@ -501,7 +503,11 @@ mod tests {
         let mut block = Vec::new();
         for (kind, flags, _, payload) in frames_of(bytes) {
             if kind == HEADERS || kind == CONTINUATION {
-                let skip = if kind == HEADERS && flags & PRIORITY != 0 { 5 } else { 0 };
+                let skip = if kind == HEADERS && flags & PRIORITY != 0 {
+                    5
+                } else {
+                    0
+                };
                 block.extend_from_slice(&payload[skip..]);
                 if flags & END_HEADERS != 0 {
                     lists.push(dec.decode(&block).unwrap());
@@ -526,7 +532,10 @@ mod tests {
         c.extend(raw_frame(HEADERS, END_HEADERS, 1, &first));
         c.extend(raw_frame(0x0, END_STREAM, 1, b"\0\0\0\0\x02\x0a\x00"));
         let second = encode(&mut enc, &request(SOCK));
-        assert!(second.len() < first.len(), "the second block uses the dynamic table");
+        assert!(
+            second.len() < first.len(),
+            "the second block uses the dynamic table"
+        );
         c.extend(raw_frame(HEADERS, END_HEADERS | END_STREAM, 3, &second));
         c
     }
@@ -550,7 +559,10 @@ mod tests {
         // Frames other than HEADERS pass byte for byte, flags kept.
         let frames = frames_of(&out);
         assert_eq!(frames[0], (0x4, 0, 0, vec![]));
-        assert_eq!(frames[2], (0x0, END_STREAM, 1, b"\0\0\0\0\x02\x0a\x00".to_vec()));
+        assert_eq!(
+            frames[2],
+            (0x0, END_STREAM, 1, b"\0\0\0\0\x02\x0a\x00".to_vec())
+        );
         assert_eq!(frames[3].1, END_HEADERS | END_STREAM);
     }
 
@@ -598,7 +610,12 @@ mod tests {
         first.extend(a);
         first.extend([0, 0, 0]);
         let mut input = PREFACE.to_vec();
-        input.extend(raw_frame(HEADERS, PADDED | PRIORITY | END_STREAM, 5, &first));
+        input.extend(raw_frame(
+            HEADERS,
+            PADDED | PRIORITY | END_STREAM,
+            5,
+            &first,
+        ));
         input.extend(raw_frame(CONTINUATION, 0, 5, b));
         input.extend(raw_frame(CONTINUATION, END_HEADERS, 5, c));
         let mut out = Vec::new();
@@ -629,28 +646,61 @@ mod tests {
     #[test]
     fn broken_streams_are_refused_with_the_stream() {
         let cases: Vec<(Vec<u8>, &str)> = vec![
-            (raw_frame(CONTINUATION, END_HEADERS, 1, b"\x82"), "stream 1: CONTINUATION without HEADERS"),
-            (raw_frame(HEADERS, END_HEADERS, 3, &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff]), "stream 3: cannot decode"),
-            (raw_frame(HEADERS, END_HEADERS, 7, &[0x80 | 70]), "stream 7: cannot decode"),
-            (raw_frame(HEADERS, PADDED | END_HEADERS, 9, &[9, 0x82]), "stream 9: HEADERS padding"),
             (
-                [raw_frame(HEADERS, 0, 1, b"\x82"), raw_frame(0x0, 0, 1, b"x")].concat(),
+                raw_frame(CONTINUATION, END_HEADERS, 1, b"\x82"),
+                "stream 1: CONTINUATION without HEADERS",
+            ),
+            (
+                raw_frame(
+                    HEADERS,
+                    END_HEADERS,
+                    3,
+                    &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+                ),
+                "stream 3: cannot decode",
+            ),
+            (
+                raw_frame(HEADERS, END_HEADERS, 7, &[0x80 | 70]),
+                "stream 7: cannot decode",
+            ),
+            (
+                raw_frame(HEADERS, PADDED | END_HEADERS, 9, &[9, 0x82]),
+                "stream 9: HEADERS padding",
+            ),
+            (
+                [
+                    raw_frame(HEADERS, 0, 1, b"\x82"),
+                    raw_frame(0x0, 0, 1, b"x"),
+                ]
+                .concat(),
                 "frame of type 0 inside a header block",
             ),
             (
-                [raw_frame(HEADERS, 0, 1, b"\x82"), raw_frame(CONTINUATION, 0, 3, b"\x82")].concat(),
+                [
+                    raw_frame(HEADERS, 0, 1, b"\x82"),
+                    raw_frame(CONTINUATION, 0, 3, b"\x82"),
+                ]
+                .concat(),
                 "stream 3: CONTINUATION of stream 1",
             ),
         ];
         for (frames, want) in cases {
             let input = [PREFACE, &frames].concat();
-            let err = Rewriter::default().process(&input, &mut Vec::new()).unwrap_err().to_string();
+            let err = Rewriter::default()
+                .process(&input, &mut Vec::new())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(want), "{err} should say {want}");
         }
         let mut huge = PREFACE.to_vec();
         huge.extend_from_slice(&[0x10, 0, 0, HEADERS, 0, 0, 0, 0, 1]);
-        let err = Rewriter::default().process(&huge, &mut Vec::new()).unwrap_err();
-        assert!(matches!(err, AuthorityError::TooLarge { stream: 1 }), "{err}");
+        let err = Rewriter::default()
+            .process(&huge, &mut Vec::new())
+            .unwrap_err();
+        assert!(
+            matches!(err, AuthorityError::TooLarge { stream: 1 }),
+            "{err}"
+        );
     }
 
     proptest::proptest! {

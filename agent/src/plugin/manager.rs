@@ -3,8 +3,12 @@
 //! The kubelet deletes every socket in its device-plugins directory when it
 //! starts, then creates `kubelet.sock`. We watch the directory (inotify): on
 //! a new `kubelet.sock` every plugin binds a NEW socket and registers again;
-//! when only our own socket disappears, that plugin does the same. A failed
-//! registration is retried with backoff (100 ms doubling to 30 s) and the
+//! when only our own socket disappears, that plugin does the same. Each
+//! plugin remembers which `kubelet.sock` (device, inode, change time) it
+//! registered with, so the two signs of one kubelet restart (our socket
+//! deleted, a new `kubelet.sock`) re-register once, not twice. A failed
+//! registration is retried with backoff (2 ms doubling to 30 s: a new
+//! `kubelet.sock` exists a moment before the kubelet accepts on it) and the
 //! error is kept for `gpu-agent status`.
 
 use std::collections::HashMap;
@@ -17,7 +21,7 @@ use hostlib::HostRoot;
 use inotify::{EventMask, Inotify, WatchMask};
 use serde::{Deserialize, Serialize};
 use tokio::net::UnixListener;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
 use tonic::transport::Server;
 
@@ -31,7 +35,7 @@ pub const KUBELET_SOCKET: &str = "kubelet.sock";
 /// The device-plugins directory, as a host path.
 pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
-const FIRST_RETRY: Duration = Duration::from_millis(100);
+const FIRST_RETRY: Duration = Duration::from_millis(2);
 const MAX_RETRY: Duration = Duration::from_secs(30);
 
 /// What `status` shows of one resource.
@@ -83,6 +87,18 @@ struct Plugin {
     generation: u64,
     retry_delay: Duration,
     retry_at: Option<tokio::time::Instant>,
+    /// The `kubelet.sock` this plugin last (re)started for.
+    kubelet: Option<KubeletId>,
+}
+
+/// Which `kubelet.sock`: a restarted kubelet's new socket differs in inode
+/// or change time even when the inode number is reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KubeletId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
 }
 
 /// Runs the device plugins.
@@ -96,6 +112,8 @@ pub struct PluginManager {
     settings: Arc<PluginSettings>,
     dev_root: HostRoot,
     board: StatusBoard,
+    /// Told whenever the board changes.
+    changed: Arc<Notify>,
 }
 
 impl std::fmt::Debug for PluginManager {
@@ -153,7 +171,16 @@ impl PluginManager {
             settings,
             dev_root,
             board,
+            changed: Arc::new(Notify::new()),
         }
+    }
+
+    /// Notifies `changed` whenever the board changes (registration, device
+    /// counts, resources), so the agent's state is written at once and
+    /// nothing has to poll the board.
+    pub fn with_change_signal(mut self, changed: Arc<Notify>) -> Self {
+        self.changed = changed;
+        self
     }
 
     /// The live status of every resource.
@@ -180,6 +207,18 @@ impl PluginManager {
 
     fn kubelet_socket(&self) -> PathBuf {
         self.dir.join(KUBELET_SOCKET)
+    }
+
+    fn kubelet_id(&self) -> Option<KubeletId> {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(self.kubelet_socket())
+            .ok()
+            .map(|m| KubeletId {
+                dev: m.dev(),
+                ino: m.ino(),
+                ctime: m.ctime(),
+                ctime_nsec: m.ctime_nsec(),
+            })
     }
 
     /// Serves and keeps registered until `shutdown` resolves; then stops the
@@ -229,8 +268,16 @@ impl PluginManager {
                     let created = ev.mask.intersects(EventMask::CREATE | EventMask::MOVED_TO);
                     let deleted = ev.mask.intersects(EventMask::DELETE | EventMask::MOVED_FROM);
                     if name == KUBELET_SOCKET && created {
-                        tracing::info!(stage = "plugin", "kubelet restarted; serving on new sockets and registering again");
-                        for i in 0..self.plugins.len() {
+                        // Plugins that already restarted for this kubelet
+                        // (their socket's deletion came first) stay as they are.
+                        let kubelet = self.kubelet_id();
+                        let stale: Vec<usize> = (0..self.plugins.len())
+                            .filter(|&i| kubelet.is_none() || self.plugins[i].kubelet != kubelet)
+                            .collect();
+                        if !stale.is_empty() {
+                            tracing::info!(stage = "plugin", "kubelet restarted; serving on new sockets and registering again");
+                        }
+                        for i in stale {
                             self.restart(i, &done_tx)?;
                         }
                     } else if deleted && self.kubelet_socket().exists() {
@@ -309,6 +356,7 @@ impl PluginManager {
         self.next_generation += 1;
         p.retry_delay = FIRST_RETRY;
         p.retry_at = None;
+        self.plugins[i].kubelet = self.kubelet_id();
         self.set_status(i, |s| s.registered = false);
         self.register(i, done);
         Ok(())
@@ -426,6 +474,7 @@ impl PluginManager {
             self.plugins.push(new_plugin(&self.dir, r));
             self.restart(self.plugins.len() - 1, done)?;
         }
+        self.changed.notify_one();
         Ok(())
     }
 
@@ -433,6 +482,7 @@ impl PluginManager {
         if let Some(s) = self.board.lock().unwrap().get_mut(i) {
             f(s);
         }
+        self.changed.notify_one();
     }
 }
 
@@ -445,6 +495,7 @@ fn new_plugin(dir: &Path, r: Resource) -> Plugin {
         generation: 0,
         retry_delay: FIRST_RETRY,
         retry_at: None,
+        kubelet: None,
     }
 }
 
