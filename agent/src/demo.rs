@@ -68,6 +68,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         syscalls: &hostlib::LinuxSyscalls,
         simulated: true,
         drain: None,
+        serve_first: false,
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

@@ -503,6 +503,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         syscalls: &hostlib::LinuxSyscalls,
         simulated: view.simulated.is_some(),
         drain: None,
+        serve_first: !once,
     });
     let ok = pass.ok();
     let mut st = AgentState::new(&host, heartbeat, caps.names());
@@ -520,8 +521,12 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             ExitCode::FAILURE
         });
     }
-    sync_state(&mut file, &mut st, &host, false);
-    let rt = tokio::runtime::Builder::new_current_thread()
+    // One worker runs the device plugin and the health monitor while this
+    // thread runs passes (the deferred stages now, reloads later), so the
+    // plugin serves during a pass.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("gpu-agent-worker")
         .enable_all()
         .build()?;
     rt.block_on(async {
@@ -550,6 +555,28 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             health_stopped,
             changed.clone(),
         );
+        if let Some(inv) = st.inventory.clone()
+            && !pass.deferred.is_empty()
+        {
+            stages::run_deferred(
+                &Context {
+                    policy: &policy,
+                    caps: &caps,
+                    sys: &view.sys,
+                    backend: view.backend.as_ref(),
+                    host: &host,
+                    apply: Some(&hostlib::command::SystemRunner),
+                    syscalls: &hostlib::LinuxSyscalls,
+                    simulated: view.simulated.is_some(),
+                    drain: None,
+                    serve_first: false,
+                },
+                &pass.deferred,
+                &inv,
+                &mut st.stages,
+            );
+        }
+        sync_state(&mut file, &mut st, &host, false);
         // The heartbeat only stamps the file (and notices a plugin task
         // that ended); with nothing happening that is all the agent does.
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
@@ -639,6 +666,7 @@ async fn reload(
         syscalls: &hostlib::LinuxSyscalls,
         simulated: view.simulated.is_some(),
         drain: drained.as_ref().map(|d| d as &dyn gpu_agent::driver::Drain),
+        serve_first: false,
     });
     let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
     let _ = plugin.updater.send(resources);
@@ -883,6 +911,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         syscalls: &hostlib::LinuxSyscalls,
         simulated: view.simulated.is_some(),
         drain: None,
+        serve_first: false,
     });
     let report = StatusReport {
         source: "host-inspection",

@@ -216,6 +216,8 @@ pub struct Pass {
     pub inventory: Option<Inventory>,
     /// The device plugin's resources, for `run` to serve.
     pub plugin: Option<PluginPlan>,
+    /// Stages left for [`run_deferred`] (with `serve_first`).
+    pub deferred: Vec<Stage>,
 }
 
 /// What the device plugin will advertise.
@@ -268,6 +270,11 @@ pub struct Context<'a> {
     /// Stops the device plugin's advertising before a driver upgrade;
     /// `None`: nothing is advertised yet.
     pub drain: Option<&'a dyn crate::driver::Drain>,
+    /// `run`'s first pass: stages the device plugin does not need before it
+    /// serves (the CDI spec, when no CDI device-list strategy hands out CDI
+    /// names) are left for [`run_deferred`], so the kubelet hears from us
+    /// sooner.
+    pub serve_first: bool,
 }
 
 /// Runs the stages in order, once.
@@ -275,6 +282,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     let mut stages: Vec<StageStatus> = Vec::new();
     let mut inventory: Option<Inventory> = None;
     let mut plugin_plan = None;
+    let mut deferred = Vec::new();
     for stage in Stage::ALL {
         let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
         let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
@@ -330,6 +338,13 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                 Stage::Runtime => runtime_stage(ctx),
                 Stage::Cdi => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(_) if ctx.serve_first && !plugin_needs_cdi(ctx.policy) => {
+                        deferred.push(Stage::Cdi);
+                        (
+                            StageState::Ready,
+                            "runs once the device plugin serves (its device-list strategy hands out no CDI names)".to_string(),
+                        )
+                    }
                     Some(inv) => cdi_stage(ctx, inv),
                 },
                 Stage::Health => match inventory.as_ref() {
@@ -342,13 +357,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                 ),
             }
         };
-        match state {
-            StageState::Failed => tracing::error!(stage = stage.name(), "{detail}"),
-            StageState::Blocked | StageState::Waiting => {
-                tracing::warn!(stage = stage.name(), state = state.label(), "{detail}")
-            }
-            _ => tracing::info!(stage = stage.name(), state = state.label(), "{detail}"),
-        }
+        log_stage(stage, state, &detail);
         stages.push(StageStatus {
             stage,
             state,
@@ -361,6 +370,58 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
         stages,
         inventory,
         plugin: plugin_plan,
+        deferred,
+    }
+}
+
+/// Whether the device plugin hands out CDI names, so that the spec must be
+/// written before it serves (an unreadable device-plugin config counts as
+/// yes: the plugin stage reports it).
+fn plugin_needs_cdi(policy: &Policy) -> bool {
+    use crate::plugin::config::DeviceListStrategy;
+    policy.device_plugin.enabled
+        && plugin::settings(policy).map_or(true, |s| {
+            s.list_strategies.iter().any(|l| {
+                matches!(
+                    l,
+                    DeviceListStrategy::CdiAnnotations | DeviceListStrategy::CdiCri
+                )
+            })
+        })
+}
+
+/// Runs the stages a `serve_first` pass left for later, replacing their
+/// entries in `stages`.
+pub fn run_deferred(
+    ctx: &Context<'_>,
+    deferred: &[Stage],
+    inventory: &Inventory,
+    stages: &mut [StageStatus],
+) {
+    for &stage in deferred {
+        let _span = tracing::info_span!("stage", stage = stage.name()).entered();
+        let (state, detail) = match stage {
+            Stage::Cdi => cdi_stage(ctx, inventory),
+            other => (
+                StageState::Failed,
+                format!("internal error: stage {} cannot be deferred", other.name()),
+            ),
+        };
+        log_stage(stage, state, &detail);
+        if let Some(st) = stages.iter_mut().find(|s| s.stage == stage) {
+            st.state = state;
+            st.detail = detail;
+        }
+    }
+}
+
+fn log_stage(stage: Stage, state: StageState, detail: &str) {
+    match state {
+        StageState::Failed => tracing::error!(stage = stage.name(), "{detail}"),
+        StageState::Blocked | StageState::Waiting => {
+            tracing::warn!(stage = stage.name(), state = state.label(), "{detail}")
+        }
+        _ => tracing::info!(stage = stage.name(), state = state.label(), "{detail}"),
     }
 }
 
@@ -916,7 +977,47 @@ mod tests {
             syscalls: &hostlib::RecordingSyscalls::new(),
             simulated: true,
             drain: None,
+            serve_first: false,
         })
+    }
+
+    #[test]
+    fn serve_first_defers_cdi_unless_the_plugin_hands_out_cdi_names() {
+        let (_dir, sys, backend) = sim_node("h100-sxm-8");
+        let caps = HeldCaps::from_caps(&[]);
+        let recording = hostlib::RecordingSyscalls::new();
+        let ctx = |policy| Context {
+            policy,
+            caps: &caps,
+            sys: &sys,
+            backend: &backend,
+            host: &sys,
+            apply: None,
+            syscalls: &recording,
+            simulated: true,
+            drain: None,
+            serve_first: true,
+        };
+        let envvar = Policy::default();
+        let mut p = run_pass(&ctx(&envvar));
+        assert_eq!(p.deferred, [Stage::Cdi]);
+        let cdi = state_of(&p, Stage::Cdi);
+        assert_eq!(cdi.state, StageState::Ready);
+        assert!(cdi.detail.starts_with("runs once the device plugin serves"));
+        assert_eq!(state_of(&p, Stage::Plugin).state, StageState::Ready);
+        let inv = p.inventory.clone().unwrap();
+        run_deferred(&ctx(&envvar), &p.deferred, &inv, &mut p.stages);
+        let cdi = state_of(&p, Stage::Cdi);
+        assert_eq!(cdi.state, StageState::Ready, "{}", cdi.detail);
+        assert!(cdi.detail.starts_with("would write"), "{}", cdi.detail);
+        let cdi_cri = Policy::from_yaml(
+            "spec:\n  devicePlugin:\n    deviceListStrategy: [envvar, cdi-cri]\n",
+            "p",
+        )
+        .unwrap();
+        let p = run_pass(&ctx(&cdi_cri));
+        assert!(p.deferred.is_empty());
+        assert!(state_of(&p, Stage::Cdi).detail.starts_with("would write"));
     }
 
     fn state_of(p: &Pass, stage: Stage) -> &StageStatus {

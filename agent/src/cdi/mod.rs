@@ -360,16 +360,20 @@ pub fn apply(
     let files = hostlib::managed::ManagedFiles::lock(host, sys, wait_for_lock)?;
     let mut changed = Vec::new();
     if cdi.hook_path == crate::policy::INSTALLED_HOOK_PATH {
-        let me = std::env::current_exe()
-            .and_then(std::fs::read)
-            .map_err(|source| CdiError::SelfCopy {
-                path: std::env::current_exe()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_else(|_| "/proc/self/exe".into()),
+        let me = std::env::current_exe().map_err(|source| CdiError::SelfCopy {
+            path: "/proc/self/exe".into(),
+            source,
+        })?;
+        // The same build already installed: nothing to read or write (a
+        // byte-for-byte compare would read 7 MB twice at every start).
+        if !same_build(&me, &host.resolve(&cdi.hook_path)?) {
+            let bytes = std::fs::read(&me).map_err(|source| CdiError::SelfCopy {
+                path: me.display().to_string(),
                 source,
             })?;
-        if files.write(&cdi.hook_path, &me, 0o755)? {
-            changed.push(cdi.hook_path.clone());
+            if files.write(&cdi.hook_path, &bytes, 0o755)? {
+                changed.push(cdi.hook_path.clone());
+            }
         }
     } else if !host.exists(&cdi.hook_path) {
         return Err(CdiError::NoHookProgram(cdi.hook_path.clone()));
@@ -379,6 +383,29 @@ pub fn apply(
         changed.push(path);
     }
     Ok(changed)
+}
+
+/// True when `installed` is an executable copy of the program `me`: the
+/// same size and the same GNU build ID (read from the ELF notes alone).
+/// Without build IDs it is false, and the caller compares bytes.
+pub fn same_build(me: &std::path::Path, installed: &std::path::Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let (Ok(a), Ok(b)) = (std::fs::metadata(me), std::fs::symlink_metadata(installed)) else {
+        return false;
+    };
+    if !b.is_file() || a.len() != b.len() || b.permissions().mode() & 0o111 == 0 {
+        return false;
+    }
+    matches!((build_id(me), build_id(installed)), (Some(x), Some(y)) if x == y)
+}
+
+/// The GNU build ID of an ELF file, reading only the parts it needs.
+fn build_id(path: &std::path::Path) -> Option<Vec<u8>> {
+    use object::Object;
+    let file = std::fs::File::open(path).ok()?;
+    let cache = object::ReadCache::new(file);
+    let elf = object::read::elf::ElfFile64::<object::Endianness, _>::parse(&cache).ok()?;
+    elf.build_id().ok().flatten().map(<[u8]>::to_vec)
 }
 
 impl Generated {
@@ -619,6 +646,33 @@ pub fn mig_access_minors(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn same_build_by_build_id_size_and_exec_bit() {
+        use std::os::unix::fs::PermissionsExt;
+        let me = std::env::current_exe().unwrap();
+        assert!(build_id(&me).is_some(), "the linker writes GNU build IDs");
+        let dir = tempfile::tempdir().unwrap();
+        let copy = dir.path().join("gpu-agent");
+        std::fs::copy(&me, &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert!(same_build(&me, &copy));
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(
+            !same_build(&me, &copy),
+            "a copy that cannot run is replaced"
+        );
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&copy)
+            .unwrap();
+        f.set_len(f.metadata().unwrap().len() - 1).unwrap();
+        assert!(!same_build(&me, &copy), "another size is another build");
+        std::fs::write(&copy, b"#!/bin/sh\n").unwrap();
+        assert!(!same_build(&me, &copy));
+        assert!(!same_build(&me, &dir.path().join("missing")));
+    }
     use super::*;
 
     #[test]
