@@ -283,6 +283,8 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     let mut inventory: Option<Inventory> = None;
     let mut plugin_plan = None;
     let mut deferred = Vec::new();
+    // Why the container runtime will not inject CDI devices, if known.
+    let mut runtime_no_cdi: Option<String> = None;
     for stage in Stage::ALL {
         let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
         let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
@@ -316,11 +318,19 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                             (StageState::Waiting, undescribed(inv, "advertised"))
                         }
                         Ok(resources) => {
+                            let cdi_names = settings.hands_out_cdi_names();
                             let plan = PluginPlan {
                                 settings,
                                 resources,
                             };
-                            let detail = plan.summary();
+                            let mut detail = plan.summary();
+                            if let Some(why) = runtime_no_cdi.as_ref().filter(|_| cdi_names) {
+                                let warning = format!(
+                                    "warning: the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"
+                                );
+                                tracing::warn!(stage = "plugin", "{warning}");
+                                detail = format!("{detail}; {warning}");
+                            }
                             plugin_plan = Some(plan);
                             (StageState::Ready, detail)
                         }
@@ -335,7 +345,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => devnodes_stage(ctx, inv),
                 },
-                Stage::Runtime => runtime_stage(ctx),
+                Stage::Runtime => runtime_stage(ctx, &mut runtime_no_cdi),
                 Stage::Cdi => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(_) if ctx.serve_first && !plugin_needs_cdi(ctx.policy) => {
@@ -378,16 +388,8 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
 /// written before it serves (an unreadable device-plugin config counts as
 /// yes: the plugin stage reports it).
 fn plugin_needs_cdi(policy: &Policy) -> bool {
-    use crate::plugin::config::DeviceListStrategy;
     policy.device_plugin.enabled
-        && plugin::settings(policy).map_or(true, |s| {
-            s.list_strategies.iter().any(|l| {
-                matches!(
-                    l,
-                    DeviceListStrategy::CdiAnnotations | DeviceListStrategy::CdiCri
-                )
-            })
-        })
+        && plugin::settings(policy).map_or(true, |s| s.hands_out_cdi_names())
 }
 
 /// Runs the stages a `serve_first` pass left for later, replacing their
@@ -761,7 +763,7 @@ fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
 
 /// Plans the container runtime's configuration; with `ctx.apply`, writes
 /// it and reloads the runtime, only when something changed.
-fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
+fn runtime_stage(ctx: &Context<'_>, no_cdi: &mut Option<String>) -> (StageState, String) {
     let p = ctx.policy;
     let rt = p.operator.default_runtime;
     let name = format!("{rt:?}").to_lowercase();
@@ -786,6 +788,7 @@ fn runtime_stage(ctx: &Context<'_>) -> (StageState, String) {
         Ok(plan) => plan,
         Err(e) => return (StageState::Failed, e.to_string()),
     };
+    no_cdi.clone_from(&plan.no_cdi);
     let notes = if plan.notes.is_empty() {
         String::new()
     } else {

@@ -586,3 +586,130 @@ fn run_configures_the_runtime_once_and_reloads_only_on_change() {
         "{st}"
     );
 }
+
+/// Logs written to a file or pipe carry no colour codes (what `kubectl
+/// logs` shows), in the default `auto` format and in `text`.
+#[test]
+fn text_logs_into_a_pipe_have_no_colour_codes() {
+    let host = tempfile::tempdir().unwrap();
+    for format in ["auto", "text"] {
+        let (code, _, err) = run(at(host.path()).args([
+            "--simulate",
+            "t4-4",
+            "--log-format",
+            format,
+            "run",
+            "--once",
+        ]));
+        assert_eq!(code, 0, "{err}");
+        assert!(err.contains("found GPU"), "{err}");
+        assert!(!err.contains('\u{1b}'), "colour codes in {format} logs: {err:?}");
+    }
+}
+
+#[test]
+fn a_missing_policy_file_is_named_once() {
+    let (code, _, err) = run(bin().args(["--policy", "/nonexistent.yaml", "status"]));
+    assert_eq!(code, 2);
+    assert_eq!(
+        err.trim(),
+        "error: /nonexistent.yaml: No such file or directory (os error 2)"
+    );
+}
+
+/// A containerd 1.6 host (version from its own binary, run through the host
+/// root) with a CDI device-list strategy: `status` and the log say that the
+/// CDI names the plugin hands out lead nowhere.
+#[test]
+fn cdi_names_on_a_runtime_without_cdi_are_warned_about() {
+    use std::os::unix::fs::PermissionsExt;
+    let host = tempfile::tempdir().unwrap();
+    let bin_dir = host.path().join("usr/bin");
+    fs::create_dir_all(&bin_dir).unwrap();
+    fs::create_dir_all(host.path().join("etc/containerd")).unwrap();
+    fs::copy(
+        fixture("containerd/valid/v2-default-1.6.toml"),
+        host.path().join("etc/containerd/config.toml"),
+    )
+    .unwrap();
+    for (name, body) in [
+        (
+            "containerd",
+            "#!/bin/sh\necho 'containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1'\n",
+        ),
+        ("nvidia-container-runtime", "#!/bin/sh\nexit 0\n"),
+    ] {
+        let p = bin_dir.join(name);
+        fs::write(&p, body).unwrap();
+        fs::set_permissions(&p, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let policy = host.path().join("policy.yaml");
+    fs::write(
+        &policy,
+        "spec:\n  devicePlugin:\n    deviceListStrategy: [cdi-annotations]\n",
+    )
+    .unwrap();
+    let (code, out, err) = run(at(host.path())
+        .args(["--simulate", "h100-sxm-8", "--policy"])
+        .arg(&policy)
+        .args(["status", "-o", "json"]));
+    assert_eq!(code, 0, "{err}");
+    let st = json(&out);
+    let plugin = st["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "plugin")
+        .unwrap();
+    let detail = plugin["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("hands out CDI names, but containerd 1.6.20 has no CDI support"),
+        "{detail}"
+    );
+    assert!(err.contains("containers get no GPU through them"), "{err}");
+    // With envvar there is nothing to warn about.
+    fs::write(&policy, "spec: {}\n").unwrap();
+    let (_, out, _) = run(at(host.path())
+        .args(["--simulate", "h100-sxm-8", "--policy"])
+        .arg(&policy)
+        .args(["status", "-o", "json"]));
+    assert!(!out.contains("hands out CDI names"), "{out}");
+}
+
+/// An idle agent does not rewrite its state file: same inode and bytes over
+/// several heartbeats; only the modification time moves (the sign of life
+/// `status` reads).
+#[test]
+fn idle_agent_stamps_but_does_not_rewrite_its_state() {
+    use std::os::unix::fs::MetadataExt;
+    let host = tempfile::tempdir().unwrap();
+    let mut child = at(host.path())
+        .args(["--simulate", "t4-4", "run", "--heartbeat", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let state_file = host.path().join("run/gpu-agent/state.json");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Settled: the plugin stage has said what it could (no kubelet here).
+    loop {
+        assert!(Instant::now() < deadline, "the agent wrote no settled state");
+        if let Ok(text) = fs::read_to_string(&state_file)
+            && text.contains("not registered")
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let before = fs::metadata(&state_file).unwrap();
+    let bytes = fs::read(&state_file).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = fs::metadata(&state_file).unwrap();
+    assert_eq!(after.ino(), before.ino(), "the state file was rewritten");
+    assert_eq!(fs::read(&state_file).unwrap(), bytes);
+    assert!(after.mtime() > before.mtime(), "no heartbeat stamp");
+    let (code, out, _) = run(at(host.path()).arg("status"));
+    assert_eq!(code, 0);
+    assert!(out.contains("from the running agent"), "{out}");
+    assert_eq!(sigterm(&mut child), Some(0));
+}

@@ -446,6 +446,12 @@ fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
             .contains("no-such-gpu")
     );
     assert_eq!(r["prestart"], "ok");
+    // The allocation is logged with the devices it handed out.
+    assert!(
+        log.lines()
+            .any(|l| l.contains("\"allocated\"") && l.contains(&preferred.join(","))),
+        "no allocated line naming {preferred:?}:\n{log}"
+    );
     // grpcio really sent the socket path (percent-encoded) as :authority.
     assert!(
         log.lines()

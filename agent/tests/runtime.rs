@@ -104,6 +104,19 @@ fn round_trip(fixture: Option<&str>, version: &str, nvidia_runtime: bool) -> tem
         &format!("{tag}.toml"),
         &fs::read(host.path().join(CONFIG)).unwrap(),
     );
+    // The user is told which files are new (restore removes them) and which
+    // were changed (restore puts the original back).
+    for (rel, had) in [(CONFIG, before.contains_key(CONFIG)), (DROP_IN, false)] {
+        if !host.path().join(rel).exists() {
+            continue;
+        }
+        let said = if had {
+            format!("wrote /{rel} (the original is kept;")
+        } else {
+            format!("wrote /{rel} (a new file;")
+        };
+        assert!(err.contains(&said), "expected {said:?} in {err}");
+    }
     if host.path().join(DROP_IN).exists() {
         golden(
             &format!("{tag}.drop-in.toml"),

@@ -25,6 +25,19 @@ pub struct PluginSettings {
     pub time_slicing: Option<SharingSpec>,
 }
 
+impl PluginSettings {
+    /// True when `Allocate` answers with CDI device names (cdi-annotations
+    /// or cdi-cri), which a runtime resolves through the CDI spec.
+    pub fn hands_out_cdi_names(&self) -> bool {
+        self.list_strategies.iter().any(|l| {
+            matches!(
+                l,
+                DeviceListStrategy::CdiAnnotations | DeviceListStrategy::CdiCri
+            )
+        })
+    }
+}
+
 impl Default for PluginSettings {
     fn default() -> Self {
         PluginSettings {

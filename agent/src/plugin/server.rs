@@ -134,7 +134,9 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<AllocateResponse>, Status> {
         let resource = self.resource.borrow().clone();
         let mut out = AllocateResponse::default();
+        let mut devices: Vec<String> = Vec::new();
         for req in request.into_inner().container_requests {
+            devices.push(req.devices_ids.join(","));
             let resp = allocate::container_response(
                 &resource,
                 &self.settings,
@@ -147,7 +149,12 @@ impl DevicePlugin for PluginService {
             })?;
             out.container_responses.push(resp);
         }
-        tracing::info!(resource = %resource.name, containers = out.container_responses.len(), "allocated");
+        tracing::info!(
+            resource = %resource.name,
+            containers = out.container_responses.len(),
+            devices = %devices.join(" "),
+            "allocated"
+        );
         Ok(Response::new(out))
     }
 

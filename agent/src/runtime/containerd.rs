@@ -106,6 +106,8 @@ pub struct Plan {
     /// The systemd unit whose restart makes containerd read the change
     /// (`containerd`; k3s's or RKE2's own unit for their templates).
     pub unit: String,
+    /// Why containerd will not inject CDI devices, when that is known.
+    pub no_cdi: Option<String>,
 }
 
 const DROP_IN_NAME: &str = "99-gpu-agent.toml";
@@ -374,6 +376,12 @@ pub fn plan(
         Some(v) => v.at_least(1, 7),
         None => config_version >= 3,
     };
+    let no_cdi = match version {
+        Some(v) if !cdi_supported => Some(format!(
+            "containerd {v} has no CDI support (it arrived in 1.7)"
+        )),
+        _ => None,
+    };
     if opts.enable_cdi && !cdi_supported {
         let why = match version {
             Some(v) => format!("containerd {v} has no CDI support (it arrived in 1.7)"),
@@ -481,6 +489,7 @@ pub fn plan(
         changes,
         notes,
         unit: "containerd".into(),
+        no_cdi,
     })
 }
 
@@ -689,6 +698,7 @@ pub fn plan_template(
         changes,
         notes,
         unit,
+        no_cdi: (!cdi_on).then(|| format!("{rendered_path} has CDI off")),
     })
 }
 

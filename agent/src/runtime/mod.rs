@@ -123,6 +123,8 @@ pub struct RuntimePlan {
     pub notes: Vec<String>,
     /// The systemd unit a restart goes to (k3s/RKE2 restart their own containerd).
     pub unit: String,
+    /// Why the runtime will not inject CDI devices, when that is known.
+    pub no_cdi: Option<String>,
 }
 
 /// Plans the configuration of the policy's container runtime.
@@ -156,6 +158,7 @@ pub fn plan(
                 changes: p.changes,
                 notes: p.notes,
                 unit: p.unit,
+                no_cdi: p.no_cdi,
             })
         }
         ContainerRuntime::Crio => {
@@ -176,6 +179,7 @@ pub fn plan(
                 changes,
                 notes,
                 unit: unit(runtime).into(),
+                no_cdi: None,
             })
         }
         ContainerRuntime::Docker => {
@@ -191,6 +195,7 @@ pub fn plan(
                 changes: docker::plan(host, &opts)?,
                 notes: Vec::new(),
                 unit: unit(runtime).into(),
+                no_cdi: None,
             })
         }
     }
