@@ -375,8 +375,11 @@ fn nodes(e: &Env, sys: &dyn hostlib::Syscalls) -> Result<(), Failure> {
 fn upgrade(e: &Env, sys: &dyn hostlib::Syscalls, name: &str) -> Result<ExitCode, Failure> {
     if let Ok(Some(st)) = gpu_agent::state::AgentState::read(&e.host)
         && matches!(
-            st.liveness(gpu_agent::state::now()),
-            gpu_agent::state::Liveness::Live { .. }
+            st.liveness(
+                gpu_agent::state::now(),
+                gpu_agent::state::agent_running(&e.host)
+            ),
+            gpu_agent::state::Liveness::Live { .. } | gpu_agent::state::Liveness::Hung { .. }
         )
     {
         return Err(anyhow::anyhow!(

@@ -79,8 +79,11 @@ enum Command {
         /// Run the stages once and exit (1 if a stage failed).
         #[arg(long)]
         once: bool,
-        /// Seconds between state-file refreshes.
-        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+        /// Seconds between liveness stamps of the state file (its mtime;
+        /// no data written), so that `status` can tell a hung agent. 0: no
+        /// stamps, and nothing wakes an idle agent (a live agent is known by
+        /// its lock).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
         heartbeat: u64,
     },
     /// Show each stage's state: from the running agent, or by inspecting the host.
@@ -484,6 +487,8 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
 fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let mut policy = load_policy(cli.policy.as_deref())?;
+    // One agent per host; `status` knows it lives by this lock.
+    let _lock = state::AgentLock::take(&host)?;
     let caps = HeldCaps::read();
     let view = node_view(cli, &host)?;
     tracing::info!(
@@ -514,7 +519,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     let mut file = state::StateFile::default();
     if once {
         st.stopped_at = Some(state::now());
-        sync_state(&mut file, &mut st, &host, false);
+        sync_state(&mut file, &mut st, &host);
         return Ok(if ok {
             ExitCode::SUCCESS
         } else {
@@ -558,6 +563,10 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         if let Some(inv) = st.inventory.clone()
             && !pass.deferred.is_empty()
         {
+            // The kubelet hears from us first; then the deferred stages.
+            if let Some(p) = &plugin {
+                p.first_attempts(&changed, Duration::from_secs(1)).await;
+            }
             stages::run_deferred(
                 &Context {
                     policy: &policy,
@@ -576,33 +585,39 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 &mut st.stages,
             );
         }
-        sync_state(&mut file, &mut st, &host, false);
-        // The heartbeat only stamps the file (and notices a plugin task
-        // that ended); with nothing happening that is all the agent does.
-        let mut tick = tokio::time::interval(Duration::from_secs(heartbeat));
+        refresh(&mut st, plugin.as_mut(), health.as_ref());
+        sync_state(&mut file, &mut st, &host);
+        // A heartbeat (if asked for) only stamps the file. Without one,
+        // nothing wakes this loop but signals and changes.
+        let mut tick = tokio::time::interval(Duration::from_secs(heartbeat.max(1)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
-            let stamp = tokio::select! {
-                _ = tick.tick() => true,
-                _ = changed.notified() => false,
+            let beat = async {
+                if heartbeat > 0 {
+                    tick.tick().await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                _ = beat => {
+                    if let Err(e) = file.stamp(&host) {
+                        tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent stopped");
+                    }
+                    continue;
+                }
+                _ = changed.notified() => {}
                 _ = hup.recv() => {
                     if let Some(p) = &plugin {
                         reload(cli, &host, &view, &caps, &mut st, p, &mut policy).await;
                     }
-                    false
                 }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
-            };
-            if let Some(p) = &mut plugin {
-                p.refresh(&mut st);
             }
-            if let Some(board) = &health {
-                st.health = board.lock().unwrap().clone();
-                stages::apply_health_status(&mut st.stages, &st.health);
-            }
-            sync_state(&mut file, &mut st, &host, stamp);
+            refresh(&mut st, plugin.as_mut(), health.as_ref());
+            sync_state(&mut file, &mut st, &host);
         }
         let _ = health_stop.send(());
         if let Some(p) = plugin {
@@ -612,7 +627,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     })?;
     tracing::info!("gpu-agent stopping");
     st.stopped_at = Some(state::now());
-    sync_state(&mut file, &mut st, &host, false);
+    sync_state(&mut file, &mut st, &host);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -780,14 +795,21 @@ impl RunningPlugin {
             Arc::new(plan.settings),
             host.clone(),
         )
-        .with_change_signal(changed);
+        .with_change_signal(changed.clone());
         let board = mgr.board();
         let updater = mgr.updater();
         let senders = mgr.resource_senders();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(mgr.run(async {
-            let _ = stopped.await;
-        }));
+        let task = tokio::spawn(async move {
+            let result = mgr
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+            // The agent's state shows a plugin that stopped at once.
+            changed.notify_one();
+            result
+        });
         Ok(RunningPlugin {
             board,
             updater,
@@ -795,6 +817,27 @@ impl RunningPlugin {
             stop: Some(stop),
             task,
         })
+    }
+
+    /// Waits until every resource's first registration was answered
+    /// (accepted or refused), or `limit`.
+    async fn first_attempts(&self, changed: &tokio::sync::Notify, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let answered = self
+                .board
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|r| r.registrations > 0 || r.last_error.is_some());
+            if answered || self.task.is_finished() {
+                return;
+            }
+            tokio::select! {
+                _ = changed.notified() => {}
+                _ = tokio::time::sleep_until(deadline) => return,
+            }
+        }
     }
 
     /// Copies the plugins' status into the agent state.
@@ -829,9 +872,21 @@ impl RunningPlugin {
     }
 }
 
-/// Writes the state file if it changed (else, with `stamp`, marks it alive).
-fn sync_state(file: &mut state::StateFile, st: &mut AgentState, host: &HostRoot, stamp: bool) {
-    if let Err(e) = file.sync(st, host, stamp) {
+/// Copies the live status of the device plugin and the health monitor into
+/// the agent's state.
+fn refresh(st: &mut AgentState, plugin: Option<&mut RunningPlugin>, health: Option<&HealthBoard>) {
+    if let Some(p) = plugin {
+        p.refresh(st);
+    }
+    if let Some(board) = health {
+        st.health = board.lock().unwrap().clone();
+        stages::apply_health_status(&mut st.stages, &st.health);
+    }
+}
+
+/// Writes the state file if what it says changed.
+fn sync_state(file: &mut state::StateFile, st: &mut AgentState, host: &HostRoot) {
+    if let Err(e) = file.sync(st, host) {
         tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
     }
 }
@@ -876,12 +931,16 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let now = state::now();
     let note = match AgentState::read(&host) {
-        Ok(Some(st)) => match st.liveness(now) {
+        Ok(Some(st)) => match st.liveness(now, state::agent_running(&host)) {
             Liveness::Live { age_secs } => {
                 return print_status(&StatusReport::from_agent(st, age_secs), output);
             }
+            Liveness::Hung { age_secs } => format!(
+                "the agent (pid {}) holds its lock but has not stamped its state for {age_secs} s (heartbeat {} s): it hangs; inspecting the host",
+                st.pid, st.heartbeat_secs
+            ),
             Liveness::Stale { age_secs } => format!(
-                "the agent's state file is {age_secs} s old (pid {} stopped refreshing it): the agent is not running; inspecting the host",
+                "the agent (pid {}) is not running and did not say it stopped (killed or crashed; state {age_secs} s old); inspecting the host",
                 st.pid
             ),
             Liveness::Stopped { age_secs } => {

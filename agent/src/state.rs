@@ -1,9 +1,14 @@
 //! The running agent's state file, `/run/gpu-agent/state.json` under the
-//! host root. `run` writes it when what it says changes, and otherwise only
-//! sets its modification time every heartbeat (no data written, no fsync);
-//! `status` reads it, and knows a stale file from a live one by the age of
-//! the later of the two (which works across PID namespaces, unlike a PID
-//! check).
+//! host root, and its lock, `/run/gpu-agent/agent.lock`.
+//!
+//! `run` holds the lock (flock) for as long as it lives and writes the
+//! state file when what it says changes: an idle agent writes nothing and
+//! wakes for nothing. `status` knows a live agent by the held lock, which
+//! works across PID and mount namespaces (a DaemonSet's agent, `status` on
+//! the host) and is released by the kernel when the agent dies, however it
+//! dies. With `run --heartbeat SECS` the agent also stamps the file's
+//! modification time (no data, no fsync) so that `status` can tell a hung
+//! agent from a live one.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -17,6 +22,8 @@ use crate::stages::StageStatus;
 
 /// Where the state file lives, as a host path.
 pub const STATE_FILE: &str = "/run/gpu-agent/state.json";
+/// The lock a running agent holds, as a host path.
+pub const LOCK_FILE: &str = "/run/gpu-agent/agent.lock";
 /// The format written; a reader refuses others.
 pub const FORMAT: u32 = 1;
 
@@ -33,7 +40,7 @@ pub struct AgentState {
     pub updated_at: u64,
     /// Set when the agent stopped cleanly.
     pub stopped_at: Option<u64>,
-    /// How often `updated_at` is refreshed.
+    /// How often the file's mtime is stamped (0: never).
     pub heartbeat_secs: u64,
     pub host_root: String,
     pub policy: Option<String>,
@@ -70,12 +77,72 @@ pub fn now() -> u64 {
 /// Is the agent that wrote the state still there?
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Liveness {
-    /// Updated within three heartbeats.
+    /// It holds its lock (and, with a heartbeat, stamped within three).
     Live { age_secs: u64 },
-    /// Not updated for longer: the agent died or hangs.
+    /// It holds its lock but stopped stamping for three heartbeats: it hangs.
+    Hung { age_secs: u64 },
+    /// Nobody holds the lock and the agent never said it stopped: it was
+    /// killed or crashed.
     Stale { age_secs: u64 },
     /// The agent stopped cleanly.
     Stopped { age_secs: u64 },
+}
+
+/// A running agent's hold on [`LOCK_FILE`]; released when dropped or when
+/// the process dies.
+#[derive(Debug)]
+pub struct AgentLock {
+    _lock: nix::fcntl::Flock<std::fs::File>,
+}
+
+/// Another agent holds the lock, or the lock file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error(
+        "another gpu-agent is running on this host (it holds {path}); stop it first (systemctl stop gpu-agent, or kill the pid `gpu-agent status` shows)"
+    )]
+    Held { path: String },
+    #[error(transparent)]
+    Host(#[from] HostError),
+}
+
+impl AgentLock {
+    /// Takes the lock without waiting.
+    pub fn take(host: &HostRoot) -> Result<Self, LockError> {
+        use nix::fcntl::{Flock, FlockArg};
+        let path = host.resolve(LOCK_FILE)?;
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| HostError::io(dir, e))?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| HostError::io(&path, e))?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(AgentLock { _lock: lock }),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(LockError::Held {
+                path: path.display().to_string(),
+            }),
+            Err((_, errno)) => Err(HostError::io(&path, std::io::Error::from(errno)).into()),
+        }
+    }
+}
+
+/// True when a live agent holds the lock on this host.
+pub fn agent_running(host: &HostRoot) -> bool {
+    use nix::fcntl::{Flock, FlockArg};
+    let Ok(path) = host.resolve(LOCK_FILE) else {
+        return false;
+    };
+    let Ok(file) = std::fs::File::open(&path) else {
+        return false;
+    };
+    matches!(
+        Flock::lock(file, FlockArg::LockSharedNonblock),
+        Err((_, nix::errno::Errno::EWOULDBLOCK))
+    )
 }
 
 impl AgentState {
@@ -101,18 +168,22 @@ impl AgentState {
         }
     }
 
-    /// How fresh the state is at `now`.
-    pub fn liveness(&self, now: u64) -> Liveness {
+    /// Whether the agent is there at `now`; `running`: a live process
+    /// holds the lock ([`agent_running`]).
+    pub fn liveness(&self, now: u64, running: bool) -> Liveness {
+        let age_secs = now.saturating_sub(self.updated_at);
         if let Some(at) = self.stopped_at {
             return Liveness::Stopped {
                 age_secs: now.saturating_sub(at),
             };
         }
-        let age_secs = now.saturating_sub(self.updated_at);
-        if age_secs <= 3 * self.heartbeat_secs.max(1) {
-            Liveness::Live { age_secs }
+        if !running {
+            return Liveness::Stale { age_secs };
+        }
+        if self.heartbeat_secs > 0 && age_secs > 3 * self.heartbeat_secs {
+            Liveness::Hung { age_secs }
         } else {
-            Liveness::Stale { age_secs }
+            Liveness::Live { age_secs }
         }
     }
 
@@ -164,26 +235,27 @@ pub struct StateFile {
 
 impl StateFile {
     /// Writes `st` (with `updated_at` now) when it says something new and
-    /// returns true; otherwise, with `stamp`, only sets the file's mtime.
-    pub fn sync(
-        &mut self,
-        st: &mut AgentState,
-        host: &HostRoot,
-        stamp: bool,
-    ) -> Result<bool, HostError> {
+    /// returns true.
+    pub fn sync(&mut self, st: &mut AgentState, host: &HostRoot) -> Result<bool, HostError> {
         let at = std::mem::replace(&mut st.updated_at, 0);
         let body = serde_json::to_vec(st).expect("state serialises");
         st.updated_at = at;
         if self.last.as_ref() == Some(&body) {
-            if stamp {
-                host.touch(STATE_FILE)?;
-            }
             return Ok(false);
         }
         st.updated_at = now();
         st.write(host)?;
         self.last = Some(body);
         Ok(true)
+    }
+
+    /// A sign of life: the file's mtime set to now; no data written, no
+    /// fsync, nothing serialised (once a state was written).
+    pub fn stamp(&self, host: &HostRoot) -> Result<(), HostError> {
+        if self.last.is_some() {
+            host.touch(STATE_FILE)?;
+        }
+        Ok(())
     }
 }
 
@@ -213,12 +285,33 @@ mod tests {
     }
 
     #[test]
-    fn liveness_by_age() {
+    fn liveness_by_lock_and_heartbeat() {
         let mut s = sample();
-        assert_eq!(s.liveness(1030), Liveness::Live { age_secs: 30 });
-        assert_eq!(s.liveness(1031), Liveness::Stale { age_secs: 31 });
+        assert_eq!(s.liveness(1030, true), Liveness::Live { age_secs: 30 });
+        assert_eq!(s.liveness(1031, true), Liveness::Hung { age_secs: 31 });
+        assert_eq!(s.liveness(1031, false), Liveness::Stale { age_secs: 31 });
+        s.heartbeat_secs = 0;
+        assert_eq!(
+            s.liveness(999_999, true),
+            Liveness::Live { age_secs: 998_999 },
+            "without stamps, the lock alone says it lives"
+        );
         s.stopped_at = Some(1005);
-        assert_eq!(s.liveness(1031), Liveness::Stopped { age_secs: 26 });
+        assert_eq!(s.liveness(1031, true), Liveness::Stopped { age_secs: 26 });
+    }
+
+    #[test]
+    fn the_lock_is_held_once_and_seen_by_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        assert!(!agent_running(&host));
+        let lock = AgentLock::take(&host).unwrap();
+        assert!(agent_running(&host));
+        let err = AgentLock::take(&host).unwrap_err().to_string();
+        assert!(err.starts_with("another gpu-agent is running"), "{err}");
+        drop(lock);
+        assert!(!agent_running(&host));
+        assert!(AgentLock::take(&host).is_ok());
     }
 
     #[test]
@@ -228,7 +321,7 @@ mod tests {
         let path = host.resolve(STATE_FILE).unwrap();
         let mut file = StateFile::default();
         let mut st = sample();
-        assert!(file.sync(&mut st, &host, true).unwrap());
+        assert!(file.sync(&mut st, &host).unwrap());
         let written = std::fs::read(&path).unwrap();
         let ino = std::fs::metadata(&path).unwrap().ino();
         // Unchanged: same bytes, same inode (no rename), only the mtime moves.
@@ -237,7 +330,8 @@ mod tests {
             .unwrap()
             .set_modified(old)
             .unwrap();
-        assert!(!file.sync(&mut st, &host, true).unwrap());
+        assert!(!file.sync(&mut st, &host).unwrap());
+        file.stamp(&host).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), written);
         assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino);
         let read = AgentState::read(&host).unwrap().unwrap();
@@ -253,7 +347,7 @@ mod tests {
             needs: vec![],
             missing: vec![],
         });
-        assert!(file.sync(&mut st, &host, false).unwrap());
+        assert!(file.sync(&mut st, &host).unwrap());
         assert_ne!(std::fs::read(&path).unwrap(), written);
     }
 

@@ -85,7 +85,14 @@ fn demo_keep_leaves_a_host_root_that_status_reads() {
     fs::remove_dir_all(&sandbox).unwrap();
     assert_eq!(code, 0, "{err}");
     let st = json(&out);
-    assert_eq!(st["source"], "running-agent");
+    // No agent runs in the sandbox (none holds its lock): status says so and
+    // inspects the sandbox, whose simulated tree still has the 4 GPUs.
+    assert_eq!(st["source"], "host-inspection");
+    assert!(
+        st["note"].as_str().unwrap().contains("is not running"),
+        "{}",
+        st["note"]
+    );
     assert_eq!(st["inventory"]["gpus"].as_array().unwrap().len(), 4);
 }
 
@@ -446,8 +453,9 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
     let dir = host.path().join("var/lib/kubelet/device-plugins");
     fs::create_dir_all(&dir).unwrap();
     let kubelet = MockKubelet::start(&dir.join("kubelet.sock")).unwrap();
+    // No heartbeat: the state is written because the registration changed it.
     let mut child = at(host.path())
-        .args(["--simulate", "h100-sxm-8", "run", "--heartbeat", "1"])
+        .args(["--simulate", "h100-sxm-8", "run"])
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -456,7 +464,7 @@ async fn run_registers_the_device_plugin_with_the_kubelet() {
         "the agent did not register"
     );
     assert_eq!(kubelet.registrations()[0].resource_name, "nvidia.com/gpu");
-    // The next heartbeat records it.
+    // The agent writes its state when the registration changes it.
     let deadline = Instant::now() + Duration::from_secs(10);
     let st = loop {
         let (_, out, _) = run(at(host.path()).args(["status", "-o", "json"]));
@@ -603,7 +611,10 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
         ]));
         assert_eq!(code, 0, "{err}");
         assert!(err.contains("found GPU"), "{err}");
-        assert!(!err.contains('\u{1b}'), "colour codes in {format} logs: {err:?}");
+        assert!(
+            !err.contains('\u{1b}'),
+            "colour codes in {format} logs: {err:?}"
+        );
     }
 }
 
@@ -692,7 +703,10 @@ fn idle_agent_stamps_but_does_not_rewrite_its_state() {
     let deadline = Instant::now() + Duration::from_secs(20);
     // Settled: the plugin stage has said what it could (no kubelet here).
     loop {
-        assert!(Instant::now() < deadline, "the agent wrote no settled state");
+        assert!(
+            Instant::now() < deadline,
+            "the agent wrote no settled state"
+        );
         if let Ok(text) = fs::read_to_string(&state_file)
             && text.contains("not registered")
         {
@@ -712,4 +726,48 @@ fn idle_agent_stamps_but_does_not_rewrite_its_state() {
     assert_eq!(code, 0);
     assert!(out.contains("from the running agent"), "{out}");
     assert_eq!(sigterm(&mut child), Some(0));
+}
+
+/// A live agent is known by its lock, with no heartbeat at all; a second
+/// agent on the same host is refused; an agent killed with SIGKILL (no
+/// chance to say it stopped) is seen as gone at once.
+#[test]
+fn liveness_is_the_agents_lock() {
+    let host = tempfile::tempdir().unwrap();
+    let mut child = at(host.path())
+        .args(["--simulate", "t4-4", "run"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let state_file = host.path().join("run/gpu-agent/state.json");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !state_file.exists() {
+        assert!(Instant::now() < deadline, "the agent wrote no state file");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, out, _) = run(at(host.path()).arg("status"));
+    assert!(
+        out.contains(&format!("from the running agent (pid {}", child.id())),
+        "{out}"
+    );
+    let (code, _, err) = run(at(host.path()).args(["--simulate", "t4-4", "run", "--once"]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("another gpu-agent is running on this host"),
+        "{err}"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    child.wait().unwrap();
+    let (_, out, _) = run(at(host.path()).arg("status"));
+    assert!(
+        out.contains(&format!(
+            "the agent (pid {}) is not running and did not say it stopped",
+            child.id()
+        )),
+        "{out}"
+    );
 }

@@ -93,6 +93,8 @@ pub struct MockKubelet {
 #[derive(Debug, Default)]
 struct MockState {
     requests: Mutex<Vec<RegisterRequest>>,
+    /// When each registration arrived.
+    times: Mutex<Vec<std::time::Instant>>,
     refuse: Mutex<Option<String>>,
     notify: Notify,
 }
@@ -113,6 +115,7 @@ impl Registration for MockService {
                 req.version
             )));
         }
+        self.0.times.lock().unwrap().push(std::time::Instant::now());
         self.0.requests.lock().unwrap().push(req);
         self.0.notify.notify_waiters();
         Ok(Response::new(Empty {}))
@@ -147,6 +150,11 @@ impl MockKubelet {
     /// Every registration received, in order.
     pub fn registrations(&self) -> Vec<RegisterRequest> {
         self.state.requests.lock().unwrap().clone()
+    }
+
+    /// When each registration arrived, in order (for benchmarks).
+    pub fn registration_times(&self) -> Vec<std::time::Instant> {
+        self.state.times.lock().unwrap().clone()
     }
 
     /// Refuse registrations with this message (`None`: accept again).
