@@ -175,6 +175,27 @@ async fn main() {
         samples,
         Duration::from_millis(20),
     );
+    // As a real kubelet starts: kubelet.sock appears, and accepts 5 ms later
+    // (the first attempt is refused; the retry must come soon).
+    let mut samples = Vec::new();
+    for _ in 0..50 {
+        mock.stop().await;
+        for e in std::fs::read_dir(&plugin_dir).unwrap() {
+            let _ = std::fs::remove_file(e.unwrap().path());
+        }
+        let t = Instant::now();
+        mock = MockKubelet::start_accepting_after(&ksock, Duration::from_millis(5)).unwrap();
+        assert!(
+            mock.wait_for(1, Duration::from_secs(5)).await,
+            "no re-registration"
+        );
+        samples.push(mock.registration_times()[0] - t);
+    }
+    report_max(
+        "re-registration, kubelet accepting 5 ms late",
+        samples,
+        Duration::from_millis(20),
+    );
     let _ = stop.send(());
     let _ = task.await;
     mock.stop().await;
@@ -200,6 +221,21 @@ fn report_max(what: &str, mut samples: Vec<Duration>, target: Duration) {
     let verdict = if max <= target { "meets" } else { "MISSES" };
     println!(
         "{what:<44} n={:<5} p50 {:>9.3} ms  max {:>9.3} ms  ({verdict} target max <= {} ms)",
+        samples.len(),
+        p50.as_secs_f64() * 1e3,
+        max.as_secs_f64() * 1e3,
+        target.as_secs_f64() * 1e3
+    );
+}
+
+/// A p50/max report for targets on the median.
+fn report_median(what: &str, mut samples: Vec<Duration>, target: Duration) {
+    samples.sort();
+    let p50 = percentile(&samples, 0.50);
+    let max = *samples.last().unwrap();
+    let verdict = if p50 <= target { "meets" } else { "MISSES" };
+    println!(
+        "{what:<44} n={:<5} p50 {:>9.3} ms  max {:>9.3} ms  ({verdict} target p50 <= {} ms)",
         samples.len(),
         p50.as_secs_f64() * 1e3,
         max.as_secs_f64() * 1e3,
@@ -263,9 +299,17 @@ enum Backend {
 }
 
 /// A fresh copy of the h100-sxm-8 fixture host (sysfs, /proc, driver files),
-/// with the kubelet's device-plugins directory.
+/// with the kubelet's device-plugins directory. On tmpfs (`/dev/shm`) where
+/// there is one: on a node, the files the agent makes before it registers
+/// (device nodes in devtmpfs, its state in /run) are in memory too, and a
+/// temp dir on this machine's virtual disk would time the disk instead.
 fn fixture_host() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    };
     let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/hosts/h100-sxm-8/.");
     let ok = std::process::Command::new("cp")
@@ -331,11 +375,12 @@ async fn startup(agent: &Agent) {
         setup.0.push(r);
         setup.1.push(l);
     }
+    // Issue 10: at most half of NVIDIA's median (17 ms measured there).
     let ten = Duration::from_millis(10);
-    report_max("start -> Register, fresh host root (NVML)", fresh.0, ten);
-    report_max("start -> Register, set-up host root (NVML)", setup.0, ten);
-    report_max("start -> first ListAndWatch, fresh (NVML)", fresh.1, ten);
-    report_max("start -> first ListAndWatch, set-up (NVML)", setup.1, ten);
+    report_median("start -> Register, fresh host root (NVML)", fresh.0, ten);
+    report_median("start -> Register, set-up host root (NVML)", setup.0, ten);
+    report_median("start -> first ListAndWatch, fresh (NVML)", fresh.1, ten);
+    report_median("start -> first ListAndWatch, set-up (NVML)", setup.1, ten);
 }
 
 /// CPU nanoseconds and context switches of every thread of `pid`.

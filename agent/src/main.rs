@@ -565,7 +565,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         {
             // The kubelet hears from us first; then the deferred stages.
             if let Some(p) = &plugin {
-                p.first_attempts(&changed, Duration::from_secs(1)).await;
+                p.first_attempts(&changed, Duration::from_secs(1), Duration::from_millis(250))
+                    .await;
             }
             stages::run_deferred(
                 &Context {
@@ -820,22 +821,32 @@ impl RunningPlugin {
     }
 
     /// Waits until every resource's first registration was answered
-    /// (accepted or refused), or `limit`.
-    async fn first_attempts(&self, changed: &tokio::sync::Notify, limit: Duration) {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let answered = self
-                .board
-                .lock()
-                .unwrap()
-                .iter()
-                .all(|r| r.registrations > 0 || r.last_error.is_some());
-            if answered || self.task.is_finished() {
-                return;
-            }
-            tokio::select! {
-                _ = changed.notified() => {}
-                _ = tokio::time::sleep_until(deadline) => return,
+    /// (accepted or refused, within `limit`) and the kubelet listed the
+    /// accepted ones' devices (within `list_grace` after that).
+    async fn first_attempts(
+        &self,
+        changed: &tokio::sync::Notify,
+        limit: Duration,
+        list_grace: Duration,
+    ) {
+        let answered = |b: &[ResourceStatus]| {
+            b.iter()
+                .all(|r| r.registrations > 0 || r.last_error.is_some())
+        };
+        let listed = |b: &[ResourceStatus]| b.iter().all(|r| r.lists > 0 || r.last_error.is_some());
+        for (done, wait) in [
+            (&answered as &dyn Fn(&[ResourceStatus]) -> bool, limit),
+            (&listed, list_grace),
+        ] {
+            let deadline = tokio::time::Instant::now() + wait;
+            loop {
+                if done(&self.board.lock().unwrap()) || self.task.is_finished() {
+                    break;
+                }
+                tokio::select! {
+                    _ = changed.notified() => {}
+                    _ = tokio::time::sleep_until(deadline) => return,
+                }
             }
         }
     }

@@ -139,6 +139,7 @@ async fn registers_then_serves_every_call() {
         run.board.lock().unwrap()[0].registered
     })
     .await;
+    assert_eq!(run.board.lock().unwrap()[0].lists, 0, "nobody listed yet");
 
     let sock = n.plugin_dir.join("nvidia-gpu.sock");
     assert!(is_socket(&sock));
@@ -154,6 +155,11 @@ async fn registers_then_serves_every_call() {
     let first = stream.next().await.unwrap().unwrap();
     assert_eq!(first.devices.len(), 8);
     assert!(first.devices.iter().all(|d| d.health == "Healthy"));
+    assert_eq!(
+        run.board.lock().unwrap()[0].lists,
+        1,
+        "the status counts the kubelet's ListAndWatch"
+    );
     assert_eq!(
         first.devices[0].id,
         "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01"
@@ -266,6 +272,32 @@ async fn hundred_kubelet_restarts_each_reregister_within_a_second() {
     let list = first_list(&mut c).await;
     assert_eq!(list.devices.len(), 4);
     assert_eq!(run.board.lock().unwrap()[0].registrations, 101);
+    run.shutdown(kubelet).await;
+}
+
+/// A restarting kubelet's socket exists before it accepts: the refused first
+/// attempt is retried (soon: the benchmark times it) and the plugin registers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_socket_that_accepts_late_still_gets_the_registration() {
+    let n = node("t4-4");
+    let ksock = n.plugin_dir.join(KUBELET_SOCKET);
+    let kubelet = MockKubelet::start(&ksock).unwrap();
+    let run = start(&n, PluginSettings::default());
+    assert!(kubelet.wait_for(1, Duration::from_secs(5)).await);
+    kubelet.stop().await;
+    for e in std::fs::read_dir(&n.plugin_dir).unwrap() {
+        let _ = std::fs::remove_file(e.unwrap().path());
+    }
+    let kubelet = MockKubelet::start_accepting_after(&ksock, Duration::from_millis(50)).unwrap();
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(5)).await,
+        "no registration once the kubelet accepted"
+    );
+    assert_eq!(kubelet.registrations().len(), 1);
+    wait_until("status registered", Duration::from_secs(2), || {
+        run.board.lock().unwrap()[0].registered
+    })
+    .await;
     run.shutdown(kubelet).await;
 }
 

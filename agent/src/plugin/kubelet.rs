@@ -127,10 +127,42 @@ impl MockKubelet {
     pub fn start(socket: &Path) -> std::io::Result<Self> {
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket)?;
+        Ok(Self::serve(socket, async { Ok(listener) }))
+    }
+
+    /// Like a real kubelet at start: `socket` exists at once (bound) but
+    /// refuses connections until it listens, `delay` later.
+    pub fn start_accepting_after(socket: &Path, delay: Duration) -> std::io::Result<Self> {
+        use nix::sys::socket::{AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        let _ = std::fs::remove_file(socket);
+        let fd = nix::sys::socket::socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            None,
+        )?;
+        nix::sys::socket::bind(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            &UnixAddr::new(socket)?,
+        )?;
+        Ok(Self::serve(socket, async move {
+            tokio::time::sleep(delay).await;
+            nix::sys::socket::listen(&fd, Backlog::new(128)?)?;
+            UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
+        }))
+    }
+
+    fn serve(
+        socket: &Path,
+        listener: impl std::future::Future<Output = std::io::Result<UnixListener>> + Send + 'static,
+    ) -> Self {
         let state = Arc::new(MockState::default());
         let (stop, stopped) = oneshot::channel::<()>();
         let svc = RegistrationServer::new(MockService(state.clone()));
         let task = tokio::spawn(async move {
+            let Ok(listener) = listener.await else {
+                return;
+            };
             let incoming = crate::grpc::incoming(listener);
             let _ = Server::builder()
                 .add_service(svc)
@@ -139,12 +171,12 @@ impl MockKubelet {
                 })
                 .await;
         });
-        Ok(MockKubelet {
+        MockKubelet {
             socket: socket.to_path_buf(),
             state,
             stop: Some(stop),
             task: Some(task),
-        })
+        }
     }
 
     /// Every registration received, in order.

@@ -50,6 +50,25 @@ pub struct ResourceStatus {
     pub registrations: u64,
     /// The last registration error, while not registered.
     pub last_error: Option<String>,
+    /// `ListAndWatch` streams the kubelet opened on the current socket (0:
+    /// it has not listed the devices yet).
+    #[serde(default)]
+    pub lists: u64,
+}
+
+impl ResourceStatus {
+    fn new(dir: &Path, r: &Resource) -> Self {
+        ResourceStatus {
+            resource: r.name.clone(),
+            socket: dir.join(r.socket_name()).display().to_string(),
+            devices: r.devices.len(),
+            unhealthy: r.devices.iter().filter(|d| !d.healthy).count(),
+            registered: false,
+            registrations: 0,
+            last_error: None,
+            lists: 0,
+        }
+    }
 }
 
 /// Shared, live status of every resource.
@@ -148,15 +167,7 @@ impl PluginManager {
         let board = Arc::new(Mutex::new(
             resources
                 .iter()
-                .map(|r| ResourceStatus {
-                    resource: r.name.clone(),
-                    socket: dir.join(r.socket_name()).display().to_string(),
-                    devices: r.devices.len(),
-                    unhealthy: r.devices.iter().filter(|d| !d.healthy).count(),
-                    registered: false,
-                    registrations: 0,
-                    last_error: None,
-                })
+                .map(|r| ResourceStatus::new(&dir, r))
                 .collect(),
         ));
         let plugins = resources.into_iter().map(|r| new_plugin(&dir, r)).collect();
@@ -332,12 +343,24 @@ impl PluginManager {
             source,
         })?;
         let (stop, stopped) = oneshot::channel::<()>();
+        let (board, changed, resource) = (self.board.clone(), self.changed.clone(), p.name.clone());
         let svc = PluginService::new(
             p.resource.subscribe(),
             self.inventory.clone(),
             self.settings.clone(),
             self.dev_root.clone(),
-        );
+        )
+        .on_list(move || {
+            if let Some(s) = board
+                .lock()
+                .unwrap()
+                .iter_mut()
+                .find(|s| s.resource == resource)
+            {
+                s.lists += 1;
+            }
+            changed.notify_one();
+        });
         let name = p.name.clone();
         tokio::spawn(async move {
             let incoming = crate::grpc::incoming(listener);
@@ -357,7 +380,10 @@ impl PluginManager {
         p.retry_delay = FIRST_RETRY;
         p.retry_at = None;
         self.plugins[i].kubelet = self.kubelet_id();
-        self.set_status(i, |s| s.registered = false);
+        self.set_status(i, |s| {
+            s.registered = false;
+            s.lists = 0;
+        });
         self.register(i, done);
         Ok(())
     }
@@ -462,15 +488,10 @@ impl PluginManager {
                 continue;
             }
             tracing::info!(stage = "plugin", resource = %r.name, devices = r.devices.len(), "new resource");
-            self.board.lock().unwrap().push(ResourceStatus {
-                resource: r.name.clone(),
-                socket: self.dir.join(r.socket_name()).display().to_string(),
-                devices: r.devices.len(),
-                unhealthy: r.devices.iter().filter(|d| !d.healthy).count(),
-                registered: false,
-                registrations: 0,
-                last_error: None,
-            });
+            self.board
+                .lock()
+                .unwrap()
+                .push(ResourceStatus::new(&self.dir, &r));
             self.plugins.push(new_plugin(&self.dir, r));
             self.restart(self.plugins.len() - 1, done)?;
         }

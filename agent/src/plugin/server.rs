@@ -53,6 +53,21 @@ pub struct PluginService {
     inventory: Arc<Inventory>,
     settings: Arc<PluginSettings>,
     dev_root: HostRoot,
+    on_list: ListHook,
+}
+
+/// Called when a `ListAndWatch` stream opens (the kubelet lists the devices).
+#[derive(Clone, Default)]
+struct ListHook(Option<Arc<dyn Fn() + Send + Sync>>);
+
+impl std::fmt::Debug for ListHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ListHook(set)"
+        } else {
+            "ListHook(none)"
+        })
+    }
 }
 
 impl PluginService {
@@ -67,7 +82,14 @@ impl PluginService {
             inventory,
             settings,
             dev_root,
+            on_list: ListHook::default(),
         }
+    }
+
+    /// Calls `f` whenever a `ListAndWatch` stream opens.
+    pub fn on_list(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_list = ListHook(Some(Arc::new(f)));
+        self
     }
 }
 
@@ -89,6 +111,9 @@ impl DevicePlugin for PluginService {
         _: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let mut rx = self.resource.clone();
+        if let Some(hook) = &self.on_list.0 {
+            hook();
+        }
         let stream = async_stream(move |tx| async move {
             loop {
                 let resp = list_response(&rx.borrow_and_update());

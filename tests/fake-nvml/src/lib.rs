@@ -267,6 +267,29 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
     })
 }
 
+/// By GPU UUID (MIG UUIDs are not handles here). NVIDIA's device plugin
+/// looks GPUs up this way in its health check, so an incumbent run against
+/// this library is measured doing the same work as ours.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    if uuid.is_null() || device.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    // SAFETY: the caller passes a NUL-terminated string.
+    let text = unsafe { std::ffi::CStr::from_ptr(uuid) }.to_string_lossy();
+    with_node(|n| match n.gpus.iter().position(|g| g.uuid == text) {
+        Some(i) => {
+            // SAFETY: checked non-null above.
+            unsafe { *device = handle_for(i) };
+            SUCCESS
+        }
+        None => ERROR_NOT_FOUND,
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetIndex(
     device: nvmlDevice_t,
