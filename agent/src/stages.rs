@@ -784,7 +784,15 @@ fn runtime_stage(ctx: &Context<'_>, no_cdi: &mut Option<String>) -> (StageState,
             ),
         );
     }
-    let plan = match runtime::plan(ctx.host, p, None) {
+    // A running agent remembers containerd's version per binary (asking
+    // costs ~20 ms before the plugin can register); `status` asks afresh.
+    let version = match (rt, ctx.apply) {
+        (ContainerRuntime::Containerd, Some(_)) => {
+            runtime::containerd::cached_host_version(ctx.host, &p.toolkit.containerd.binary)
+        }
+        _ => None,
+    };
+    let plan = match runtime::plan(ctx.host, p, version) {
         Ok(plan) => plan,
         Err(e) => return (StageState::Failed, e.to_string()),
     };

@@ -260,6 +260,13 @@ impl HostRoot {
 
     /// The target of a host symbolic link, as written in the link.
     pub fn read_link(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        let host_path = host_path.as_ref();
+        let flags = nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW;
+        if let Some(link) = self.open_beneath(host_path, flags)
+            && let Ok(target) = nix::fcntl::readlinkat(&link, "")
+        {
+            return Ok(PathBuf::from(target));
+        }
         let path = self.resolve_no_follow(host_path)?;
         fs::read_link(&path).map_err(|e| HostError::io(path, e))
     }
@@ -492,6 +499,14 @@ mod tests {
             "0x10de\n"
         );
         assert!(r.exists("/sys/bus/pci/devices/0000:18:00.0/vendor"));
+        assert_eq!(
+            r.read_link("/sys/bus/pci/devices/0000:18:00.0").unwrap(),
+            Path::new("../../../devices/pci0/0000:18:00.0")
+        );
+        assert!(
+            r.read_link("/sys/devices/pci0/0000:18:00.0/vendor")
+                .is_err()
+        );
         // An absolute link: re-anchored at the root by the walk.
         symlink("/sys/devices/pci0", base.join("abs")).unwrap();
         assert_eq!(

@@ -79,6 +79,62 @@ pub fn host_version(host: &HostRoot, binary: &str) -> Option<Version> {
     text.split_whitespace().skip(1).find_map(Version::parse)
 }
 
+/// Where the version of the host's containerd is remembered, with the
+/// identity of the binary it was asked from.
+pub const VERSION_CACHE: &str = "/var/lib/gpu-agent/containerd-version.json";
+
+/// A remembered `containerd --version`, valid while the binary is the same
+/// file (device, inode, size, modification time).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct CachedVersion {
+    binary: String,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i64,
+    version: String,
+}
+
+/// [`host_version`], remembered in [`VERSION_CACHE`]: running the binary
+/// costs ~20 ms (a Go program starting), which would sit between the agent's
+/// start and its registration with the kubelet at every start. An upgraded
+/// containerd is a new file, so it is asked again.
+pub fn cached_host_version(host: &HostRoot, binary: &str) -> Option<Version> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(host.resolve(binary).ok()?).ok()?;
+    let key = CachedVersion {
+        binary: binary.to_string(),
+        dev: meta.dev(),
+        ino: meta.ino(),
+        size: meta.len(),
+        mtime_ns: meta.mtime().saturating_mul(1_000_000_000) + meta.mtime_nsec(),
+        version: String::new(),
+    };
+    if let Ok(Some(text)) = host.read_optional(VERSION_CACHE)
+        && let Ok(cached) = serde_json::from_str::<CachedVersion>(&text)
+        && (
+            &cached.binary,
+            cached.dev,
+            cached.ino,
+            cached.size,
+            cached.mtime_ns,
+        ) == (&key.binary, key.dev, key.ino, key.size, key.mtime_ns)
+        && let Some(v) = Version::parse(&cached.version)
+    {
+        return Some(v);
+    }
+    let v = host_version(host, binary)?;
+    let cached = CachedVersion {
+        version: v.to_string(),
+        ..key
+    };
+    let json = serde_json::to_vec(&cached).expect("serialises");
+    if let Err(e) = host.write_atomic(VERSION_CACHE, &json, 0o644) {
+        tracing::debug!(stage = "runtime", error = %e, "cannot remember containerd's version");
+    }
+    Some(v)
+}
+
 /// What to configure.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -704,6 +760,46 @@ pub fn plan_template(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_version_is_asked_once_per_binary() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let bin = dir.path().join("usr/bin/containerd");
+        std::fs::create_dir_all(bin.parent().unwrap()).unwrap();
+        let calls = dir.path().join("calls");
+        let script = |v: &str| {
+            format!(
+                "#!/bin/sh\necho x >> {}\necho 'containerd github.com/containerd/containerd {v} abc'\n",
+                calls.display()
+            )
+        };
+        std::fs::write(&bin, script("1.7.2")).unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let runs = || std::fs::read_to_string(&calls).map_or(0, |s| s.lines().count());
+        let v = cached_host_version(&host, "/usr/bin/containerd").unwrap();
+        assert_eq!(v.to_string(), "1.7.2");
+        assert_eq!(runs(), 1);
+        assert_eq!(
+            cached_host_version(&host, "/usr/bin/containerd").unwrap(),
+            v
+        );
+        assert_eq!(runs(), 1, "asked again although the binary is the same");
+        // An upgrade replaces the binary: asked again.
+        let new = dir.path().join("usr/bin/containerd.new");
+        std::fs::write(&new, script("2.1.0")).unwrap();
+        std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&new, &bin).unwrap();
+        assert_eq!(
+            cached_host_version(&host, "/usr/bin/containerd")
+                .unwrap()
+                .to_string(),
+            "2.1.0"
+        );
+        assert_eq!(runs(), 2);
+        assert!(cached_host_version(&host, "/usr/bin/missing").is_none());
+    }
     use super::*;
 
     #[test]
