@@ -484,6 +484,30 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The pass context of this process: `apply` changes the host (`run`),
+/// without it stages only look (`status`).
+fn context<'a>(
+    policy: &'a Policy,
+    caps: &'a HeldCaps,
+    view: &'a NodeView,
+    host: &'a HostRoot,
+    apply: bool,
+) -> Context<'a> {
+    Context {
+        policy,
+        caps,
+        sys: &view.sys,
+        backend: view.backend.as_ref(),
+        host,
+        apply: apply
+            .then_some(&hostlib::command::SystemRunner as &dyn hostlib::command::CommandRunner),
+        syscalls: &hostlib::LinuxSyscalls,
+        simulated: view.simulated.is_some(),
+        drain: None,
+        serve_first: false,
+    }
+}
+
 fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let mut policy = load_policy(cli.policy.as_deref())?;
@@ -499,16 +523,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         "gpu-agent starting"
     );
     let pass = stages::run_pass(&Context {
-        policy: &policy,
-        caps: &caps,
-        sys: &view.sys,
-        backend: view.backend.as_ref(),
-        host: &host,
-        apply: Some(&hostlib::command::SystemRunner),
-        syscalls: &hostlib::LinuxSyscalls,
-        simulated: view.simulated.is_some(),
-        drain: None,
         serve_first: !once,
+        ..context(&policy, &caps, &view, &host, true)
     });
     let ok = pass.ok();
     let mut st = AgentState::new(&host, heartbeat, caps.names());
@@ -569,18 +585,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                     .await;
             }
             stages::run_deferred(
-                &Context {
-                    policy: &policy,
-                    caps: &caps,
-                    sys: &view.sys,
-                    backend: view.backend.as_ref(),
-                    host: &host,
-                    apply: Some(&hostlib::command::SystemRunner),
-                    syscalls: &hostlib::LinuxSyscalls,
-                    simulated: view.simulated.is_some(),
-                    drain: None,
-                    serve_first: false,
-                },
+                &context(&policy, &caps, &view, &host, true),
                 &pass.deferred,
                 &inv,
                 &mut st.stages,
@@ -673,16 +678,8 @@ async fn reload(
     };
     *running = policy.clone();
     let pass = stages::run_pass(&Context {
-        policy: &policy,
-        caps,
-        sys: &view.sys,
-        backend: view.backend.as_ref(),
-        host,
-        apply: Some(&hostlib::command::SystemRunner),
-        syscalls: &hostlib::LinuxSyscalls,
-        simulated: view.simulated.is_some(),
         drain: drained.as_ref().map(|d| d as &dyn gpu_agent::driver::Drain),
-        serve_first: false,
+        ..context(&policy, caps, view, host, true)
     });
     let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
     let _ = plugin.updater.send(resources);
@@ -971,18 +968,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let caps = HeldCaps::read();
     let view = node_view(cli, &host)?;
     // Inspecting: stages plan but change nothing (`apply: None`).
-    let pass = stages::run_pass(&Context {
-        policy: &policy,
-        caps: &caps,
-        sys: &view.sys,
-        backend: view.backend.as_ref(),
-        host: &host,
-        apply: None,
-        syscalls: &hostlib::LinuxSyscalls,
-        simulated: view.simulated.is_some(),
-        drain: None,
-        serve_first: false,
-    });
+    let pass = stages::run_pass(&context(&policy, &caps, &view, &host, false));
     let report = StatusReport {
         source: "host-inspection",
         note,

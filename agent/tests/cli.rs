@@ -383,20 +383,30 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
     );
 }
 
-#[test]
-fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
-    let host = tempfile::tempdir().unwrap();
-    let mut child = at(host.path())
-        .args(["--simulate", "t4-4", "run", "--heartbeat", "1"])
+/// `gpu-agent --host-root <host> <args>` in the background, once it has
+/// written its state file.
+fn start_agent(host: &Path, args: &[&str]) -> (std::process::Child, std::path::PathBuf) {
+    let child = at(host)
+        .args(args)
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let state_file = host.path().join("run/gpu-agent/state.json");
+    let state_file = host.join("run/gpu-agent/state.json");
     let deadline = Instant::now() + Duration::from_secs(20);
     while !state_file.exists() {
         assert!(Instant::now() < deadline, "the agent wrote no state file");
         std::thread::sleep(Duration::from_millis(20));
     }
+    (child, state_file)
+}
+
+#[test]
+fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
+    let host = tempfile::tempdir().unwrap();
+    let (mut child, state_file) = start_agent(
+        host.path(),
+        &["--simulate", "t4-4", "run", "--heartbeat", "1"],
+    );
     let (code, out, err) = run(at(host.path()).arg("status"));
     assert_eq!(code, 0, "{err}");
     assert!(
@@ -694,12 +704,10 @@ fn cdi_names_on_a_runtime_without_cdi_are_warned_about() {
 fn idle_agent_stamps_but_does_not_rewrite_its_state() {
     use std::os::unix::fs::MetadataExt;
     let host = tempfile::tempdir().unwrap();
-    let mut child = at(host.path())
-        .args(["--simulate", "t4-4", "run", "--heartbeat", "1"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let state_file = host.path().join("run/gpu-agent/state.json");
+    let (mut child, state_file) = start_agent(
+        host.path(),
+        &["--simulate", "t4-4", "run", "--heartbeat", "1"],
+    );
     let deadline = Instant::now() + Duration::from_secs(20);
     // Settled: the plugin stage has said what it could (no kubelet here).
     loop {
@@ -734,17 +742,7 @@ fn idle_agent_stamps_but_does_not_rewrite_its_state() {
 #[test]
 fn liveness_is_the_agents_lock() {
     let host = tempfile::tempdir().unwrap();
-    let mut child = at(host.path())
-        .args(["--simulate", "t4-4", "run"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let state_file = host.path().join("run/gpu-agent/state.json");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !state_file.exists() {
-        assert!(Instant::now() < deadline, "the agent wrote no state file");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut child, _) = start_agent(host.path(), &["--simulate", "t4-4", "run"]);
     let (_, out, _) = run(at(host.path()).arg("status"));
     assert!(
         out.contains(&format!("from the running agent (pid {}", child.id())),
