@@ -373,18 +373,10 @@ fn nodes(e: &Env, sys: &dyn hostlib::Syscalls) -> Result<(), Failure> {
 }
 
 fn upgrade(e: &Env, sys: &dyn hostlib::Syscalls, name: &str) -> Result<ExitCode, Failure> {
-    if let Ok(Some(st)) = gpu_agent::state::AgentState::read(&e.host)
-        && matches!(
-            st.liveness(
-                gpu_agent::state::now(),
-                gpu_agent::state::agent_running(&e.host)
-            ),
-            gpu_agent::state::Liveness::Live { .. } | gpu_agent::state::Liveness::Hung { .. }
-        )
-    {
+    // Whatever its state file says: a live agent holds its lock.
+    if let Some(pid) = gpu_agent::state::agent_running(&e.host) {
         return Err(anyhow::anyhow!(
-            "gpu-agent is running (pid {}) and advertises the GPUs: set spec.driver.bundle in its policy and reload it (systemctl reload gpu-agent, or SIGHUP); it stops advertising, upgrades and advertises again",
-            st.pid
+            "gpu-agent is running (pid {pid}) and advertises the GPUs: set spec.driver.bundle in its policy and reload it (systemctl reload gpu-agent, or SIGHUP); it stops advertising, upgrades and advertises again"
         )
         .into());
     }

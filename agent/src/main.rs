@@ -576,6 +576,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             health_stopped,
             changed.clone(),
         );
+        // What the pass found, for `status`, before anything waits.
+        sync_state(&mut file, &mut st, &host);
         if let Some(inv) = st.inventory.clone()
             && !pass.deferred.is_empty()
         {
@@ -940,6 +942,9 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let now = state::now();
     let note = match AgentState::read(&host) {
         Ok(Some(st)) => match st.liveness(now, state::agent_running(&host)) {
+            Liveness::Starting { pid } => format!(
+                "an agent (pid {pid}) is starting and has not written its state yet; inspecting the host"
+            ),
             Liveness::Live { age_secs } => {
                 return print_status(&StatusReport::from_agent(st, age_secs), output);
             }

@@ -86,6 +86,9 @@ pub enum Liveness {
     Stale { age_secs: u64 },
     /// The agent stopped cleanly.
     Stopped { age_secs: u64 },
+    /// Another agent (this pid) holds the lock and has not written its
+    /// state yet: the file is a predecessor's.
+    Starting { pid: u32 },
 }
 
 /// A running agent's hold on [`LOCK_FILE`]; released when dropped or when
@@ -107,42 +110,66 @@ pub enum LockError {
 }
 
 impl AgentLock {
-    /// Takes the lock without waiting.
+    /// Takes the lock, and writes this process's pid into the file. A lock
+    /// held only for a moment (`status` looking) is waited for, up to half a
+    /// second; an agent that holds it is not.
     pub fn take(host: &HostRoot) -> Result<Self, LockError> {
         use nix::fcntl::{Flock, FlockArg};
+        use std::io::{Seek, Write};
+        use std::os::unix::fs::PermissionsExt;
         let path = host.resolve(LOCK_FILE)?;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| HostError::io(dir, e))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| HostError::io(&path, e))?;
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(AgentLock { _lock: lock }),
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(LockError::Held {
-                path: path.display().to_string(),
-            }),
-            Err((_, errno)) => Err(HostError::io(&path, std::io::Error::from(errno)).into()),
-        }
+        let io = |e| HostError::io(&path, e);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        let mut lock = loop {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map_err(io)?;
+            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => break lock,
+                Err((_, nix::errno::Errno::EWOULDBLOCK))
+                    if std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                    return Err(LockError::Held {
+                        path: path.display().to_string(),
+                    });
+                }
+                Err((_, errno)) => return Err(io(std::io::Error::from(errno)).into()),
+            }
+        };
+        // Readable by `status` whatever the umask; says who holds it.
+        lock.set_permissions(std::fs::Permissions::from_mode(0o644))
+            .map_err(io)?;
+        lock.set_len(0).map_err(io)?;
+        lock.rewind().map_err(io)?;
+        writeln!(lock, "{}", std::process::id()).map_err(io)?;
+        Ok(AgentLock { _lock: lock })
     }
 }
 
-/// True when a live agent holds the lock on this host.
-pub fn agent_running(host: &HostRoot) -> bool {
+/// The pid written by the live agent that holds the lock on this host
+/// (0 when it wrote none), or `None` when no agent holds it.
+pub fn agent_running(host: &HostRoot) -> Option<u32> {
     use nix::fcntl::{Flock, FlockArg};
-    let Ok(path) = host.resolve(LOCK_FILE) else {
-        return false;
-    };
-    let Ok(file) = std::fs::File::open(&path) else {
-        return false;
-    };
-    matches!(
-        Flock::lock(file, FlockArg::LockSharedNonblock),
-        Err((_, nix::errno::Errno::EWOULDBLOCK))
-    )
+    let path = host.resolve(LOCK_FILE).ok()?;
+    let file = std::fs::File::open(&path).ok()?;
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Some(
+            std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(0),
+        ),
+        _ => None,
+    }
 }
 
 impl AgentState {
@@ -168,22 +195,22 @@ impl AgentState {
         }
     }
 
-    /// Whether the agent is there at `now`; `running`: a live process
-    /// holds the lock ([`agent_running`]).
-    pub fn liveness(&self, now: u64, running: bool) -> Liveness {
+    /// Whether the agent that wrote this state is there at `now`; `holder`:
+    /// the pid of the live agent holding the lock ([`agent_running`]).
+    pub fn liveness(&self, now: u64, holder: Option<u32>) -> Liveness {
         let age_secs = now.saturating_sub(self.updated_at);
-        if let Some(at) = self.stopped_at {
-            return Liveness::Stopped {
-                age_secs: now.saturating_sub(at),
-            };
-        }
-        if !running {
-            return Liveness::Stale { age_secs };
-        }
-        if self.heartbeat_secs > 0 && age_secs > 3 * self.heartbeat_secs {
-            Liveness::Hung { age_secs }
-        } else {
-            Liveness::Live { age_secs }
+        match holder {
+            Some(pid) if pid != self.pid && pid != 0 => Liveness::Starting { pid },
+            Some(_) if self.heartbeat_secs > 0 && age_secs > 3 * self.heartbeat_secs => {
+                Liveness::Hung { age_secs }
+            }
+            Some(_) => Liveness::Live { age_secs },
+            None => match self.stopped_at {
+                Some(at) => Liveness::Stopped {
+                    age_secs: now.saturating_sub(at),
+                },
+                None => Liveness::Stale { age_secs },
+            },
         }
     }
 
@@ -287,30 +314,37 @@ mod tests {
     #[test]
     fn liveness_by_lock_and_heartbeat() {
         let mut s = sample();
-        assert_eq!(s.liveness(1030, true), Liveness::Live { age_secs: 30 });
-        assert_eq!(s.liveness(1031, true), Liveness::Hung { age_secs: 31 });
-        assert_eq!(s.liveness(1031, false), Liveness::Stale { age_secs: 31 });
+        let me = Some(42);
+        assert_eq!(s.liveness(1030, me), Liveness::Live { age_secs: 30 });
+        assert_eq!(s.liveness(1031, me), Liveness::Hung { age_secs: 31 });
+        assert_eq!(s.liveness(1031, None), Liveness::Stale { age_secs: 31 });
+        assert_eq!(
+            s.liveness(1031, Some(77)),
+            Liveness::Starting { pid: 77 },
+            "the lock holder is another agent: the file is its predecessor's"
+        );
         s.heartbeat_secs = 0;
         assert_eq!(
-            s.liveness(999_999, true),
+            s.liveness(999_999, me),
             Liveness::Live { age_secs: 998_999 },
             "without stamps, the lock alone says it lives"
         );
         s.stopped_at = Some(1005);
-        assert_eq!(s.liveness(1031, true), Liveness::Stopped { age_secs: 26 });
+        assert_eq!(s.liveness(1031, None), Liveness::Stopped { age_secs: 26 });
+        assert_eq!(s.liveness(1031, Some(77)), Liveness::Starting { pid: 77 });
     }
 
     #[test]
     fn the_lock_is_held_once_and_seen_by_others() {
         let dir = tempfile::tempdir().unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
-        assert!(!agent_running(&host));
+        assert_eq!(agent_running(&host), None);
         let lock = AgentLock::take(&host).unwrap();
-        assert!(agent_running(&host));
+        assert_eq!(agent_running(&host), Some(std::process::id()));
         let err = AgentLock::take(&host).unwrap_err().to_string();
         assert!(err.starts_with("another gpu-agent is running"), "{err}");
         drop(lock);
-        assert!(!agent_running(&host));
+        assert_eq!(agent_running(&host), None);
         assert!(AgentLock::take(&host).is_ok());
     }
 

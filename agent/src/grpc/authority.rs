@@ -36,14 +36,19 @@ const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
-/// The largest header block taken (all its frames together); a device-plugin
-/// request's is well under 1 KiB.
+/// The largest header block taken (all its frames together, encoded); a
+/// device-plugin request's is well under 1 KiB.
 pub const MAX_HEADER_BLOCK: usize = 256 * 1024;
-/// The frames we write are no larger than what every HTTP/2 peer must accept.
+/// The largest header list taken once decoded (names, values and 32 bytes
+/// a field, as HPACK counts them): indexed fields expand, so the encoded
+/// bound alone would not bound memory.
+pub const MAX_HEADER_LIST: usize = 64 * 1024;
+/// The frames we write and take: no larger than the size every HTTP/2
+/// server allows unless it announces more (tonic's does not).
 const MAX_FRAME: usize = 16_384;
-/// The largest HPACK dynamic table a client may ask for (servers announce
-/// 4096 unless told otherwise; this only bounds memory).
-const MAX_TABLE: usize = 65_536;
+/// The largest HPACK dynamic table a client may ask for: the 4096 bytes a
+/// server allows unless it announces more (tonic's does not).
+const MAX_TABLE: usize = 4_096;
 /// What a refused authority becomes.
 const LOCALHOST: &[u8] = b"localhost";
 
@@ -52,8 +57,12 @@ const LOCALHOST: &[u8] = b"localhost";
 pub enum AuthorityError {
     #[error("HTTP/2 stream {stream}: cannot decode the header block: {message}")]
     Hpack { stream: u32, message: String },
-    #[error("HTTP/2 stream {stream}: header block larger than {MAX_HEADER_BLOCK} bytes")]
+    #[error(
+        "HTTP/2 stream {stream}: header block larger than {MAX_HEADER_BLOCK} bytes, a frame over {MAX_FRAME}, or a header list over {MAX_HEADER_LIST} decoded"
+    )]
     TooLarge { stream: u32 },
+    #[error("the connection already failed: {0}")]
+    Failed(String),
     #[error("HTTP/2 stream {stream}: {message}")]
     Protocol { stream: u32, message: String },
 }
@@ -65,6 +74,8 @@ enum Phase {
     Frames,
     /// Not HTTP/2 with prior knowledge: the server answers it as it will.
     Passthrough,
+    /// A refused byte stream: nothing more is taken.
+    Failed,
 }
 
 /// A header block whose CONTINUATION frames are still to come.
@@ -123,13 +134,28 @@ pub fn acceptable(value: &[u8]) -> bool {
 impl Rewriter {
     /// Handles `input` (the next bytes from the client) and appends what
     /// the server should read to `out`.
-    pub fn process(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<(), AuthorityError> {
+    pub fn process(&mut self, input: &[u8], out: &mut Vec<u8>) -> Result<(), AuthorityError> {
+        if self.phase == Phase::Failed {
+            return Err(AuthorityError::Failed(
+                "a client stream that was refused".into(),
+            ));
+        }
+        let result = self.take(input, out);
+        if result.is_err() {
+            self.phase = Phase::Failed;
+            self.buf = Vec::new();
+            self.pending = None;
+        }
+        result
+    }
+
+    fn take(&mut self, mut input: &[u8], out: &mut Vec<u8>) -> Result<(), AuthorityError> {
         if let Phase::Preface(seen) = self.phase {
             let want = &PREFACE[seen..];
             let n = want.len().min(input.len());
             if input[..n] != want[..n] {
+                // What matched so far was already passed on.
                 self.phase = Phase::Passthrough;
-                out.extend_from_slice(&PREFACE[..seen]);
             } else {
                 out.extend_from_slice(&input[..n]);
                 input = &input[n..];
@@ -147,6 +173,7 @@ impl Rewriter {
                 return Ok(());
             }
             Phase::Frames => {}
+            Phase::Failed => unreachable!("checked by process"),
         }
         // Payload of a passed-through frame: straight from the input.
         if self.buf.is_empty() && self.copy > 0 {
@@ -201,7 +228,7 @@ impl Rewriter {
                 at += FRAME_HEADER;
                 continue;
             }
-            if len > MAX_HEADER_BLOCK {
+            if len > MAX_FRAME {
                 return Err(AuthorityError::TooLarge { stream });
             }
             if rest.len() < FRAME_HEADER + len {
@@ -302,8 +329,13 @@ impl Rewriter {
     fn emit(&mut self, p: Pending, out: &mut Vec<u8>) -> Result<(), AuthorityError> {
         let mut block = Vec::with_capacity(p.block.len() * 2 + 16);
         let mut replaced = None;
+        let mut list_size = 0usize;
         self.decoder
             .decode_with_cb(&p.block, |name, value| {
+                list_size += name.len() + value.len() + 32;
+                if list_size > MAX_HEADER_LIST {
+                    return;
+                }
                 let value: &[u8] = if &*name == b":authority" && !acceptable(&value) {
                     replaced = Some(String::from_utf8_lossy(&value).into_owned());
                     LOCALHOST
@@ -319,6 +351,9 @@ impl Rewriter {
                 stream: p.stream,
                 message: e.to_string(),
             })?;
+        if list_size > MAX_HEADER_LIST {
+            return Err(AuthorityError::TooLarge { stream: p.stream });
+        }
         if let Some(was) = replaced {
             self.rewritten += 1;
             tracing::debug!(stream = p.stream, authority = %was, "client sent an :authority the server would refuse; serving it as localhost");
@@ -604,7 +639,6 @@ mod tests {
         let block = encode(&mut Encoder::new(), &headers);
         // HEADERS (padded, with priority) + two CONTINUATIONs.
         let (a, rest) = block.split_at(100);
-        let (b, c) = rest.split_at(20_000);
         let mut first = vec![3u8]; // pad length
         first.extend([0, 0, 0, 0, 15]); // stream dependency + weight
         first.extend(a);
@@ -616,8 +650,15 @@ mod tests {
             5,
             &first,
         ));
-        input.extend(raw_frame(CONTINUATION, 0, 5, b));
-        input.extend(raw_frame(CONTINUATION, END_HEADERS, 5, c));
+        let chunks: Vec<&[u8]> = rest.chunks(16_000).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let flags = if i + 1 == chunks.len() {
+                END_HEADERS
+            } else {
+                0
+            };
+            input.extend(raw_frame(CONTINUATION, flags, 5, chunk));
+        }
         let mut out = Vec::new();
         Rewriter::default().process(&input, &mut out).unwrap();
         let frames = frames_of(&out);
@@ -635,12 +676,64 @@ mod tests {
 
     #[test]
     fn other_protocols_pass_untouched() {
-        let http1 = b"GET / HTTP/1.1\r\nHost: /var/run/x.sock\r\n\r\n";
-        let mut out = Vec::new();
+        // "PUT" shares its first byte with the preface: split after it.
+        for http1 in [
+            &b"GET / HTTP/1.1\r\nHost: /var/run/x.sock\r\n\r\n"[..],
+            b"PUT / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"PRI * HTTP/1.1\r\n\r\n",
+        ] {
+            for cut in [1, 3, 10] {
+                let mut out = Vec::new();
+                let mut rw = Rewriter::default();
+                rw.process(&http1[..cut], &mut out).unwrap();
+                rw.process(&http1[cut..], &mut out).unwrap();
+                assert_eq!(out, http1, "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn indexed_fields_cannot_blow_up_memory() {
+        // One 3 KB value indexed, then referred to 1,000 times in one block:
+        // 4 KB encoded, 3 MB decoded.
+        let mut enc = Encoder::new();
+        let mut c = PREFACE.to_vec();
+        let mut first = request(SOCK);
+        first.push((b"x-big", vec![b'a'; 3_000]));
+        c.extend(raw_frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &encode(&mut enc, &first),
+        ));
+        let refs = vec![0x80 | 62u8; 1_000]; // the newest dynamic entry, indexed
+        c.extend(raw_frame(HEADERS, END_HEADERS, 3, &refs));
         let mut rw = Rewriter::default();
-        rw.process(&http1[..3], &mut out).unwrap();
-        rw.process(&http1[3..], &mut out).unwrap();
-        assert_eq!(out, http1);
+        let err = rw.process(&c, &mut Vec::new()).unwrap_err();
+        assert!(
+            matches!(err, AuthorityError::TooLarge { stream: 3 }),
+            "{err}"
+        );
+        // Refused for good: later bytes are not taken.
+        assert!(matches!(
+            rw.process(b"\0", &mut Vec::new()),
+            Err(AuthorityError::Failed(_))
+        ));
+        // A client may not grow the table past what the server allows.
+        let mut c = PREFACE.to_vec();
+        c.extend(raw_frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0x3f, 0xe1, 0x7f, 0x82],
+        ));
+        let err = Rewriter::default()
+            .process(&c, &mut Vec::new())
+            .unwrap_err();
+        assert!(
+            matches!(err, AuthorityError::Hpack { stream: 1, .. }),
+            "{err}"
+        );
     }
 
     #[test]
@@ -693,7 +786,7 @@ mod tests {
             assert!(err.contains(want), "{err} should say {want}");
         }
         let mut huge = PREFACE.to_vec();
-        huge.extend_from_slice(&[0x10, 0, 0, HEADERS, 0, 0, 0, 0, 1]);
+        huge.extend_from_slice(&[0x00, 0x40, 0x01, HEADERS, 0, 0, 0, 0, 1]);
         let err = Rewriter::default()
             .process(&huge, &mut Vec::new())
             .unwrap_err();
