@@ -577,6 +577,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             changed.clone(),
         );
         // What the pass found, for `status`, before anything waits.
+        refresh(&mut st, plugin.as_mut(), health.as_ref());
         sync_state(&mut file, &mut st, &host);
         if let Some(inv) = st.inventory.clone()
             && !pass.deferred.is_empty()
@@ -586,6 +587,8 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
                 p.first_attempts(&changed, Duration::from_secs(1), Duration::from_millis(250))
                     .await;
             }
+            refresh(&mut st, plugin.as_mut(), health.as_ref());
+            sync_state(&mut file, &mut st, &host);
             stages::run_deferred(
                 &context(&policy, &caps, &view, &host, true),
                 &pass.deferred,
@@ -611,7 +614,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
             tokio::select! {
                 _ = beat => {
                     if let Err(e) = file.stamp(&host) {
-                        tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent stopped");
+                        tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent hangs");
                     }
                     continue;
                 }

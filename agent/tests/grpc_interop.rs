@@ -405,7 +405,20 @@ fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
         .spawn()
         .unwrap();
     let out = kubelet.wait_with_output().unwrap();
+    // The agent's status shows the grpcio kubelet's registration and list
+    // (written when they happened; read here as soon as it is there).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let st = loop {
+        let (_, status, _) = run(at(host.path()).args(["status", "-o", "json"]));
+        let st = json(&status);
+        if st["plugin"][0]["lists"] == 1 || std::time::Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(sigterm(&mut agent), Some(0));
+    assert_eq!(st["plugin"][0]["registered"], true, "{st}");
+    assert_eq!(st["plugin"][0]["lists"], 1, "{st}");
     let mut log = String::new();
     agent
         .stderr

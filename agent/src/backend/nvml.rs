@@ -21,9 +21,10 @@ use super::{
 };
 
 /// How long one wait for events blocks. Events wake the thread at once; the
-/// timeout only lets it notice that nobody listens any more (after a
-/// reload), so it is long: an idle agent wakes for it once in 5 s.
-const EVENT_WAIT_MS: u32 = 5_000;
+/// timeout only lets it notice that nobody listens any more, which happens
+/// when the agent stops (the thread then ends with the process), so it is
+/// long: an idle agent wakes for it once a minute.
+const EVENT_WAIT_MS: u32 = 60_000;
 /// Between tries while the event wait fails.
 const RETRY_MS: u32 = 1_000;
 
