@@ -302,7 +302,7 @@ fn load_policy(path: Option<&Path>) -> Result<Policy, Failure> {
         Some(p) => Policy::from_file(p).map_err(bad_input)?,
         None => Policy::default(),
     };
-    gpu_agent::plugin::settings(&policy).map_err(bad_input)?;
+    gpu_agent::plugin::settings(&policy.device_plugin, policy.mig.strategy).map_err(bad_input)?;
     Ok(policy)
 }
 

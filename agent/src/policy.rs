@@ -11,9 +11,8 @@ use std::path::Path;
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
-use crate::plugin::config::{
-    AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, OneOrMany, PluginConfig,
-};
+pub use crate::health::HealthSpec;
+pub use crate::plugin::config::{DevicePluginConfig, DevicePluginSpec, MigSpec, MigStrategy};
 
 /// A policy file: a ClusterPolicy-like object, or just its `spec`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -60,48 +59,7 @@ pub struct Policy {
     pub health: HealthSpec,
 }
 
-/// `spec.health` (gpu-agent's own; NVIDIA sets these by environment).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct HealthSpec {
-    /// XIDs that do not make a GPU unhealthy (default 13, 31, 43, 45, 68, 109).
-    #[serde(default = "default_ignored_xids")]
-    pub ignored_xids: Vec<u64>,
-    /// Seconds without a critical event after which a GPU is healthy again;
-    /// 0: never (until the agent restarts). Default 300.
-    #[serde(default = "default_recover_after")]
-    pub recover_after_seconds: u64,
-}
-
-fn default_ignored_xids() -> Vec<u64> {
-    crate::health::DEFAULT_IGNORED_XIDS.to_vec()
-}
-
-fn default_recover_after() -> u64 {
-    300
-}
-
-impl Default for HealthSpec {
-    fn default() -> Self {
-        HealthSpec {
-            ignored_xids: default_ignored_xids(),
-            recover_after_seconds: default_recover_after(),
-        }
-    }
-}
-
-impl HealthSpec {
-    /// As the health monitor takes it.
-    pub fn to_policy(&self) -> crate::health::HealthPolicy {
-        crate::health::HealthPolicy {
-            ignored_xids: self.ignored_xids.iter().copied().collect(),
-            recover_after: (self.recover_after_seconds > 0)
-                .then(|| std::time::Duration::from_secs(self.recover_after_seconds)),
-        }
-    }
-}
-
-fn yes() -> bool {
+pub(crate) fn yes() -> bool {
     true
 }
 
@@ -346,87 +304,6 @@ impl Default for CdiSpec {
             hook_path: default_hook_path(),
         }
     }
-}
-
-/// `spec.devicePlugin`. Keys set here win over the config file's `flags`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct DevicePluginSpec {
-    #[serde(default = "yes")]
-    pub enabled: bool,
-    /// Sharing and plugin configuration (NVIDIA's config schema).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config: Option<DevicePluginConfig>,
-    /// `envvar` (default), `volume-mounts`, `cdi-annotations`, `cdi-cri`, or a list.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
-    /// `uuid` (default) or `index`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub device_id_strategy: Option<DeviceIdStrategy>,
-    /// Also pass device nodes (`/dev/nvidiaN` and control nodes) to the runtime.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pass_device_specs: Option<bool>,
-    /// `distributed` (default) or `packed`, for shared GPUs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shared_devices_allocation_policy: Option<AllocationPolicy>,
-    /// Prefix of the CDI annotation key (default `cdi.k8s.io/`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cdi_annotation_prefix: Option<String>,
-}
-
-impl Default for DevicePluginSpec {
-    fn default() -> Self {
-        DevicePluginSpec {
-            enabled: true,
-            config: None,
-            device_list_strategy: None,
-            device_id_strategy: None,
-            pass_device_specs: None,
-            shared_devices_allocation_policy: None,
-            cdi_annotation_prefix: None,
-        }
-    }
-}
-
-/// `spec.devicePlugin.config`: as in ClusterPolicy, a named set of configs
-/// and the default one; plus the config itself, from a file or inline.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct DevicePluginConfig {
-    /// The ConfigMap name (in Kubernetes) holding the configs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The config used when the node has no `nvidia.com/device-plugin.config` label.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub default: Option<String>,
-    /// A config file in NVIDIA's schema (`version: v1`, `flags`, `sharing`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<std::path::PathBuf>,
-    /// The same config, inline.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inline: Option<PluginConfig>,
-}
-
-/// `spec.mig`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct MigSpec {
-    #[serde(default)]
-    pub strategy: MigStrategy,
-}
-
-/// How MIG devices are advertised (as NVIDIA's device plugin does).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MigStrategy {
-    /// MIG devices are not advertised; whole GPUs are.
-    None,
-    /// All MIG devices are of one profile and advertised as `nvidia.com/gpu`
-    /// (ClusterPolicy's default).
-    #[default]
-    Single,
-    /// Each profile gets its own resource, `nvidia.com/mig-1g.10gb`.
-    Mixed,
 }
 
 /// A policy that cannot be used.

@@ -266,7 +266,8 @@ fn every_name_the_device_plugin_hands_out_is_in_the_spec() {
                 format!("spec:\n  mig:\n    strategy: {strategy}\n  devicePlugin:\n{plugin}");
             let policy =
                 Policy::from_yaml(&yaml, "test.yaml").unwrap_or_else(|e| panic!("{e}\n{yaml}"));
-            let settings = gpu_agent::plugin::settings(&policy).unwrap();
+            let settings =
+                gpu_agent::plugin::settings(&policy.device_plugin, policy.mig.strategy).unwrap();
             let (view, inv, g) = generated(node);
             let names: Vec<String> = g
                 .spec

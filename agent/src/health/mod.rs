@@ -38,6 +38,47 @@ impl Default for HealthPolicy {
     }
 }
 
+/// `spec.health` (gpu-agent's own; NVIDIA sets these by environment).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HealthSpec {
+    /// XIDs that do not make a GPU unhealthy (default 13, 31, 43, 45, 68, 109).
+    #[serde(default = "default_ignored_xids")]
+    pub ignored_xids: Vec<u64>,
+    /// Seconds without a critical event after which a GPU is healthy again;
+    /// 0: never (until the agent restarts). Default 300.
+    #[serde(default = "default_recover_after")]
+    pub recover_after_seconds: u64,
+}
+
+fn default_ignored_xids() -> Vec<u64> {
+    DEFAULT_IGNORED_XIDS.to_vec()
+}
+
+fn default_recover_after() -> u64 {
+    300
+}
+
+impl Default for HealthSpec {
+    fn default() -> Self {
+        HealthSpec {
+            ignored_xids: default_ignored_xids(),
+            recover_after_seconds: default_recover_after(),
+        }
+    }
+}
+
+impl HealthSpec {
+    /// As the health monitor takes it.
+    pub fn to_policy(&self) -> HealthPolicy {
+        HealthPolicy {
+            ignored_xids: self.ignored_xids.iter().copied().collect(),
+            recover_after: (self.recover_after_seconds > 0)
+                .then(|| std::time::Duration::from_secs(self.recover_after_seconds)),
+        }
+    }
+}
+
 /// One GPU's health, for `status`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuHealth {

@@ -7,8 +7,6 @@
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
-use crate::policy::MigStrategy;
-
 /// A whole config file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -449,4 +447,89 @@ sharing:
             ]
         );
     }
+}
+
+/// `spec.devicePlugin`. Keys set here win over the config file's `flags`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DevicePluginSpec {
+    #[serde(default = "enabled")]
+    pub enabled: bool,
+    /// Sharing and plugin configuration (NVIDIA's config schema).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<DevicePluginConfig>,
+    /// `envvar` (default), `volume-mounts`, `cdi-annotations`, `cdi-cri`, or a list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
+    /// `uuid` (default) or `index`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id_strategy: Option<DeviceIdStrategy>,
+    /// Also pass device nodes (`/dev/nvidiaN` and control nodes) to the runtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_device_specs: Option<bool>,
+    /// `distributed` (default) or `packed`, for shared GPUs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_devices_allocation_policy: Option<AllocationPolicy>,
+    /// Prefix of the CDI annotation key (default `cdi.k8s.io/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_annotation_prefix: Option<String>,
+}
+
+impl Default for DevicePluginSpec {
+    fn default() -> Self {
+        DevicePluginSpec {
+            enabled: true,
+            config: None,
+            device_list_strategy: None,
+            device_id_strategy: None,
+            pass_device_specs: None,
+            shared_devices_allocation_policy: None,
+            cdi_annotation_prefix: None,
+        }
+    }
+}
+
+/// `spec.devicePlugin.config`: as in ClusterPolicy, a named set of configs
+/// and the default one; plus the config itself, from a file or inline.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DevicePluginConfig {
+    /// The ConfigMap name (in Kubernetes) holding the configs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The config used when the node has no `nvidia.com/device-plugin.config` label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// A config file in NVIDIA's schema (`version: v1`, `flags`, `sharing`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<std::path::PathBuf>,
+    /// The same config, inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<PluginConfig>,
+}
+
+/// `spec.mig`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigSpec {
+    #[serde(default)]
+    pub strategy: MigStrategy,
+}
+
+/// How MIG devices are advertised (as NVIDIA's device plugin does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MigStrategy {
+    /// MIG devices are not advertised; whole GPUs are.
+    None,
+    /// All MIG devices are of one profile and advertised as `nvidia.com/gpu`
+    /// (ClusterPolicy's default).
+    #[default]
+    Single,
+    /// Each profile gets its own resource, `nvidia.com/mig-1g.10gb`.
+    Mixed,
+}
+
+fn enabled() -> bool {
+    true
 }

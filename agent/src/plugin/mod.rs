@@ -12,8 +12,7 @@ pub mod server;
 
 use hostlib::strict::YamlError;
 
-use crate::policy::Policy;
-use config::PluginConfig;
+use config::{DevicePluginSpec, MigStrategy, PluginConfig};
 use resources::PluginSettings;
 
 /// The device-plugin config named by the policy cannot be used.
@@ -34,8 +33,10 @@ pub enum SettingsError {
 /// The device plugin's effective settings: the policy's `spec.devicePlugin`
 /// keys, then the config's `flags.plugin`, then the defaults. The MIG
 /// strategy is the policy's `spec.mig.strategy`.
-pub fn settings(policy: &Policy) -> Result<PluginSettings, SettingsError> {
-    let dp = &policy.device_plugin;
+pub fn settings(
+    dp: &DevicePluginSpec,
+    mig_strategy: MigStrategy,
+) -> Result<PluginSettings, SettingsError> {
     let config: Option<PluginConfig> = match dp.config.as_ref() {
         Some(c) if c.file.is_some() => {
             let path = c.file.clone().expect("checked");
@@ -54,7 +55,7 @@ pub fn settings(policy: &Policy) -> Result<PluginSettings, SettingsError> {
         .unwrap_or_default();
     let d = PluginSettings::default();
     Ok(PluginSettings {
-        mig_strategy: policy.mig.strategy,
+        mig_strategy,
         list_strategies: dp
             .device_list_strategy
             .as_ref()
@@ -85,6 +86,7 @@ pub fn settings(policy: &Policy) -> Result<PluginSettings, SettingsError> {
 mod settings_tests {
     use super::*;
     use crate::plugin::config::{DeviceIdStrategy, DeviceListStrategy};
+    use crate::policy::Policy;
 
     #[test]
     fn policy_keys_win_over_config_flags() {
@@ -93,7 +95,7 @@ mod settings_tests {
             "p",
         )
         .unwrap();
-        let s = settings(&p).unwrap();
+        let s = settings(&p.device_plugin, p.mig.strategy).unwrap();
         assert_eq!(s.id_strategy, DeviceIdStrategy::Index);
         assert_eq!(s.list_strategies, [DeviceListStrategy::CdiCri]);
         assert!(s.pass_device_specs);
@@ -113,7 +115,9 @@ mod settings_tests {
             "p",
         )
         .unwrap();
-        let err = settings(&p).unwrap_err().to_string();
+        let err = settings(&p.device_plugin, p.mig.strategy)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("dp.yaml: sharing.timeSlicing.resources[0].replicas"),
             "{err}"
@@ -124,7 +128,7 @@ mod settings_tests {
         )
         .unwrap();
         assert!(
-            settings(&p)
+            settings(&p.device_plugin, p.mig.strategy)
                 .unwrap_err()
                 .to_string()
                 .starts_with("/nonexistent/dp.yaml: cannot read")

@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::config::MigStrategy;
 use super::config::{AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, SharingSpec};
 use crate::inventory::Inventory;
-use crate::policy::MigStrategy;
 
 /// The plain whole-GPU resource.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";

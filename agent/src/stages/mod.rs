@@ -3,20 +3,25 @@
 //! whether the policy turns it on. A stage that is not built yet reports
 //! `not implemented`, never `done`.
 
+mod cdi;
+mod devnodes;
+mod discover;
+mod driver;
+mod health;
+mod plugin;
+mod runtime;
+
+pub use health::apply_health_status;
+pub use plugin::apply_plugin_status;
+
 use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::GpuBackend;
 use crate::caps::{Capability, HeldCaps};
-use crate::health::GpuHealth;
 use crate::inventory::{self, Inventory};
-use crate::plugin::manager::ResourceStatus;
-use crate::plugin::{
-    self,
-    resources::{self, PluginSettings, Resource},
-};
-use crate::policy::{ContainerRuntime, Policy};
-use crate::runtime;
+use crate::plugin::resources::{self, PluginSettings, Resource};
+use crate::policy::Policy;
 use hostlib::Syscalls;
 use hostlib::command::CommandRunner;
 
@@ -298,7 +303,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
             match stage {
                 Stage::Discover => match inventory::discover(ctx.sys, ctx.backend) {
                     Ok(inv) => {
-                        let detail = discover_detail(&inv);
+                        let detail = discover::discover_detail(&inv);
                         for w in &inv.warnings {
                             tracing::warn!(stage = "discover", "{w}");
                         }
@@ -310,7 +315,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     }
                     Err(e) => (StageState::Failed, e.to_string()),
                 },
-                Stage::Plugin => match (inventory.as_ref(), plugin::settings(ctx.policy)) {
+                Stage::Plugin => match (
+                    inventory.as_ref(),
+                    crate::plugin::settings(&ctx.policy.device_plugin, ctx.policy.mig.strategy),
+                ) {
                     (None, _) => (StageState::Waiting, "waiting on discover".to_string()),
                     (_, Err(e)) => (StageState::Failed, e.to_string()),
                     (Some(inv), Ok(settings)) => match resources::build(inv, &settings) {
@@ -339,27 +347,27 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                 },
                 Stage::Driver => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => driver_stage(ctx, inv),
+                    Some(inv) => driver::driver_stage(ctx, inv),
                 },
                 Stage::Devnodes => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => devnodes_stage(ctx, inv),
+                    Some(inv) => devnodes::devnodes_stage(ctx, inv),
                 },
-                Stage::Runtime => runtime_stage(ctx, &mut runtime_no_cdi),
+                Stage::Runtime => runtime::runtime_stage(ctx, &mut runtime_no_cdi),
                 Stage::Cdi => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(_) if ctx.serve_first && !plugin_needs_cdi(ctx.policy) => {
+                    Some(_) if ctx.serve_first && !plugin::plugin_needs_cdi(ctx.policy) => {
                         deferred.push(Stage::Cdi);
                         (
                             StageState::Ready,
                             "runs once the device plugin serves (its device-list strategy hands out no CDI names)".to_string(),
                         )
                     }
-                    Some(inv) => cdi_stage(ctx, inv),
+                    Some(inv) => cdi::cdi_stage(ctx, inv),
                 },
                 Stage::Health => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => health_plan(inv, ctx.policy),
+                    Some(inv) => health::health_plan(inv, ctx.policy),
                 },
                 other => (
                     StageState::Failed,
@@ -384,14 +392,6 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     }
 }
 
-/// Whether the device plugin hands out CDI names, so that the spec must be
-/// written before it serves (an unreadable device-plugin config counts as
-/// yes: the plugin stage reports it).
-fn plugin_needs_cdi(policy: &Policy) -> bool {
-    policy.device_plugin.enabled
-        && plugin::settings(policy).map_or(true, |s| s.hands_out_cdi_names())
-}
-
 /// Runs the stages a `serve_first` pass left for later, replacing their
 /// entries in `stages`.
 pub fn run_deferred(
@@ -403,7 +403,7 @@ pub fn run_deferred(
     for &stage in deferred {
         let _span = tracing::info_span!("stage", stage = stage.name()).entered();
         let (state, detail) = match stage {
-            Stage::Cdi => cdi_stage(ctx, inventory),
+            Stage::Cdi => cdi::cdi_stage(ctx, inventory),
             other => (
                 StageState::Failed,
                 format!("internal error: stage {} cannot be deferred", other.name()),
@@ -427,492 +427,14 @@ fn log_stage(stage: Stage, state: StageState, detail: &str) {
     }
 }
 
-/// Sets the plugin stage from the running plugins' status: `done` when every
-/// resource is registered, `waiting` (with the kubelet's answer) otherwise.
-pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus]) {
-    let Some(st) = stages.iter_mut().find(|s| s.stage == Stage::Plugin) else {
-        return;
-    };
-    if board.is_empty() {
-        st.state = StageState::Done;
-        st.detail = "no devices to advertise; nothing registered".into();
-        return;
-    }
-    let parts: Vec<String> = board
-        .iter()
-        .map(|r| match (&r.registered, &r.last_error) {
-            (true, _) => format!("{}: {} device(s), registered", r.resource, r.devices),
-            (false, Some(e)) => format!("{}: not registered ({e}); retrying", r.resource),
-            (false, None) => format!("{}: registering", r.resource),
-        })
-        .collect();
-    st.state = if board.iter().all(|r| r.registered) {
-        StageState::Done
-    } else {
-        StageState::Waiting
-    };
-    st.detail = parts.join("; ");
-}
-
-/// Generates the CDI spec from the inventory (driver files looked up where
-/// sysfs is read: the host, or the simulated tree); with `ctx.apply`,
-/// writes it when it changed.
-fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
-    let cdi = &ctx.policy.cdi;
-    let opts = crate::cdi::Options {
-        hook_path: cdi.hook_path.clone(),
-    };
-    let generated = match crate::cdi::generate(inv, ctx.sys, &opts) {
-        Ok(g) => g,
-        Err(crate::cdi::CdiError::NoDriver) if inv.gpus.is_empty() => {
-            return (
-                StageState::Done,
-                "no GPUs and no driver: no CDI spec to write".into(),
-            );
-        }
-        Err(e) => return (StageState::Failed, e.to_string()),
-    };
-    let path = crate::cdi::spec_path(&cdi.spec_dir);
-    let summary = generated.summary();
-    // Written even then (containers can ask by UUID), but not done until
-    // NVML names the GPUs the way the device plugin hands them out.
-    let undescribed_gpus = inv
-        .gpus
-        .iter()
-        .any(|g| g.index.is_none() || g.uuid.is_none());
-    let done = |detail: String| {
-        if undescribed_gpus {
-            (
-                StageState::Waiting,
-                format!("{}; {detail}", undescribed(inv, "named by index")),
-            )
-        } else {
-            (StageState::Done, detail)
-        }
-    };
-    if ctx.apply.is_none() {
-        return match crate::cdi::up_to_date(ctx.host, &cdi.spec_dir, &generated) {
-            Ok(true) => done(format!("{path} is up to date: {summary}")),
-            Ok(false) if undescribed_gpus => done(format!("would write {path}: {summary}")),
-            Ok(false) => (StageState::Ready, format!("would write {path}: {summary}")),
-            Err(e) => (StageState::Failed, e.to_string()),
-        };
-    }
-    match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
-        Ok(changed) if changed.is_empty() => done(format!("{path} is up to date: {summary}")),
-        Ok(changed) => done(format!("wrote {}: {summary}", changed.join(", "))),
-        Err(e) => (StageState::Failed, e.to_string()),
-    }
-}
-
-/// The driver: the host's (`spec.driver.enabled: false`: recorded, no
-/// module touched), or gpu-agent's: the policy's bundle installed, modules
-/// loaded with their parameters, an upgrade when the bundle's version is
-/// not the loaded one.
-fn driver_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
-    let d = &ctx.policy.driver;
-    let state = &inv.driver;
-    let loaded = state.is_loaded();
-    let loaded_text = || {
-        format!(
-            "driver {} ({}) loaded",
-            state.version.as_deref().unwrap_or("of unknown version"),
-            state
-                .flavour
-                .map(|f| format!("{f:?}").to_lowercase())
-                .unwrap_or_else(|| "flavour unknown".into())
-        )
-    };
-    if !d.enabled {
-        return match (loaded, inv.gpus.is_empty()) {
-            (true, _) => (
-                StageState::Done,
-                format!(
-                    "host {}; modules not managed (spec.driver.enabled is false)",
-                    loaded_text()
-                ),
-            ),
-            (false, true) => (StageState::Done, "no NVIDIA GPU and no driver".into()),
-            (false, false) => (
-                StageState::Waiting,
-                "no NVIDIA driver loaded on the host, and spec.driver.enabled is false: gpu-agent loads none".into(),
-            ),
-        };
-    }
-    if inv.gpus.is_empty() && !loaded {
-        return (
-            StageState::Done,
-            "no NVIDIA GPU on this node: nothing to load".into(),
-        );
-    }
-    if ctx.simulated {
-        return if loaded {
-            (
-                StageState::Done,
-                format!("{} (simulated node: no module touched)", loaded_text()),
-            )
-        } else {
-            (
-                StageState::Ready,
-                "simulated node without a driver: a real node would load one here".into(),
-            )
-        };
-    }
-    match driver_apply(ctx, inv) {
-        Ok((state, detail)) => (state, detail),
-        Err(e) => (StageState::Failed, e.to_string()),
-    }
-}
-
-fn driver_apply(
-    ctx: &Context<'_>,
-    inv: &Inventory,
-) -> Result<(StageState, String), crate::driver::DriverError> {
-    use crate::driver;
-    use kmod::bundle;
-    let d = &ctx.policy.driver;
-    let loaded_version = inv.driver.version.clone();
-    // Without a bundle nothing can bring another version.
-    if d.bundle.is_none()
-        && let (Some(v), Some(have)) = (&d.version, &loaded_version)
-        && v != have
-    {
-        return Err(driver::DriverError::Validate(format!(
-            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
-        )));
-    }
-    let nothing_of_ours =
-        d.bundle.is_none() && d.module_dir.is_none() && bundle::current(ctx.host)?.is_none();
-    if nothing_of_ours && let Some(have) = &loaded_version {
-        // Loaded by someone else (the distribution's packages): keep it.
-        return Ok((
-            StageState::Done,
-            format!(
-                "driver {have} loaded (not by gpu-agent: no bundle or moduleDir in the policy)"
-            ),
-        ));
-    }
-    let kernel = driver::running_kernel(ctx.sys)?;
-    let mut notes = Vec::new();
-    // The policy's bundle, unpacked (once) beside the others.
-    let mut wanted: Option<String> = None;
-    if let Some(b) = &d.bundle {
-        let path = ctx.host.resolve(b)?;
-        if ctx.apply.is_none() {
-            return Ok((
-                StageState::Ready,
-                format!("would install {b} and load its modules"),
-            ));
-        }
-        let expected = bundle::expected_sha256(&path, d.bundle_sha256.as_deref())?;
-        let installed = bundle::install(
-            ctx.host,
-            &path,
-            (&expected.0, &expected.1),
-            &kernel,
-            Box::new(|_| {}),
-        )?;
-        if let Some(v) = &d.version
-            && v != &installed.manifest.driver_version
-        {
-            return Err(driver::DriverError::Validate(format!(
-                "spec.driver.version is {v}, the bundle {b} holds {}",
-                installed.manifest.driver_version
-            )));
-        }
-        if installed.unpacked {
-            notes.push(format!(
-                "unpacked {b} into {} ({} files)",
-                installed.dir, installed.files
-            ));
-        }
-        let name = installed.manifest.dir_name(&kernel);
-        // Nothing loaded: nothing to drain, the policy's bundle becomes current.
-        if !inv.driver.is_loaded() && bundle::current(ctx.host)?.as_deref() != Some(name.as_str()) {
-            bundle::switch(ctx.host, &name)?;
-        }
-        wanted = Some(name);
-    }
-    let current = bundle::current(ctx.host)?;
-    if let (Some(want), Some(have)) = (&wanted, &loaded_version) {
-        let want_version = bundle::read_installed(ctx.host, want)?.driver_version;
-        if &want_version != have || current.as_ref() != Some(want) {
-            let up = driver::Upgrade {
-                host: ctx.host,
-                sys: ctx.syscalls,
-                policy: ctx.policy,
-                inv: Some(inv),
-                kernel: &kernel,
-                drain: ctx.drain.unwrap_or(&driver::NothingAdvertised),
-                nvml: None,
-            };
-            let report = up.run(want)?;
-            return Ok((StageState::Done, join_notes(report, &notes)));
-        }
-    }
-    let plan = driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None)?;
-    if ctx.apply.is_none() {
-        let todo: Vec<&str> = plan
-            .specs
-            .iter()
-            .filter(|s| !inv.driver.modules.iter().any(|m| m.name == s.name))
-            .map(|s| s.name.as_str())
-            .collect();
-        return Ok(if todo.is_empty() {
-            (
-                StageState::Done,
-                format!("modules loaded from {}", plan.dir),
-            )
-        } else {
-            (
-                StageState::Ready,
-                format!("would load {} from {}", todo.join(", "), plan.dir),
-            )
-        });
-    }
-    let outcomes = driver::load(ctx.host, ctx.syscalls, &plan, d.on_param_mismatch)?;
-    let newly: Vec<String> = outcomes
-        .iter()
-        .filter_map(|o| match o {
-            kmod::modules::LoadOutcome::Loaded { module, .. } => Some(module.clone()),
-            kmod::modules::LoadOutcome::AlreadyLoaded { .. } => None,
-        })
-        .collect();
-    let want = plan.bundle.as_ref().map(|(_, v)| v.as_str());
-    let version = driver::validate(ctx.host, want, None)?;
-    let what = if newly.is_empty() {
-        format!("driver {version} already loaded as the policy asks")
-    } else {
-        format!(
-            "loaded {} from {} (driver {version}{})",
-            newly.join(", "),
-            plan.dir,
-            if plan.why.is_empty() {
-                String::new()
-            } else {
-                format!("; {}", plan.why)
-            }
-        )
-    };
-    Ok((StageState::Done, join_notes(what, &notes)))
-}
-
-fn join_notes(what: String, notes: &[String]) -> String {
-    if notes.is_empty() {
-        what
-    } else {
-        format!("{what}; {}", notes.join("; "))
-    }
-}
-
-/// `/dev/nvidia*` and `/dev/char` links for the loaded driver (also in the
-/// host-driver mode).
-fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
-    use crate::driver;
-    // Read the driver again: the driver stage may have just loaded it.
-    let nodes = match driver::plan_nodes(ctx.sys, Some(inv)) {
-        Ok(n) => n,
-        Err(e) => return (StageState::Failed, e.to_string()),
-    };
-    if nodes.is_empty() {
-        return if inv.gpus.is_empty() {
-            (
-                StageState::Done,
-                "no NVIDIA driver loaded: no device node to make".into(),
-            )
-        } else {
-            (
-                StageState::Waiting,
-                "the nvidia module is not loaded".into(),
-            )
-        };
-    }
-    let wrong: Vec<&str> = nodes
-        .iter()
-        .filter(|n| !kmod::devnodes::is_right(ctx.host, n))
-        .map(|n| n.path.as_str())
-        .collect();
-    if ctx.simulated || ctx.apply.is_none() {
-        let why = if ctx.simulated {
-            "simulated node: "
-        } else {
-            ""
-        };
-        return if wrong.is_empty() {
-            (
-                StageState::Done,
-                format!("{} device node(s) right", nodes.len()),
-            )
-        } else {
-            (
-                StageState::Ready,
-                format!(
-                    "{why}would make {} of {} device node(s): {}",
-                    wrong.len(),
-                    nodes.len(),
-                    wrong.join(", ")
-                ),
-            )
-        };
-    }
-    match kmod::devnodes::ensure(ctx.host, ctx.syscalls, &nodes) {
-        Ok(out) => (StageState::Done, driver::nodes_summary(&out)),
-        Err(e) => (StageState::Failed, e.to_string()),
-    }
-}
-
-/// Plans the container runtime's configuration; with `ctx.apply`, writes
-/// it and reloads the runtime, only when something changed.
-fn runtime_stage(ctx: &Context<'_>, no_cdi: &mut Option<String>) -> (StageState, String) {
-    let p = ctx.policy;
-    let rt = p.operator.default_runtime;
-    let name = format!("{rt:?}").to_lowercase();
-    let present: &[&str] = match rt {
-        ContainerRuntime::Containerd => &[
-            p.toolkit.containerd.binary.as_str(),
-            p.toolkit.containerd.config.as_str(),
-        ],
-        ContainerRuntime::Crio => &["/usr/bin/crio", "/etc/crio"],
-        ContainerRuntime::Docker => &["/usr/bin/dockerd", "/etc/docker"],
-    };
-    if !present.iter().any(|path| ctx.host.exists(path)) {
-        return (
-            StageState::Waiting,
-            format!(
-                "no {name} on this host (none of {}); nothing to configure",
-                present.join(", ")
-            ),
-        );
-    }
-    // A running agent remembers containerd's version per binary (asking
-    // costs ~20 ms before the plugin can register); `status` asks afresh.
-    let version = match (rt, ctx.apply) {
-        (ContainerRuntime::Containerd, Some(_)) => {
-            runtime::containerd::cached_host_version(ctx.host, &p.toolkit.containerd.binary)
-        }
-        _ => None,
-    };
-    let plan = match runtime::plan(ctx.host, p, version) {
-        Ok(plan) => plan,
-        Err(e) => return (StageState::Failed, e.to_string()),
-    };
-    no_cdi.clone_from(&plan.no_cdi);
-    let notes = if plan.notes.is_empty() {
-        String::new()
-    } else {
-        format!(" ({})", plan.notes.join("; "))
-    };
-    if plan.changes.is_empty() {
-        return (
-            StageState::Done,
-            format!("{name} already configured; not reloaded{notes}"),
-        );
-    }
-    let paths: Vec<&str> = plan.changes.iter().map(|c| c.path.as_str()).collect();
-    let Some(runner) = ctx.apply else {
-        return (
-            StageState::Ready,
-            format!(
-                "would change {} (`gpu-agent runtime configure --dry-run` shows how){notes}",
-                paths.join(", ")
-            ),
-        );
-    };
-    let written = match runtime::apply(ctx.host, ctx.syscalls, &plan, true) {
-        Ok(w) => w,
-        Err(e) => return (StageState::Failed, e.to_string()),
-    };
-    if written.is_empty() {
-        return (
-            StageState::Done,
-            format!("{name} already configured; not reloaded{notes}"),
-        );
-    }
-    match runtime::reload(ctx.host, rt, &plan.unit, p.toolkit.reload, runner) {
-        Ok(did) => (
-            StageState::Done,
-            format!("wrote {}; {did}{notes}", written.join(", ")),
-        ),
-        Err(e) => (
-            StageState::Failed,
-            format!("wrote {}, but {e}", written.join(", ")),
-        ),
-    }
-}
-
 /// Why GPUs the node has cannot be used yet: the backend does not describe them.
-fn undescribed(inv: &Inventory, what: &str) -> String {
+pub(super) fn undescribed(inv: &Inventory, what: &str) -> String {
     format!(
         "{} GPU(s) on the node, none can be {what} until {} describes them: {}",
         inv.gpus.len(),
         inv.backend.name,
         inv.backend.error.as_deref().unwrap_or("no UUIDs reported")
     )
-}
-
-/// What the health stage will watch.
-fn health_plan(inv: &Inventory, policy: &Policy) -> (StageState, String) {
-    let watched = inv
-        .gpus
-        .iter()
-        .filter(|g| g.uuid.is_some() && g.index.is_some())
-        .count();
-    if watched == 0 && !inv.gpus.is_empty() {
-        return (StageState::Waiting, undescribed(inv, "watched"));
-    }
-    if watched == 0 {
-        return (StageState::Done, "no GPU to watch".to_string());
-    }
-    let h = &policy.health;
-    let ignored: Vec<String> = h.ignored_xids.iter().map(u64::to_string).collect();
-    let ignored = if ignored.is_empty() {
-        "none".to_string()
-    } else {
-        ignored.join(", ")
-    };
-    let recovery = if h.recover_after_seconds == 0 {
-        "never recovering without a restart".to_string()
-    } else {
-        format!(
-            "healthy again after {} s without one",
-            h.recover_after_seconds
-        )
-    };
-    (
-        StageState::Ready,
-        format!(
-            "watch {watched} GPU(s) for XID and double-bit ECC events (ignoring XIDs {ignored}; {recovery})"
-        ),
-    )
-}
-
-/// Sets the health stage from the live health of every GPU.
-pub fn apply_health_status(stages: &mut [StageStatus], board: &[GpuHealth]) {
-    let Some(st) = stages.iter_mut().find(|s| s.stage == Stage::Health) else {
-        return;
-    };
-    let sick: Vec<String> = board
-        .iter()
-        .filter(|g| !g.healthy)
-        .map(|g| {
-            format!(
-                "{} ({})",
-                g.uuid,
-                g.reason.as_deref().unwrap_or("unhealthy")
-            )
-        })
-        .collect();
-    st.state = StageState::Done;
-    st.detail = if sick.is_empty() {
-        format!("watching {} GPU(s): all healthy", board.len())
-    } else {
-        format!(
-            "watching {} GPU(s): {} unhealthy: {}",
-            board.len(),
-            sick.len(),
-            sick.join(", ")
-        )
-    };
 }
 
 /// Why a stage does not run now, or `None` when it should run. `implemented`
@@ -953,22 +475,6 @@ fn gate(
         StageState::Waiting,
         format!("waiting on {}", stuck_on.name()),
     ))
-}
-
-fn discover_detail(inv: &Inventory) -> String {
-    if inv.gpus.is_empty() {
-        return "no NVIDIA GPU on this node".into();
-    }
-    let mut s = format!("{} GPU(s): {}", inv.gpus.len(), inv.models_summary());
-    match (&inv.driver.version, &inv.backend.error) {
-        (Some(v), None) => s.push_str(&format!("; driver {v}")),
-        (None, None) => {}
-        (_, Some(e)) => s.push_str(&format!("; {} unavailable: {e}", inv.backend.name)),
-    }
-    if !inv.warnings.is_empty() {
-        s.push_str(&format!("; {} warning(s)", inv.warnings.len()));
-    }
-    s
 }
 
 #[cfg(test)]

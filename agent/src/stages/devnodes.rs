@@ -1,0 +1,61 @@
+//! The `devnodes` stage: `/dev/nvidia*`, `/dev/nvidia-caps/*` and the
+//! `/dev/char` links, made when missing or wrong.
+
+use super::{Context, StageState};
+use crate::inventory::Inventory;
+
+/// `/dev/nvidia*` and `/dev/char` links for the loaded driver (also in the
+/// host-driver mode).
+pub(super) fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, String) {
+    use crate::driver;
+    // Read the driver again: the driver stage may have just loaded it.
+    let nodes = match driver::plan_nodes(ctx.sys, Some(inv)) {
+        Ok(n) => n,
+        Err(e) => return (StageState::Failed, e.to_string()),
+    };
+    if nodes.is_empty() {
+        return if inv.gpus.is_empty() {
+            (
+                StageState::Done,
+                "no NVIDIA driver loaded: no device node to make".into(),
+            )
+        } else {
+            (
+                StageState::Waiting,
+                "the nvidia module is not loaded".into(),
+            )
+        };
+    }
+    let wrong: Vec<&str> = nodes
+        .iter()
+        .filter(|n| !kmod::devnodes::is_right(ctx.host, n))
+        .map(|n| n.path.as_str())
+        .collect();
+    if ctx.simulated || ctx.apply.is_none() {
+        let why = if ctx.simulated {
+            "simulated node: "
+        } else {
+            ""
+        };
+        return if wrong.is_empty() {
+            (
+                StageState::Done,
+                format!("{} device node(s) right", nodes.len()),
+            )
+        } else {
+            (
+                StageState::Ready,
+                format!(
+                    "{why}would make {} of {} device node(s): {}",
+                    wrong.len(),
+                    nodes.len(),
+                    wrong.join(", ")
+                ),
+            )
+        };
+    }
+    match kmod::devnodes::ensure(ctx.host, ctx.syscalls, &nodes) {
+        Ok(out) => (StageState::Done, driver::nodes_summary(&out)),
+        Err(e) => (StageState::Failed, e.to_string()),
+    }
+}

@@ -1,0 +1,42 @@
+//! The `plugin` stage: the resources the device plugin advertises, and
+//! the running plugins' registration for `status`.
+
+use super::{Stage, StageState, StageStatus};
+use crate::plugin::manager::ResourceStatus;
+use crate::policy::Policy;
+
+/// Whether the device plugin hands out CDI names, so that the spec must be
+/// written before it serves (an unreadable device-plugin config counts as
+/// yes: the plugin stage reports it).
+pub(super) fn plugin_needs_cdi(policy: &Policy) -> bool {
+    policy.device_plugin.enabled
+        && crate::plugin::settings(&policy.device_plugin, policy.mig.strategy)
+            .map_or(true, |s| s.hands_out_cdi_names())
+}
+
+/// Sets the plugin stage from the running plugins' status: `done` when every
+/// resource is registered, `waiting` (with the kubelet's answer) otherwise.
+pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus]) {
+    let Some(st) = stages.iter_mut().find(|s| s.stage == Stage::Plugin) else {
+        return;
+    };
+    if board.is_empty() {
+        st.state = StageState::Done;
+        st.detail = "no devices to advertise; nothing registered".into();
+        return;
+    }
+    let parts: Vec<String> = board
+        .iter()
+        .map(|r| match (&r.registered, &r.last_error) {
+            (true, _) => format!("{}: {} device(s), registered", r.resource, r.devices),
+            (false, Some(e)) => format!("{}: not registered ({e}); retrying", r.resource),
+            (false, None) => format!("{}: registering", r.resource),
+        })
+        .collect();
+    st.state = if board.iter().all(|r| r.registered) {
+        StageState::Done
+    } else {
+        StageState::Waiting
+    };
+    st.detail = parts.join("; ");
+}
