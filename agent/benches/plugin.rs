@@ -70,14 +70,22 @@ async fn main() {
 
     let settings = PluginSettings::default();
     let res = resources::build(&inv, &settings).unwrap();
+    // Health: recovery after 0 s, so each event is followed by a recovery
+    // update on the monitor's next tick.
+    let health_policy = HealthPolicy {
+        recover_after: Some(Duration::ZERO),
+        ..HealthPolicy::default()
+    };
+    let uuids: Vec<String> = inv.gpus.iter().filter_map(|g| g.uuid.clone()).collect();
+    let monitor = HealthMonitor::new(health_policy, uuids.clone());
     let mgr = PluginManager::new(
         plugin_dir.clone(),
         res,
         inv.clone(),
         Arc::new(settings),
         host.clone(),
-    );
-    let senders = mgr.resource_senders();
+    )
+    .with_health(monitor.subscribe());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(mgr.run(async {
         let _ = stopped.await;
@@ -126,14 +134,8 @@ async fn main() {
     // each event is followed by a recovery update on the monitor's next tick.
     let (htx, hrx) = tokio::sync::mpsc::unbounded_channel();
     backend.watch_health(htx).unwrap();
-    let policy = HealthPolicy {
-        recover_after: Some(Duration::ZERO),
-        ..HealthPolicy::default()
-    };
-    let uuids: Vec<String> = inv.gpus.iter().filter_map(|g| g.uuid.clone()).collect();
-    let monitor = HealthMonitor::new(policy, uuids.clone(), senders.values().cloned().collect());
     let (hstop, hstopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(monitor.run(hrx, async {
+    tokio::spawn(monitor.run(hrx, Default::default(), async {
         let _ = hstopped.await;
     }));
     let mut samples = Vec::new();

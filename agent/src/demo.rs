@@ -14,7 +14,8 @@ use gpu_agent::state::{self, AgentState};
 use hostlib::HostRoot;
 use simnode::NodeDescription;
 
-use crate::{RunningPlugin, StatusReport, status_text};
+use crate::{StatusReport, status_text};
+use gpu_agent::supervisor::{RunningHealth, RunningPlugin};
 
 pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
     let t0 = Instant::now();
@@ -69,6 +70,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         simulated: true,
         drain: None,
         serve_first: false,
+        changes: Default::default(),
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {
@@ -160,8 +162,33 @@ async fn serve_plugin(
     std::fs::create_dir_all(&dir)?;
     let mock =
         MockKubelet::start(&dir.join(KUBELET_SOCKET)).context("cannot start the mock kubelet")?;
-    let mut plugin =
-        RunningPlugin::start(host, plan, inventory, Default::default()).map_err(|f| f.error)?;
+    // The health monitor first: the plugin follows its view.
+    let policy = Policy {
+        health: gpu_agent::health::HealthSpec {
+            kernel_log: false,
+            ..Default::default()
+        },
+        ..Policy::default()
+    };
+    let inventory = std::sync::Arc::new(inventory);
+    let inventories = tokio::sync::watch::Sender::new(inventory.clone());
+    let health_policy = tokio::sync::watch::Sender::new(policy.health.to_policy());
+    let health = RunningHealth::start(
+        backend,
+        host,
+        &policy,
+        inventories.subscribe(),
+        health_policy.subscribe(),
+        Default::default(),
+    )
+    .ok();
+    let plugin = RunningPlugin::start(
+        host,
+        plan,
+        inventory,
+        Default::default(),
+        health.as_ref().map(|h| h.view()),
+    )?;
     let registered = mock.wait_for(1, std::time::Duration::from_secs(5)).await;
     // Let the plugin record the kubelet's answer.
     for _ in 0..100 {
@@ -214,9 +241,14 @@ async fn serve_plugin(
     for d in &c.cdi_devices {
         writeln!(out, "     CDI device {}", d.name)?;
     }
-    health_demo(backend, &mut client, &plugin, st, out).await?;
+    if let Some(h) = &health {
+        health_demo(backend, &mut client, h, st, out).await?;
+    }
     plugin.refresh(st);
     plugin.stop().await;
+    if let Some(h) = health {
+        h.stop();
+    }
     mock.stop().await;
     Ok(())
 }
@@ -228,7 +260,7 @@ async fn health_demo(
     client: &mut gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<
         tonic::transport::Channel,
     >,
-    plugin: &RunningPlugin,
+    health: &RunningHealth,
     st: &mut AgentState,
     out: &mut dyn Write,
 ) -> anyhow::Result<()> {
@@ -236,17 +268,7 @@ async fn health_demo(
     use gpu_agent_proto::deviceplugin::v1beta1::Empty;
     use tokio_stream::StreamExt;
 
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let Some(board) = crate::start_health(
-        st,
-        &Policy::default(),
-        backend,
-        Some(plugin),
-        stopped,
-        Default::default(),
-    ) else {
-        return Ok(());
-    };
+    let board = health.board();
     let mut stream = client.list_and_watch(Empty {}).await?.into_inner();
     let _ = stream.next().await;
     let uuid = st
@@ -276,6 +298,5 @@ async fn health_demo(
     )?;
     st.health = board.lock().unwrap().clone();
     gpu_agent::stages::apply_health_status(&mut st.stages, &st.health);
-    let _ = stop.send(());
     Ok(())
 }

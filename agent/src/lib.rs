@@ -17,6 +17,7 @@ pub mod runtime;
 pub mod source;
 pub mod stages;
 pub mod state;
+pub mod supervisor;
 #[cfg(test)]
 pub(crate) mod test_support;
 

@@ -6,18 +6,15 @@ mod driver_cli;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpu_agent::caps::HeldCaps;
-use gpu_agent::health::{HealthBoard, HealthMonitor};
 use gpu_agent::logging::{self, LogFormat};
-use gpu_agent::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
+use gpu_agent::plugin::manager::ResourceStatus;
 use gpu_agent::policy::Policy;
 use gpu_agent::source::NodeView;
-use gpu_agent::stages::{self, Context, PluginPlan, Stage, StageState, StageStatus};
+use gpu_agent::stages::{self, Context, Stage, StageStatus};
 use gpu_agent::state::{self, AgentState, Liveness};
 use gpu_agent::{Inventory, render};
 use hostlib::HostRoot;
@@ -505,403 +502,28 @@ fn context<'a>(
         simulated: view.simulated.is_some(),
         drain: None,
         serve_first: false,
+        changes: Default::default(),
     }
 }
 
 fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
-    let mut policy = load_policy(cli.policy.as_deref())?;
-    // One agent per host; `status` knows it lives by this lock.
-    let _lock = state::AgentLock::take(&host)?;
-    let caps = HeldCaps::read();
+    let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
-    tracing::info!(
-        version = env!("CARGO_PKG_VERSION"),
-        host_root = %host.path().display(),
-        simulated = view.simulated.as_deref().unwrap_or("no"),
-        caps = %caps.names().join(","),
-        "gpu-agent starting"
-    );
-    let pass = stages::run_pass(&Context {
-        serve_first: !once,
-        ..context(&policy, &caps, &view, &host, true)
-    });
-    let ok = pass.ok();
-    let mut st = AgentState::new(&host, heartbeat, caps.names());
-    st.policy = cli.policy.as_ref().map(|p| p.display().to_string());
-    st.simulated = view.simulated.clone();
-    st.stages = pass.stages;
-    st.inventory = pass.inventory;
-    let mut file = state::StateFile::default();
-    if once {
-        st.stopped_at = Some(state::now());
-        sync_state(&mut file, &mut st, &host);
-        return Ok(if ok {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        });
-    }
-    // One worker runs the device plugin and the health monitor while this
-    // thread runs passes (the deferred stages now, reloads later), so the
-    // plugin serves during a pass.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("gpu-agent-worker")
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        let mut hup = signal(SignalKind::hangup())?;
-        // The plugins and the health monitor say when their status changes:
-        // the state file is written then, and only then.
-        let changed = Arc::new(tokio::sync::Notify::new());
-        let mut plugin = match (pass.plugin, &st.inventory) {
-            (Some(plan), Some(inv)) => Some(RunningPlugin::start(
-                &host,
-                plan,
-                inv.clone(),
-                changed.clone(),
-            )?),
-            _ => None,
-        };
-        let (health_stop, health_stopped) = tokio::sync::oneshot::channel::<()>();
-        let health = start_health(
-            &mut st,
-            &policy,
-            view.backend.as_ref(),
-            plugin.as_ref(),
-            health_stopped,
-            changed.clone(),
-        );
-        // What the pass found, for `status`, before anything waits.
-        refresh(&mut st, plugin.as_mut(), health.as_ref());
-        sync_state(&mut file, &mut st, &host);
-        if let Some(inv) = st.inventory.clone()
-            && !pass.deferred.is_empty()
-        {
-            // The kubelet hears from us first; then the deferred stages.
-            if let Some(p) = &plugin {
-                p.first_attempts(&changed, Duration::from_secs(1), Duration::from_millis(250))
-                    .await;
-            }
-            refresh(&mut st, plugin.as_mut(), health.as_ref());
-            sync_state(&mut file, &mut st, &host);
-            stages::run_deferred(
-                &context(&policy, &caps, &view, &host, true),
-                &pass.deferred,
-                &inv,
-                &mut st.stages,
-            );
-        }
-        refresh(&mut st, plugin.as_mut(), health.as_ref());
-        sync_state(&mut file, &mut st, &host);
-        // A heartbeat (if asked for) only stamps the file. Without one,
-        // nothing wakes this loop but signals and changes.
-        let mut tick = tokio::time::interval(Duration::from_secs(heartbeat.max(1)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        loop {
-            let beat = async {
-                if heartbeat > 0 {
-                    tick.tick().await;
-                } else {
-                    std::future::pending::<()>().await;
-                }
-            };
-            tokio::select! {
-                _ = beat => {
-                    if let Err(e) = file.stamp(&host) {
-                        tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent hangs");
-                    }
-                    continue;
-                }
-                _ = changed.notified() => {}
-                _ = hup.recv() => {
-                    if let Some(p) = &plugin {
-                        reload(cli, &host, &view, &caps, &mut st, p, &mut policy).await;
-                    }
-                }
-                _ = term.recv() => break,
-                _ = int.recv() => break,
-            }
-            refresh(&mut st, plugin.as_mut(), health.as_ref());
-            sync_state(&mut file, &mut st, &host);
-        }
-        let _ = health_stop.send(());
-        if let Some(p) = plugin {
-            p.stop().await;
-        }
-        Ok::<_, Failure>(())
+    let ok = gpu_agent::supervisor::run(gpu_agent::supervisor::Options {
+        host,
+        policy_path: cli.policy.clone(),
+        policy,
+        view,
+        caps: HeldCaps::read(),
+        heartbeat,
+        once,
     })?;
-    tracing::info!("gpu-agent stopping");
-    st.stopped_at = Some(state::now());
-    sync_state(&mut file, &mut st, &host);
-    Ok(ExitCode::SUCCESS)
-}
-
-/// SIGHUP: read the policy again, discover again, and give the device plugin
-/// the new resources (a MIG layout or sharing change takes effect; resources
-/// that are gone are unregistered). An invalid policy is logged and the
-/// running one kept.
-async fn reload(
-    cli: &Cli,
-    host: &HostRoot,
-    view: &NodeView,
-    caps: &HeldCaps,
-    st: &mut AgentState,
-    plugin: &RunningPlugin,
-    running: &mut Policy,
-) {
-    let policy = match load_policy(cli.policy.as_deref()) {
-        Ok(p) => p,
-        Err(f) => {
-            tracing::error!(error = %format!("{:#}", f.error), "SIGHUP: the policy is invalid; keeping the running one");
-            return;
-        }
-    };
-    tracing::info!("SIGHUP: reloading the policy and discovering again");
-    // A new driver in the policy may mean an upgrade: stop advertising GPUs
-    // first (resources unregistered), and let the device plugin act on it
-    // before the pass blocks this thread.
-    let drained = if policy.driver.enabled
-        && policy.driver.bundle.is_some()
-        && driver_source_changed(running, &policy)
-    {
-        let _ = plugin.updater.send(Vec::new());
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while plugin.board.lock().unwrap().iter().any(|r| r.registered)
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Some(PluginDrained)
+    Ok(if ok {
+        ExitCode::SUCCESS
     } else {
-        None
-    };
-    *running = policy.clone();
-    let pass = stages::run_pass(&Context {
-        drain: drained.as_ref().map(|d| d as &dyn gpu_agent::driver::Drain),
-        ..context(&policy, caps, view, host, true)
-    });
-    let resources = pass.plugin.map(|p| p.resources).unwrap_or_default();
-    let _ = plugin.updater.send(resources);
-    // Keep the live states of the stages that run in the background.
-    for s in pass.stages {
-        if let Some(old) = st.stages.iter_mut().find(|o| o.stage == s.stage)
-            && !(matches!(s.stage, Stage::Plugin | Stage::Health) && s.state == StageState::Ready)
-        {
-            *old = s;
-        }
-    }
-    st.inventory = pass.inventory;
-}
-
-/// The driver the policy asks for is not the one it asked for before.
-fn driver_source_changed(old: &Policy, new: &Policy) -> bool {
-    let (a, b) = (&old.driver, &new.driver);
-    (
-        &a.bundle,
-        &a.bundle_sha256,
-        &a.version,
-        &a.module_dir,
-        a.use_open_kernel_modules,
-    ) != (
-        &b.bundle,
-        &b.bundle_sha256,
-        &b.version,
-        &b.module_dir,
-        b.use_open_kernel_modules,
-    )
-}
-
-/// The device plugin was told to advertise nothing (SIGHUP with a new driver).
-#[derive(Debug)]
-struct PluginDrained;
-
-impl gpu_agent::driver::Drain for PluginDrained {
-    fn stop_advertising(&self) -> String {
-        "device-plugin resources unregistered".into()
-    }
-}
-
-/// Starts the health monitor when the pass planned it: the backend's events
-/// flip the device plugin's devices. Returns the live health board.
-fn start_health(
-    st: &mut AgentState,
-    policy: &Policy,
-    backend: &dyn gpu_agent::backend::GpuBackend,
-    plugin: Option<&RunningPlugin>,
-    stopped: tokio::sync::oneshot::Receiver<()>,
-    changed: Arc<tokio::sync::Notify>,
-) -> Option<HealthBoard> {
-    let planned = st
-        .stages
-        .iter()
-        .any(|s| s.stage == Stage::Health && s.state == StageState::Ready);
-    if !planned {
-        return None;
-    }
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    if let Err(e) = backend.watch_health(tx) {
-        if let Some(s) = st.stages.iter_mut().find(|s| s.stage == Stage::Health) {
-            s.state = StageState::Failed;
-            s.detail = e.to_string();
-        }
-        return None;
-    }
-    let uuids: Vec<String> = st
-        .inventory
-        .iter()
-        .flat_map(|inv| inv.gpus.iter().filter_map(|g| g.uuid.clone()))
-        .collect();
-    let senders = plugin
-        .map(|p| p.senders.values().cloned().collect())
-        .unwrap_or_default();
-    let monitor =
-        HealthMonitor::new(policy.health.to_policy(), uuids, senders).with_change_signal(changed);
-    let board = monitor.board();
-    tokio::spawn(monitor.run(rx, async {
-        let _ = stopped.await;
-    }));
-    st.health = board.lock().unwrap().clone();
-    stages::apply_health_status(&mut st.stages, &st.health);
-    Some(board)
-}
-
-/// The device plugin, served in the background of `run`.
-struct RunningPlugin {
-    board: StatusBoard,
-    updater: tokio::sync::mpsc::UnboundedSender<Vec<gpu_agent::plugin::resources::Resource>>,
-    senders: std::collections::HashMap<
-        String,
-        tokio::sync::watch::Sender<gpu_agent::plugin::resources::Resource>,
-    >,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), PluginError>>,
-}
-
-impl RunningPlugin {
-    fn start(
-        host: &HostRoot,
-        plan: PluginPlan,
-        inventory: Inventory,
-        changed: Arc<tokio::sync::Notify>,
-    ) -> Result<Self, Failure> {
-        let dir = manager::plugin_dir(host)?;
-        let mgr = PluginManager::new(
-            dir,
-            plan.resources,
-            Arc::new(inventory),
-            Arc::new(plan.settings),
-            host.clone(),
-        )
-        .with_change_signal(changed.clone());
-        let board = mgr.board();
-        let updater = mgr.updater();
-        let senders = mgr.resource_senders();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let result = mgr
-                .run(async {
-                    let _ = stopped.await;
-                })
-                .await;
-            // The agent's state shows a plugin that stopped at once.
-            changed.notify_one();
-            result
-        });
-        Ok(RunningPlugin {
-            board,
-            updater,
-            senders,
-            stop: Some(stop),
-            task,
-        })
-    }
-
-    /// Waits until every resource's first registration was answered
-    /// (accepted or refused, within `limit`) and the kubelet listed the
-    /// accepted ones' devices (within `list_grace` after that).
-    async fn first_attempts(
-        &self,
-        changed: &tokio::sync::Notify,
-        limit: Duration,
-        list_grace: Duration,
-    ) {
-        let answered = |b: &[ResourceStatus]| {
-            b.iter()
-                .all(|r| r.registrations > 0 || r.last_error.is_some())
-        };
-        let listed = |b: &[ResourceStatus]| b.iter().all(|r| r.lists > 0 || r.last_error.is_some());
-        for (done, wait) in [
-            (&answered as &dyn Fn(&[ResourceStatus]) -> bool, limit),
-            (&listed, list_grace),
-        ] {
-            let deadline = tokio::time::Instant::now() + wait;
-            loop {
-                if done(&self.board.lock().unwrap()) || self.task.is_finished() {
-                    break;
-                }
-                tokio::select! {
-                    _ = changed.notified() => {}
-                    _ = tokio::time::sleep_until(deadline) => return,
-                }
-            }
-        }
-    }
-
-    /// Copies the plugins' status into the agent state.
-    fn refresh(&mut self, st: &mut AgentState) {
-        if self.task.is_finished() {
-            if let Some(s) = st.stages.iter_mut().find(|s| s.stage == Stage::Plugin)
-                && s.state != StageState::Failed
-            {
-                s.state = StageState::Failed;
-                s.detail = "the device plugin stopped; see the log".into();
-            }
-            return;
-        }
-        st.plugin = self.board.lock().unwrap().clone();
-        for r in &mut st.plugin {
-            if let Some(tx) = self.senders.get(&r.resource) {
-                r.unhealthy = tx.borrow().devices.iter().filter(|d| !d.healthy).count();
-            }
-        }
-        stages::apply_plugin_status(&mut st.stages, &st.plugin);
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        match self.task.await {
-            Ok(Err(e)) => tracing::error!(stage = "plugin", error = %e, "device plugin failed"),
-            Err(e) => tracing::error!(stage = "plugin", error = %e, "device plugin task failed"),
-            Ok(Ok(())) => {}
-        }
-    }
-}
-
-/// Copies the live status of the device plugin and the health monitor into
-/// the agent's state.
-fn refresh(st: &mut AgentState, plugin: Option<&mut RunningPlugin>, health: Option<&HealthBoard>) {
-    if let Some(p) = plugin {
-        p.refresh(st);
-    }
-    if let Some(board) = health {
-        st.health = board.lock().unwrap().clone();
-        stages::apply_health_status(&mut st.stages, &st.health);
-    }
-}
-
-/// Writes the state file if what it says changed.
-fn sync_state(file: &mut state::StateFile, st: &mut AgentState, host: &HostRoot) {
-    if let Err(e) = file.sync(st, host) {
-        tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
-    }
+        ExitCode::FAILURE
+    })
 }
 
 /// What `status` shows, in either output form.

@@ -32,9 +32,13 @@ pub struct PolicyFile {
 }
 
 /// What the agent does. Field defaults are the documented ones.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Policy {
+    /// Seconds between reconciles (the stages run again, repairing drift);
+    /// 0: only when the policy file changes and on SIGHUP. Default 60.
+    #[serde(default = "default_reconcile_interval")]
+    pub reconcile_interval_seconds: u64,
     #[serde(default)]
     pub operator: OperatorSpec,
     #[serde(default)]
@@ -52,11 +56,63 @@ pub struct Policy {
     #[serde(default)]
     pub mig_manager: Toggle,
     #[serde(default)]
-    pub validator: Toggle,
+    pub validator: ValidatorSpec,
     #[serde(default)]
     pub mig: MigSpec,
     #[serde(default)]
     pub health: HealthSpec,
+}
+
+fn default_reconcile_interval() -> u64 {
+    60
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            reconcile_interval_seconds: default_reconcile_interval(),
+            operator: OperatorSpec::default(),
+            driver: DriverSpec::default(),
+            toolkit: ToolkitSpec::default(),
+            cdi: CdiSpec::default(),
+            device_plugin: DevicePluginSpec::default(),
+            dcgm_exporter: Toggle::default(),
+            gfd: Toggle::default(),
+            mig_manager: Toggle::default(),
+            validator: ValidatorSpec::default(),
+            mig: MigSpec::default(),
+            health: HealthSpec::default(),
+        }
+    }
+}
+
+/// `spec.validator`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ValidatorSpec {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Also run a short-lived container with one GPU injected by CDI through
+    /// the node's CRI runtime, and check inside it (default false).
+    #[serde(default)]
+    pub workload: bool,
+    /// The image of that container (it needs `sh`); pulled if absent.
+    #[serde(default = "default_workload_image")]
+    pub workload_image: String,
+}
+
+fn default_workload_image() -> String {
+    "docker.io/library/busybox:1.36".into()
+}
+
+impl Default for ValidatorSpec {
+    fn default() -> Self {
+        ValidatorSpec {
+            enabled: true,
+            workload: false,
+            workload_image: default_workload_image(),
+        }
+    }
 }
 
 pub(crate) fn yes() -> bool {

@@ -55,6 +55,18 @@ pub struct AgentState {
     /// Every watched GPU's health.
     #[serde(default)]
     pub health: Vec<GpuHealth>,
+    /// The supervised tasks (device plugin, health, kernel log).
+    #[serde(default)]
+    pub tasks: Vec<crate::supervisor::TaskStatus>,
+    /// Every enabled stage validated (READY for systemd and probes).
+    #[serde(default)]
+    pub ready: bool,
+    /// `spec.reconcileIntervalSeconds` of the running policy.
+    #[serde(default)]
+    pub reconcile_interval_secs: u64,
+    /// Why the policy file on disk is not the running policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_error: Option<String>,
 }
 
 /// A state file that cannot be used.
@@ -192,6 +204,10 @@ impl AgentState {
             inventory: None,
             plugin: Vec::new(),
             health: Vec::new(),
+            tasks: Vec::new(),
+            ready: false,
+            reconcile_interval_secs: 0,
+            policy_error: None,
         }
     }
 
@@ -308,6 +324,10 @@ mod tests {
             inventory: None,
             plugin: vec![],
             health: vec![],
+            tasks: vec![],
+            ready: false,
+            reconcile_interval_secs: 0,
+            policy_error: None,
         }
     }
 
@@ -374,13 +394,11 @@ mod tests {
             "the stamp counts as a sign of life"
         );
         // Changed: written anew.
-        st.stages.push(crate::stages::StageStatus {
-            stage: crate::stages::Stage::Discover,
-            state: crate::stages::StageState::Done,
-            detail: "8 GPUs".into(),
-            needs: vec![],
-            missing: vec![],
-        });
+        st.stages.push(crate::stages::StageStatus::new(
+            crate::stages::Stage::Discover,
+            crate::stages::StageState::Done,
+            "8 GPUs".into(),
+        ));
         assert!(file.sync(&mut st, &host).unwrap());
         assert_ne!(std::fs::read(&path).unwrap(), written);
     }

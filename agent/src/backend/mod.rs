@@ -156,6 +156,12 @@ pub struct Telemetry {
     pub utilization_gpu_pct: Option<u32>,
     pub utilization_memory_pct: Option<u32>,
     pub memory_used_mib: Option<u64>,
+    /// NVML's slowdown threshold (the GPU throttles at it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slowdown_temperature_c: Option<u32>,
+    /// Retired pages wait for a GPU reset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retired_pages_pending: Option<bool>,
 }
 
 /// One GPU as the backend sees it.
@@ -235,6 +241,12 @@ pub enum HealthEvent {
     Xid { uuid: String, xid: u64 },
     /// A double-bit (uncorrectable) ECC error.
     DoubleBitEcc { uuid: String },
+    /// An `NVRM: Xid` line in the kernel log, for the GPU at that bus id.
+    KernelXid {
+        uuid: String,
+        xid: u64,
+        message: String,
+    },
     /// Waiting for events failed: no GPU's health is known until the backend
     /// answers again.
     WaitFailed(String),

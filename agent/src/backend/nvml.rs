@@ -11,7 +11,7 @@ use std::time::Duration;
 use hostlib::PciAddress;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TopologyLevel};
+use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TemperatureThreshold, TopologyLevel};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 
@@ -339,6 +339,11 @@ impl GpuBackend for NvmlBackend {
                     utilization_gpu_pct: util.as_ref().map(|u| u.gpu),
                     utilization_memory_pct: util.as_ref().map(|u| u.memory),
                     memory_used_mib: memory.as_ref().map(|m| m.used / (1024 * 1024)),
+                    // Health conditions: quietly absent where NVML has no answer.
+                    slowdown_temperature_c: device
+                        .temperature_threshold(TemperatureThreshold::Slowdown)
+                        .ok(),
+                    retired_pages_pending: device.are_pages_pending_retired().ok(),
                 },
                 mig_devices,
             });

@@ -85,6 +85,8 @@ impl GpuBackend for SimulatedBackend {
                         .utilization_memory
                         .filter(|_| g.telemetry.utilization_gpu.is_some()),
                     memory_used_mib: Some(g.memory_used_mib),
+                    slowdown_temperature_c: None,
+                    retired_pages_pending: None,
                 },
                 mig_devices: if g.mig.enabled {
                     g.mig

@@ -1,9 +1,17 @@
-//! GPU health: the backend's events (XID errors, double-bit ECC) turn a GPU
-//! unhealthy for the device plugin (every `ListAndWatch` stream gets the
-//! new list at once); unlike NVIDIA's plugin, a GPU comes back to healthy
-//! when no critical event has been seen for the policy's recovery time. When
-//! the event wait itself fails, every GPU is unhealthy until the backend
-//! answers again.
+//! GPU health. Sources: NVML events (XID errors, double-bit ECC), the kernel
+//! log (`NVRM: Xid` lines in /dev/kmsg, [`kmsg`]), and NVML's view checked at
+//! each reconcile (a GPU NVML has lost, pending retired pages or remapped
+//! rows, temperature over the slowdown threshold). Each kind maps by policy
+//! to ignore / log / unhealthy. The monitor publishes a [`HealthView`] on a
+//! watch channel; the device plugin subscribes and every `ListAndWatch`
+//! stream gets the new list at once. Unlike NVIDIA's plugin, a GPU comes
+//! back to healthy when nothing critical has been seen for the policy's
+//! recovery time, NVML answers for it and no reset is pending. When the
+//! event wait itself fails, every GPU is unhealthy until NVML answers again.
+
+pub mod kernel_log;
+pub mod kmsg;
+pub mod xid;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -14,26 +22,53 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 
 use crate::backend::HealthEvent;
-use crate::plugin::resources::Resource;
+use crate::inventory::Inventory;
 
 /// XIDs NVIDIA's device plugin ignores by default (application errors and
 /// the like, not a sick GPU): 13, 31, 43, 45, 68, 109.
 pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 
-/// What counts and for how long.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HealthPolicy {
-    pub ignored_xids: BTreeSet<u64>,
-    /// A GPU is healthy again after this long without a critical event;
-    /// `None`: it stays unhealthy until the agent restarts.
-    pub recover_after: Option<Duration>,
+/// The same XID from NVML and from the kernel log within this window is one event.
+pub const SAME_EVENT_WINDOW: Duration = Duration::from_secs(5);
+
+pub use xid::Severity;
+
+/// `spec.health.on`: what each kind of event does.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KindSeverities {
+    /// XIDs not in `ignoredXids` and not in `xids` (default unhealthy).
+    #[serde(default = "unhealthy")]
+    pub xid: Severity,
+    #[serde(default = "unhealthy")]
+    pub double_bit_ecc: Severity,
+    /// Temperature at or over NVML's slowdown threshold (default log).
+    #[serde(default = "log")]
+    pub thermal: Severity,
+    /// Retired pages pending: the GPU needs a reset (default unhealthy).
+    #[serde(default = "unhealthy")]
+    pub retired_pages_pending: Severity,
+    /// NVML has lost the GPU (e.g. fallen off the bus) (default unhealthy).
+    #[serde(default = "unhealthy")]
+    pub gpu_lost: Severity,
 }
 
-impl Default for HealthPolicy {
+fn unhealthy() -> Severity {
+    Severity::Unhealthy
+}
+
+fn log() -> Severity {
+    Severity::Log
+}
+
+impl Default for KindSeverities {
     fn default() -> Self {
-        HealthPolicy {
-            ignored_xids: DEFAULT_IGNORED_XIDS.iter().copied().collect(),
-            recover_after: Some(Duration::from_secs(300)),
+        KindSeverities {
+            xid: Severity::Unhealthy,
+            double_bit_ecc: Severity::Unhealthy,
+            thermal: Severity::Log,
+            retired_pages_pending: Severity::Unhealthy,
+            gpu_lost: Severity::Unhealthy,
         }
     }
 }
@@ -42,13 +77,26 @@ impl Default for HealthPolicy {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct HealthSpec {
-    /// XIDs that do not make a GPU unhealthy (default 13, 31, 43, 45, 68, 109).
+    /// XIDs that do not make a GPU unhealthy, only logged (default 13, 31, 43, 45, 68, 109).
     #[serde(default = "default_ignored_xids")]
     pub ignored_xids: Vec<u64>,
+    /// Per-XID severity, winning over `ignoredXids` and `on.xid`: `{94: log, 48: unhealthy}`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub xids: BTreeMap<u64, Severity>,
+    /// What each kind of event does.
+    #[serde(default)]
+    pub on: KindSeverities,
+    /// Read `NVRM: Xid` lines from the kernel log (/dev/kmsg) too (default true).
+    #[serde(default = "yes")]
+    pub kernel_log: bool,
     /// Seconds without a critical event after which a GPU is healthy again;
     /// 0: never (until the agent restarts). Default 300.
     #[serde(default = "default_recover_after")]
     pub recover_after_seconds: u64,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_ignored_xids() -> Vec<u64> {
@@ -63,6 +111,9 @@ impl Default for HealthSpec {
     fn default() -> Self {
         HealthSpec {
             ignored_xids: default_ignored_xids(),
+            xids: BTreeMap::new(),
+            on: KindSeverities::default(),
+            kernel_log: true,
             recover_after_seconds: default_recover_after(),
         }
     }
@@ -73,8 +124,46 @@ impl HealthSpec {
     pub fn to_policy(&self) -> HealthPolicy {
         HealthPolicy {
             ignored_xids: self.ignored_xids.iter().copied().collect(),
+            xids: self.xids.clone(),
+            on: self.on.clone(),
             recover_after: (self.recover_after_seconds > 0)
-                .then(|| std::time::Duration::from_secs(self.recover_after_seconds)),
+                .then(|| Duration::from_secs(self.recover_after_seconds)),
+        }
+    }
+}
+
+/// What counts and for how long.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthPolicy {
+    pub ignored_xids: BTreeSet<u64>,
+    pub xids: BTreeMap<u64, Severity>,
+    pub on: KindSeverities,
+    /// A GPU is healthy again after this long without a critical event;
+    /// `None`: it stays unhealthy until the agent restarts.
+    pub recover_after: Option<Duration>,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        HealthSpec::default().to_policy()
+    }
+}
+
+impl HealthPolicy {
+    /// What XID `xid` does under this policy: `xids` first; then
+    /// `ignoredXids` (logged only); an XID of NVIDIA's default ignore list
+    /// that the policy no longer ignores gets `on.xid`; any other XID gets
+    /// the catalogue's severity, at most `on.xid` (unknown XIDs: `on.xid`,
+    /// as NVIDIA's plugin).
+    pub fn xid_severity(&self, xid: u64) -> Severity {
+        if let Some(s) = self.xids.get(&xid) {
+            *s
+        } else if self.ignored_xids.contains(&xid) {
+            Severity::Log
+        } else if DEFAULT_IGNORED_XIDS.contains(&xid) {
+            self.on.xid
+        } else {
+            xid::default_severity(xid).min(self.on.xid)
         }
     }
 }
@@ -86,26 +175,78 @@ pub struct GpuHealth {
     pub healthy: bool,
     /// Why it is unhealthy (`XID 79`, `double-bit ECC error`, the wait error).
     pub reason: Option<String>,
-    /// Critical events seen since the agent started.
+    /// What to do about it (the XID catalogue's advice), while unhealthy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advice: Option<String>,
+    /// Events seen since the agent started (critical or logged).
     pub events: u64,
 }
 
 /// The live health of every GPU.
 pub type HealthBoard = Arc<Mutex<Vec<GpuHealth>>>;
 
-struct State {
-    reason: Option<String>,
-    last_critical: Option<Instant>,
-    events: u64,
+/// What the device plugin needs: the unhealthy GPUs (UUID → why). A GPU
+/// not named is healthy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HealthView {
+    pub unhealthy: BTreeMap<String, String>,
 }
 
-/// Applies health events to the device plugin's resources.
+impl HealthView {
+    pub fn healthy(&self, uuid: &str) -> bool {
+        !self.unhealthy.contains_key(uuid)
+    }
+}
+
+/// Conditions NVML reports at a reconcile (not events): each holds until a
+/// later check no longer sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Condition {
+    Lost,
+    RetiredPagesPending,
+    Thermal,
+}
+
+impl Condition {
+    fn text(self) -> &'static str {
+        match self {
+            Condition::Lost => "NVML has lost the GPU; drain and reboot the node",
+            Condition::RetiredPagesPending => {
+                "retired pages pending: reset the GPU (drain it first)"
+            }
+            Condition::Thermal => "temperature at or over the slowdown threshold",
+        }
+    }
+
+    fn severity(self, p: &HealthPolicy) -> Severity {
+        match self {
+            Condition::Lost => p.on.gpu_lost,
+            Condition::RetiredPagesPending => p.on.retired_pages_pending,
+            Condition::Thermal => p.on.thermal,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    reason: Option<String>,
+    advice: Option<String>,
+    last_critical: Option<Instant>,
+    events: u64,
+    /// NVML conditions seen at the last check.
+    conditions: BTreeSet<Condition>,
+    /// Recent XIDs (xid → when, from which source), for one event per XID
+    /// seen by both NVML and the kernel log.
+    recent: BTreeMap<u64, (Instant, bool)>,
+}
+
+/// Turns health events into the GPUs' health.
 pub struct HealthMonitor {
     policy: HealthPolicy,
     gpus: BTreeMap<String, State>,
     /// Set while the backend cannot wait for events.
     blind: Option<String>,
-    resources: Vec<watch::Sender<Resource>>,
+    view: watch::Sender<HealthView>,
     board: HealthBoard,
     /// Told whenever the board changes.
     changed: Arc<Notify>,
@@ -119,32 +260,68 @@ impl std::fmt::Debug for HealthMonitor {
     }
 }
 
+/// The GPUs health watches in an inventory: those NVML names.
+pub fn watched_uuids(inv: &Inventory) -> Vec<String> {
+    inv.gpus
+        .iter()
+        .filter(|g| g.index.is_some())
+        .filter_map(|g| g.uuid.clone())
+        .collect()
+}
+
+/// NVML conditions per GPU, as a reconcile's discovery saw them.
+pub type Conditions = BTreeMap<String, BTreeSet<Condition>>;
+
+/// The conditions in an inventory's NVML readings.
+pub fn conditions(inv: &Inventory) -> Conditions {
+    let mut out = Conditions::new();
+    for g in &inv.gpus {
+        let Some(uuid) = &g.uuid else { continue };
+        let t = &g.telemetry;
+        let mut set = BTreeSet::new();
+        if t.retired_pages_pending == Some(true) {
+            set.insert(Condition::RetiredPagesPending);
+        }
+        if let (Some(now), Some(limit)) = (t.temperature_c, t.slowdown_temperature_c)
+            && now >= limit
+        {
+            set.insert(Condition::Thermal);
+        }
+        if !set.is_empty() {
+            out.insert(uuid.clone(), set);
+        }
+    }
+    out
+}
+
+/// What the monitor follows besides events.
+#[derive(Debug, Default)]
+pub struct Inputs {
+    /// New inventories change the watched GPUs.
+    pub inventory: Option<watch::Receiver<Arc<Inventory>>>,
+    /// A new policy changes the rules.
+    pub policy: Option<watch::Receiver<HealthPolicy>>,
+    /// NVML's conditions at each reconcile.
+    pub conditions: Option<watch::Receiver<Conditions>>,
+}
+
+/// Whether a health event came from NVML or the kernel log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    Nvml,
+    KernelLog,
+}
+
 impl HealthMonitor {
-    /// Watches the GPUs `uuids`, updating `resources` (the device plugin's
-    /// resource channels).
-    pub fn new(
-        policy: HealthPolicy,
-        uuids: impl IntoIterator<Item = String>,
-        resources: Vec<watch::Sender<Resource>>,
-    ) -> Self {
-        let gpus: BTreeMap<String, State> = uuids
-            .into_iter()
-            .map(|u| {
-                (
-                    u,
-                    State {
-                        reason: None,
-                        last_critical: None,
-                        events: 0,
-                    },
-                )
-            })
-            .collect();
+    /// Watches the GPUs `uuids`.
+    pub fn new(policy: HealthPolicy, uuids: impl IntoIterator<Item = String>) -> Self {
+        let gpus: BTreeMap<String, State> =
+            uuids.into_iter().map(|u| (u, State::default())).collect();
         let mut m = HealthMonitor {
             policy,
             gpus,
             blind: None,
-            resources,
+            view: watch::Sender::new(HealthView::default()),
             board: Arc::default(),
             changed: Arc::new(Notify::new()),
         };
@@ -163,14 +340,55 @@ impl HealthMonitor {
         self.board.clone()
     }
 
-    /// Handles events until `events` closes or `shutdown` resolves. Nothing
-    /// runs between events: the only timer is the next recovery, armed
-    /// while a GPU is unhealthy.
+    /// The health the device plugin follows.
+    pub fn subscribe(&self) -> watch::Receiver<HealthView> {
+        self.view.subscribe()
+    }
+
+    /// A new policy (reload): takes effect for the next events and recoveries.
+    pub fn set_policy(&mut self, policy: HealthPolicy) {
+        self.policy = policy;
+    }
+
+    /// The GPUs to watch after a new discovery: new ones are added (healthy),
+    /// gone ones dropped, the rest keep their state.
+    pub fn set_gpus(&mut self, uuids: impl IntoIterator<Item = String>) {
+        let want: BTreeSet<String> = uuids.into_iter().collect();
+        let before = self.gpus.len();
+        self.gpus.retain(|u, _| want.contains(u));
+        let mut added = false;
+        for u in want {
+            if let std::collections::btree_map::Entry::Vacant(e) = self.gpus.entry(u) {
+                e.insert(State::default());
+                added = true;
+            }
+        }
+        if added || self.gpus.len() != before {
+            tracing::info!(
+                stage = "health",
+                gpus = self.gpus.len(),
+                "watching a new set of GPUs"
+            );
+            self.publish();
+        }
+    }
+
+    /// Handles events until `shutdown` resolves (or every sender is gone and
+    /// no inventory channel is left). New inventories on `inventory` change
+    /// the watched GPUs, a new policy on `policy` the rules. Nothing runs
+    /// between events: the only timer is the next recovery, armed while a
+    /// GPU is unhealthy.
     pub async fn run(
         mut self,
         mut events: mpsc::UnboundedReceiver<HealthEvent>,
+        inputs: Inputs,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
+        let Inputs {
+            mut inventory,
+            mut policy,
+            mut conditions,
+        } = inputs;
         tokio::pin!(shutdown);
         loop {
             let next = self.next_recovery();
@@ -180,12 +398,57 @@ impl HealthMonitor {
                     None => std::future::pending().await,
                 }
             };
+            let new_inventory = async {
+                match inventory.as_mut() {
+                    Some(rx) => rx.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
+            let new_policy = async {
+                match policy.as_mut() {
+                    Some(rx) => rx.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
+            let new_conditions = async {
+                match conditions.as_mut() {
+                    Some(rx) => rx.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = &mut shutdown => return,
+                ok = new_conditions => {
+                    match (ok, conditions.as_ref()) {
+                        (true, Some(rx)) => {
+                            let seen = rx.borrow().clone();
+                            self.conditions(&seen, Instant::now());
+                        }
+                        _ => conditions = None,
+                    }
+                }
                 ev = events.recv() => match ev {
                     Some(ev) => self.apply(ev, Instant::now()),
                     None => return,
                 },
+                ok = new_inventory => {
+                    match (ok, inventory.as_ref()) {
+                        (true, Some(rx)) => {
+                            let uuids = watched_uuids(&rx.borrow());
+                            self.set_gpus(uuids);
+                        }
+                        _ => inventory = None,
+                    }
+                }
+                ok = new_policy => {
+                    match (ok, policy.as_ref()) {
+                        (true, Some(rx)) => {
+                            let p = rx.borrow().clone();
+                            self.set_policy(p);
+                        }
+                        _ => policy = None,
+                    }
+                }
                 _ = recovery => self.recover(Instant::now()),
             }
         }
@@ -196,7 +459,7 @@ impl HealthMonitor {
         let after = self.policy.recover_after?;
         self.gpus
             .values()
-            .filter(|st| st.reason.is_some())
+            .filter(|st| st.reason.is_some() && st.conditions.is_empty())
             .filter_map(|st| st.last_critical)
             .map(|t| t + after)
             .min()
@@ -205,15 +468,13 @@ impl HealthMonitor {
     /// One event.
     pub fn apply(&mut self, ev: HealthEvent, now: Instant) {
         match ev {
-            HealthEvent::Xid { uuid, xid } => {
-                if self.policy.ignored_xids.contains(&xid) {
-                    tracing::info!(stage = "health", gpu = %uuid, xid, "XID ignored by policy");
-                    return;
-                }
-                self.critical(&uuid, format!("XID {xid}"), now);
+            HealthEvent::Xid { uuid, xid } => self.xid(&uuid, xid, Source::Nvml, None, now),
+            HealthEvent::KernelXid { uuid, xid, message } => {
+                self.xid(&uuid, xid, Source::KernelLog, Some(message), now)
             }
             HealthEvent::DoubleBitEcc { uuid } => {
-                self.critical(&uuid, "double-bit ECC error".into(), now)
+                let sev = self.policy.on.double_bit_ecc;
+                self.event(&uuid, sev, "double-bit ECC error".into(), None, now)
             }
             HealthEvent::WaitFailed(e) => {
                 tracing::error!(stage = "health", error = %e, "cannot watch GPU events: every GPU is unhealthy until NVML answers again");
@@ -229,19 +490,97 @@ impl HealthMonitor {
         }
     }
 
-    fn critical(&mut self, uuid: &str, reason: String, now: Instant) {
+    fn xid(&mut self, uuid: &str, xid: u64, source: Source, message: Option<String>, now: Instant) {
+        let Some(st) = self.gpus.get_mut(uuid) else {
+            tracing::warn!(stage = "health", gpu = %uuid, xid, "XID for a GPU not in the inventory");
+            return;
+        };
+        // The same XID from the other source a moment apart: one event.
+        let kernel = source == Source::KernelLog;
+        if let Some((at, from_kernel)) = st.recent.get(&xid)
+            && *from_kernel != kernel
+            && now.saturating_duration_since(*at) <= SAME_EVENT_WINDOW
+        {
+            tracing::debug!(stage = "health", gpu = %uuid, xid, "same XID from NVML and the kernel log: one event");
+            st.recent.remove(&xid);
+            return;
+        }
+        st.recent.insert(xid, (now, kernel));
+        st.recent
+            .retain(|_, (t, _)| now.saturating_duration_since(*t) <= SAME_EVENT_WINDOW);
+        let advice = xid::describe(xid);
+        let sev = self.policy.xid_severity(xid);
+        let from = match source {
+            Source::Nvml => "NVML",
+            Source::KernelLog => "kernel log",
+        };
+        let reason = match &message {
+            Some(m) => format!("XID {xid} ({from}: {m})"),
+            None => format!("XID {xid} ({from})"),
+        };
+        self.event(uuid, sev, reason, Some(advice), now);
+    }
+
+    fn event(
+        &mut self,
+        uuid: &str,
+        sev: Severity,
+        reason: String,
+        advice: Option<String>,
+        now: Instant,
+    ) {
         let Some(st) = self.gpus.get_mut(uuid) else {
             tracing::warn!(stage = "health", gpu = %uuid, %reason, "event for a GPU not in the inventory");
             return;
         };
-        tracing::warn!(stage = "health", gpu = %uuid, %reason, "GPU unhealthy");
-        st.reason = Some(reason);
-        st.last_critical = Some(now);
-        st.events += 1;
-        self.publish();
+        let advice_text = advice.as_deref().unwrap_or("");
+        match sev {
+            Severity::Ignore => {}
+            Severity::Log => {
+                st.events += 1;
+                tracing::info!(stage = "health", gpu = %uuid, %reason, advice = advice_text, "health event (logged only, by policy)");
+                self.publish();
+            }
+            Severity::Unhealthy => {
+                st.events += 1;
+                tracing::warn!(stage = "health", gpu = %uuid, %reason, advice = advice_text, "GPU unhealthy");
+                st.reason = Some(reason);
+                st.advice = advice;
+                st.last_critical = Some(now);
+                self.publish();
+            }
+        }
     }
 
-    /// GPUs without a critical event for the recovery time are healthy again.
+    /// NVML's view of each GPU at a reconcile: the conditions that hold now
+    /// (a GPU not named has none). A condition that makes a GPU unhealthy
+    /// holds it unhealthy until a check no longer sees it; the quiet period
+    /// then starts.
+    pub fn conditions(&mut self, seen: &BTreeMap<String, BTreeSet<Condition>>, now: Instant) {
+        let uuids: Vec<String> = self.gpus.keys().cloned().collect();
+        for uuid in uuids {
+            let now_set = seen.get(&uuid).cloned().unwrap_or_default();
+            let st = self.gpus.get_mut(&uuid).expect("listed");
+            if st.conditions == now_set {
+                continue;
+            }
+            let new: Vec<Condition> = now_set.difference(&st.conditions).copied().collect();
+            let gone = !st.conditions.is_subset(&now_set);
+            st.conditions = now_set;
+            if gone && st.conditions.is_empty() {
+                // The quiet period runs from here.
+                st.last_critical = Some(now);
+                tracing::info!(stage = "health", gpu = %uuid, "NVML no longer reports a condition on this GPU");
+            }
+            for c in new {
+                let sev = c.severity(&self.policy);
+                self.event(&uuid, sev, c.text().to_string(), None, now);
+            }
+        }
+    }
+
+    /// GPUs without a critical event for the recovery time (and no
+    /// condition holding them) are healthy again.
     pub fn recover(&mut self, now: Instant) {
         let Some(after) = self.policy.recover_after else {
             return;
@@ -250,11 +589,16 @@ impl HealthMonitor {
         for (uuid, st) in &mut self.gpus {
             if st.reason.is_some()
                 && st
+                    .conditions
+                    .iter()
+                    .all(|c| c.severity(&self.policy) != Severity::Unhealthy)
+                && st
                     .last_critical
                     .is_some_and(|t| now.duration_since(t) >= after)
             {
                 tracing::info!(stage = "health", gpu = %uuid, quiet_for = ?after, "GPU healthy again");
                 st.reason = None;
+                st.advice = None;
                 changed = true;
             }
         }
@@ -267,21 +611,31 @@ impl HealthMonitor {
         self.blind.is_none() && self.gpus.get(uuid).is_none_or(|s| s.reason.is_none())
     }
 
-    /// Pushes the health to every resource (only where it changed) and the board.
+    /// Publishes the view (only when it changed) and the board.
     fn publish(&mut self) {
-        for r in &self.resources {
-            r.send_if_modified(|res| {
-                let mut changed = false;
-                for d in &mut res.devices {
-                    let h = self.healthy(&d.gpu_uuid);
-                    if d.healthy != h {
-                        d.healthy = h;
-                        changed = true;
-                    }
-                }
-                changed
-            });
-        }
+        let view = HealthView {
+            unhealthy: self
+                .gpus
+                .iter()
+                .filter(|(u, _)| !self.healthy(u))
+                .map(|(u, st)| {
+                    let why = st
+                        .reason
+                        .clone()
+                        .or_else(|| self.blind.clone())
+                        .unwrap_or_default();
+                    (u.clone(), why)
+                })
+                .collect(),
+        };
+        self.view.send_if_modified(|v| {
+            if *v == view {
+                false
+            } else {
+                *v = view;
+                true
+            }
+        });
         let board: Vec<GpuHealth> = self
             .gpus
             .iter()
@@ -289,34 +643,47 @@ impl HealthMonitor {
                 uuid: uuid.clone(),
                 healthy: self.healthy(uuid),
                 reason: st.reason.clone().or_else(|| self.blind.clone()),
+                advice: st.advice.clone(),
                 events: st.events,
             })
             .collect();
-        *self.board.lock().unwrap() = board;
-        self.changed.notify_one();
+        let mut b = self.board.lock().unwrap();
+        if *b != board {
+            *b = board;
+            drop(b);
+            self.changed.notify_one();
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::{PluginSettings, build};
     use crate::test_support::inventory_of;
 
-    fn setup(policy: HealthPolicy) -> (HealthMonitor, watch::Receiver<Resource>, Vec<String>) {
+    fn setup(policy: HealthPolicy) -> (HealthMonitor, Rx, Vec<String>) {
         let inv = inventory_of("t4-4");
-        let r = build(&inv, &PluginSettings::default()).unwrap().remove(0);
-        let uuids: Vec<String> = r.devices.iter().map(|d| d.uuid.clone()).collect();
-        let (tx, rx) = watch::channel(r);
-        (
-            HealthMonitor::new(policy, uuids.clone(), vec![tx]),
-            rx,
-            uuids,
-        )
+        let uuids = watched_uuids(&inv);
+        let m = HealthMonitor::new(policy, uuids.clone());
+        let rx = Rx(m.subscribe(), uuids.clone());
+        (m, rx, uuids)
     }
 
-    fn health(rx: &watch::Receiver<Resource>) -> Vec<bool> {
-        rx.borrow().devices.iter().map(|d| d.healthy).collect()
+    /// The view, and the GPUs in order.
+    struct Rx(watch::Receiver<HealthView>, Vec<String>);
+
+    impl Rx {
+        fn has_changed(&self) -> Result<bool, watch::error::RecvError> {
+            self.0.has_changed()
+        }
+        fn mark_unchanged(&mut self) {
+            self.0.mark_unchanged();
+        }
+    }
+
+    fn health(rx: &Rx) -> Vec<bool> {
+        let v = rx.0.borrow();
+        rx.1.iter().map(|u| v.healthy(u)).collect()
     }
 
     #[test]
@@ -342,7 +709,7 @@ mod tests {
                 .unwrap()
                 .reason
                 .as_deref(),
-            Some("XID 79")
+            Some("XID 79 (NVML)")
         );
         assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(60)));
         m.recover(t0 + Duration::from_secs(59));
@@ -369,7 +736,7 @@ mod tests {
             ..HealthPolicy::default()
         });
         let (tx, events) = mpsc::unbounded_channel();
-        let task = tokio::spawn(m.run(events, std::future::pending()));
+        let task = tokio::spawn(m.run(events, Inputs::default(), std::future::pending()));
         tx.send(HealthEvent::Xid {
             uuid: uuids[2].clone(),
             xid: 48,
@@ -407,6 +774,7 @@ mod tests {
         let (mut m, rx, uuids) = setup(HealthPolicy {
             ignored_xids: BTreeSet::new(),
             recover_after: None,
+            ..HealthPolicy::default()
         });
         let t0 = Instant::now();
         m.apply(
@@ -437,5 +805,140 @@ mod tests {
         );
         m.apply(HealthEvent::Answering, Instant::now());
         assert_eq!(health(&rx), [true; 4]);
+    }
+
+    #[test]
+    fn the_same_xid_from_nvml_and_the_kernel_log_is_one_event() {
+        let (mut m, rx, uuids) = setup(HealthPolicy::default());
+        let t0 = Instant::now();
+        m.apply(
+            HealthEvent::KernelXid {
+                uuid: uuids[0].clone(),
+                xid: 79,
+                message: "GPU has fallen off the bus.".into(),
+            },
+            t0,
+        );
+        m.apply(
+            HealthEvent::Xid {
+                uuid: uuids[0].clone(),
+                xid: 79,
+            },
+            t0 + Duration::from_millis(20),
+        );
+        assert_eq!(health(&rx), [false, true, true, true]);
+        let board = m.board().lock().unwrap().clone();
+        assert_eq!(board[0].events, 1, "{board:?}");
+        assert!(board[0].reason.as_deref().unwrap().contains("kernel log"));
+        // Later, the same XID again is a new event.
+        m.apply(
+            HealthEvent::Xid {
+                uuid: uuids[0].clone(),
+                xid: 79,
+            },
+            t0 + SAME_EVENT_WINDOW + Duration::from_secs(1),
+        );
+        assert_eq!(m.board().lock().unwrap()[0].events, 2);
+    }
+
+    #[test]
+    fn severities_by_policy_per_xid_and_per_kind() {
+        let mut p = HealthPolicy::default();
+        p.xids.insert(94, Severity::Log);
+        p.xids.insert(13, Severity::Unhealthy);
+        p.on.double_bit_ecc = Severity::Log;
+        let (mut m, rx, uuids) = setup(p);
+        let now = Instant::now();
+        m.apply(
+            HealthEvent::Xid {
+                uuid: uuids[0].clone(),
+                xid: 94,
+            },
+            now,
+        );
+        m.apply(
+            HealthEvent::DoubleBitEcc {
+                uuid: uuids[1].clone(),
+            },
+            now,
+        );
+        assert_eq!(health(&rx), [true; 4], "logged only");
+        assert_eq!(m.board().lock().unwrap()[0].events, 1, "but counted");
+        m.apply(
+            HealthEvent::Xid {
+                uuid: uuids[2].clone(),
+                xid: 13,
+            },
+            now,
+        );
+        assert_eq!(
+            health(&rx),
+            [true, true, false, true],
+            "13 made critical by xids"
+        );
+    }
+
+    #[test]
+    fn a_pending_reset_holds_the_gpu_until_nvml_no_longer_reports_it() {
+        let (mut m, rx, uuids) = setup(HealthPolicy {
+            recover_after: Some(Duration::from_secs(60)),
+            ..HealthPolicy::default()
+        });
+        let t0 = Instant::now();
+        let mut seen = BTreeMap::new();
+        seen.insert(
+            uuids[3].clone(),
+            BTreeSet::from([Condition::RetiredPagesPending, Condition::Thermal]),
+        );
+        m.conditions(&seen, t0);
+        assert_eq!(health(&rx), [true, true, true, false]);
+        assert_eq!(
+            m.next_recovery(),
+            None,
+            "no recovery while the reset is pending"
+        );
+        m.recover(t0 + Duration::from_secs(3600));
+        assert_eq!(health(&rx), [true, true, true, false]);
+        // The same conditions again: nothing new.
+        m.conditions(&seen, t0 + Duration::from_secs(10));
+        assert_eq!(
+            m.board().lock().unwrap()[3].events,
+            2,
+            "retired pages + thermal (logged)"
+        );
+        // Reset done: the quiet period starts now.
+        let t1 = t0 + Duration::from_secs(4000);
+        m.conditions(&BTreeMap::new(), t1);
+        assert_eq!(m.next_recovery(), Some(t1 + Duration::from_secs(60)));
+        m.recover(t1 + Duration::from_secs(60));
+        assert_eq!(health(&rx), [true; 4]);
+    }
+
+    #[test]
+    fn gpus_that_appear_after_a_reload_are_watched() {
+        let (mut m, rx, uuids) = setup(HealthPolicy::default());
+        let new_gpu = "GPU-new-after-reload".to_string();
+        m.apply(
+            HealthEvent::Xid {
+                uuid: new_gpu.clone(),
+                xid: 79,
+            },
+            Instant::now(),
+        );
+        assert!(rx.0.borrow().healthy(&new_gpu), "not watched yet");
+        let mut all = uuids.clone();
+        all.push(new_gpu.clone());
+        m.set_gpus(all);
+        m.apply(
+            HealthEvent::Xid {
+                uuid: new_gpu.clone(),
+                xid: 79,
+            },
+            Instant::now(),
+        );
+        assert!(!rx.0.borrow().healthy(&new_gpu));
+        // A GPU gone from the inventory is dropped with its state.
+        m.set_gpus(uuids[1..].to_vec());
+        assert_eq!(m.board().lock().unwrap().len(), 3);
     }
 }

@@ -28,6 +28,7 @@ use tonic::transport::Server;
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
 use super::server::PluginService;
+use crate::health::HealthView;
 use crate::inventory::Inventory;
 
 /// The kubelet's socket name in its device-plugins directory.
@@ -133,6 +134,8 @@ pub struct PluginManager {
     board: StatusBoard,
     /// Told whenever the board changes.
     changed: Arc<Notify>,
+    /// The GPUs' health, as the health monitor publishes it.
+    health: Option<watch::Receiver<HealthView>>,
 }
 
 impl std::fmt::Debug for PluginManager {
@@ -183,6 +186,46 @@ impl PluginManager {
             dev_root,
             board,
             changed: Arc::new(Notify::new()),
+            health: None,
+        }
+    }
+
+    /// Follows the health monitor: a GPU's devices are `Unhealthy` in every
+    /// `ListAndWatch` stream as soon as the monitor says so.
+    pub fn with_health(mut self, health: watch::Receiver<HealthView>) -> Self {
+        self.health = Some(health);
+        self
+    }
+
+    /// Applies the current health to every resource (only where it changed).
+    fn apply_health(&mut self) {
+        let Some(rx) = self.health.as_mut() else {
+            return;
+        };
+        let view = rx.borrow_and_update().clone();
+        let mut counts = Vec::new();
+        for p in &self.plugins {
+            p.resource.send_if_modified(|r| with_health(r, &view));
+            counts.push(
+                p.resource
+                    .borrow()
+                    .devices
+                    .iter()
+                    .filter(|d| !d.healthy)
+                    .count(),
+            );
+        }
+        let mut board = self.board.lock().unwrap();
+        let mut changed = false;
+        for (s, n) in board.iter_mut().zip(counts) {
+            if s.unhealthy != n {
+                s.unhealthy = n;
+                changed = true;
+            }
+        }
+        drop(board);
+        if changed {
+            self.changed.notify_one();
         }
     }
 
@@ -259,11 +302,23 @@ impl PluginManager {
         if self.plugins.is_empty() {
             tracing::info!(stage = "plugin", "no devices to advertise; waiting");
         }
+        self.apply_health();
         for i in 0..self.plugins.len() {
             self.restart(i, &done_tx)?;
         }
         tokio::pin!(shutdown);
         loop {
+            let mut health = self.health.clone();
+            let health_changed = async {
+                match health.as_mut() {
+                    Some(rx) => {
+                        if rx.changed().await.is_err() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    None => std::future::pending().await,
+                }
+            };
             let next_retry = self.plugins.iter().filter_map(|p| p.retry_at).min();
             let retry = async {
                 match next_retry {
@@ -273,6 +328,7 @@ impl PluginManager {
             };
             tokio::select! {
                 _ = &mut shutdown => break,
+                _ = health_changed => self.apply_health(),
                 Some(ev) = events.next() => {
                     let Ok(ev) = ev else { continue };
                     let Some(name) = ev.name.as_ref().map(|n| n.to_string_lossy().into_owned()) else { continue };
@@ -471,10 +527,22 @@ impl PluginManager {
             let _ = std::fs::remove_file(&p.socket);
             tracing::info!(stage = "plugin", resource = %p.name, "resource no longer exists; stopped serving it and removed its socket");
         }
-        for r in resources {
+        let view = self.health.as_ref().map(|h| h.borrow().clone());
+        for mut r in resources {
+            if let Some(view) = &view {
+                with_health(&mut r, view);
+            }
             if let Some(p) = self.plugins.iter().find(|p| p.name == r.name) {
                 let count = r.devices.len();
-                p.resource.send_replace(r);
+                // Streams hear of it only when the device list differs.
+                p.resource.send_if_modified(|old| {
+                    if *old == r {
+                        false
+                    } else {
+                        *old = r;
+                        true
+                    }
+                });
                 let name = p.name.clone();
                 if let Some(s) = self
                     .board
@@ -505,6 +573,19 @@ impl PluginManager {
         }
         self.changed.notify_one();
     }
+}
+
+/// Sets each device's health from `view`; true when something changed.
+fn with_health(r: &mut Resource, view: &HealthView) -> bool {
+    let mut changed = false;
+    for d in &mut r.devices {
+        let h = view.healthy(&d.gpu_uuid);
+        if d.healthy != h {
+            d.healthy = h;
+            changed = true;
+        }
+    }
+    changed
 }
 
 fn new_plugin(dir: &Path, r: Resource) -> Plugin {

@@ -50,7 +50,10 @@ pub(super) fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, Stri
     }
     match crate::cdi::apply(ctx.host, ctx.syscalls, &generated, cdi, true) {
         Ok(changed) if changed.is_empty() => done(format!("{path} is up to date: {summary}")),
-        Ok(changed) => done(format!("wrote {}: {summary}", changed.join(", "))),
+        Ok(changed) => {
+            ctx.changed(format!("wrote {}", changed.join(", ")));
+            done(format!("wrote {}: {summary}", changed.join(", ")))
+        }
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }

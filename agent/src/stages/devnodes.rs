@@ -55,7 +55,18 @@ pub(super) fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState,
         };
     }
     match kmod::devnodes::ensure(ctx.host, ctx.syscalls, &nodes) {
-        Ok(out) => (StageState::Done, driver::nodes_summary(&out)),
+        Ok(out) => {
+            for o in &out {
+                match o {
+                    kmod::devnodes::Outcome::Created(p) => ctx.changed(format!("created {p}")),
+                    kmod::devnodes::Outcome::Replaced { path, was } => {
+                        ctx.changed(format!("replaced {path} (was {was})"))
+                    }
+                    _ => {}
+                }
+            }
+            (StageState::Done, driver::nodes_summary(&out))
+        }
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }

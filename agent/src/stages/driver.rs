@@ -120,6 +120,7 @@ pub(super) fn driver_apply(
             )));
         }
         if installed.unpacked {
+            ctx.changed(format!("unpacked {b}"));
             notes.push(format!(
                 "unpacked {b} into {} ({} files)",
                 installed.dir, installed.files
@@ -146,6 +147,7 @@ pub(super) fn driver_apply(
                 nvml: None,
             };
             let report = up.run(want)?;
+            ctx.changed(report.clone());
             return Ok((StageState::Done, join_notes(report, &notes)));
         }
     }
@@ -177,6 +179,9 @@ pub(super) fn driver_apply(
             kmod::modules::LoadOutcome::AlreadyLoaded { .. } => None,
         })
         .collect();
+    if !newly.is_empty() {
+        ctx.changed(format!("loaded {}", newly.join(", ")));
+    }
     let want = plan.bundle.as_ref().map(|(_, v)| v.as_str());
     let version = driver::validate(ctx.host, want, None)?;
     let what = if newly.is_empty() {

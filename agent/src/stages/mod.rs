@@ -10,9 +10,11 @@ mod driver;
 mod health;
 mod plugin;
 mod runtime;
+mod validate;
 
 pub use health::apply_health_status;
 pub use plugin::apply_plugin_status;
+pub use validate::{driver_ready_text, plugin_validation, ready, revalidate};
 
 use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
@@ -128,8 +130,12 @@ impl Stage {
             Stage::Devnodes => &[Stage::Driver],
             Stage::Runtime => &[Stage::Discover],
             Stage::Cdi => &[Stage::Devnodes],
-            Stage::Validate => &[Stage::Driver, Stage::Devnodes, Stage::Runtime, Stage::Cdi],
-            Stage::Plugin | Stage::Labels | Stage::Metrics | Stage::Health => &[Stage::Validate],
+            // Validation checks what is done and says what is not; it does
+            // not hold the front ends back (a CDI file gone missing must not
+            // take the GPUs' capacity away): it takes readiness away.
+            Stage::Validate | Stage::Plugin | Stage::Labels | Stage::Metrics | Stage::Health => {
+                &[Stage::Discover]
+            }
             Stage::Mig => &[Stage::Driver],
         }
     }
@@ -162,6 +168,7 @@ impl Stage {
                 | Stage::Devnodes
                 | Stage::Runtime
                 | Stage::Cdi
+                | Stage::Validate
                 | Stage::Plugin
                 | Stage::Health
         )
@@ -212,6 +219,51 @@ pub struct StageStatus {
     pub needs: Vec<String>,
     /// Of those, the ones this process does not hold.
     pub missing: Vec<String>,
+    /// What this stage changed on the host in its last pass.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
+    /// Drift repaired by reconciles since the agent started.
+    #[serde(default)]
+    pub repairs: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_repair: Option<Repair>,
+    /// The stage's last validation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation: Option<Validation>,
+}
+
+impl StageStatus {
+    pub fn new(stage: Stage, state: StageState, detail: String) -> Self {
+        StageStatus {
+            stage,
+            state,
+            detail,
+            needs: Vec::new(),
+            missing: Vec::new(),
+            changed: Vec::new(),
+            repairs: 0,
+            last_repair: None,
+            validation: None,
+        }
+    }
+}
+
+/// One repair: drift a reconcile found and put right.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Repair {
+    /// Unix seconds.
+    pub at: u64,
+    pub what: String,
+}
+
+/// A stage's validation: in-process checks of what the stage set up.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Validation {
+    pub ok: bool,
+    /// What was checked, or what failed.
+    pub detail: String,
+    /// Unix seconds since which the result is the same.
+    pub since: u64,
 }
 
 /// What one pass produced.
@@ -280,6 +332,20 @@ pub struct Context<'a> {
     /// names) are left for [`run_deferred`], so the kubelet hears from us
     /// sooner.
     pub serve_first: bool,
+    /// What stages changed on the host during this pass (drained per stage).
+    pub changes: ChangeLog,
+}
+
+/// Host changes a stage made, in words (`wrote /var/run/cdi/nvidia.yaml`).
+pub type ChangeLog = std::cell::RefCell<Vec<String>>;
+
+impl Context<'_> {
+    /// Records a change made to the host.
+    pub fn changed(&self, what: impl Into<String>) {
+        let what = what.into();
+        tracing::info!(changed = %what, "host changed");
+        self.changes.borrow_mut().push(what);
+    }
 }
 
 /// Runs the stages in order, once.
@@ -365,6 +431,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     }
                     Some(inv) => cdi::cdi_stage(ctx, inv),
                 },
+                Stage::Validate => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => validate::validate_stage(ctx, inv, &mut stages),
+                },
                 Stage::Health => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => health::health_plan(inv, ctx.policy),
@@ -377,11 +447,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
         };
         log_stage(stage, state, &detail);
         stages.push(StageStatus {
-            stage,
-            state,
-            detail,
             needs,
             missing,
+            changed: ctx.changes.take(),
+            ..StageStatus::new(stage, state, detail)
         });
     }
     Pass {
@@ -413,6 +482,7 @@ pub fn run_deferred(
         if let Some(st) = stages.iter_mut().find(|s| s.stage == stage) {
             st.state = state;
             st.detail = detail;
+            st.changed = ctx.changes.take();
         }
     }
 }
@@ -495,6 +565,7 @@ mod tests {
             simulated: true,
             drain: None,
             serve_first: false,
+            changes: Default::default(),
         })
     }
 
@@ -514,6 +585,7 @@ mod tests {
             simulated: true,
             drain: None,
             serve_first: true,
+            changes: Default::default(),
         };
         let envvar = Policy::default();
         let mut p = run_pass(&ctx(&envvar));
@@ -618,11 +690,9 @@ mod tests {
         assert_eq!(state, StageState::Blocked);
         assert_eq!(detail, "missing CAP_SYS_MODULE");
         let earlier = vec![StageStatus {
-            stage: Stage::Driver,
-            state,
-            detail,
             needs: missing.clone(),
             missing,
+            ..StageStatus::new(Stage::Driver, state, detail)
         }];
         let (state, detail) = gate(Stage::Devnodes, true, &policy, &[], &earlier).unwrap();
         assert_eq!(state, StageState::Waiting);

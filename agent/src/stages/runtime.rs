@@ -75,6 +75,7 @@ pub(super) fn runtime_stage(
             format!("{name} already configured; not reloaded{notes}"),
         );
     }
+    ctx.changed(format!("wrote {}", written.join(", ")));
     match runtime::reload(ctx.host, rt, &plan.unit, p.toolkit.reload, runner) {
         Ok(did) => (
             StageState::Done,

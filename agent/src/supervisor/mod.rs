@@ -1,0 +1,943 @@
+//! The running agent (`gpu-agent run`): one supervisor that runs the stages,
+//! then keeps reconciling — every `spec.reconcileIntervalSeconds`, when the
+//! policy file changes (inotify; a ConfigMap's `..data` swap included), on
+//! SIGHUP — and runs the long-lived front ends as tasks: the device plugin
+//! and the health monitor (NVML events, the kernel log). One inventory is
+//! published on a watch channel; the front ends subscribe to it, none
+//! re-discovers. A task that fails is logged, shown in `status` and started
+//! again with backoff; the others go on. SIGTERM/SIGINT: every task stops,
+//! sockets are removed, the state is written.
+//!
+//! Passes run on the thread that called [`run`]; the tasks run on one
+//! runtime worker, so the device plugin serves while a pass runs.
+
+mod policy_watch;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hostlib::HostRoot;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::time::Instant;
+
+use crate::caps::HeldCaps;
+use crate::health::{HealthBoard, HealthMonitor, HealthPolicy, HealthView};
+use crate::inventory::Inventory;
+use crate::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
+use crate::plugin::resources::Resource;
+use crate::policy::Policy;
+use crate::source::NodeView;
+use crate::stages::{self, Context, PluginPlan, Repair, Stage, StageState, Validation};
+use crate::state::{self, AgentState};
+
+/// The first restart of a failed task comes after this; each failure in a
+/// row doubles it, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+/// A task that ran this long without failing starts its backoff afresh.
+const STABLE_AFTER: Duration = Duration::from_secs(600);
+/// Policy file events within this time are one change (an editor writes a
+/// file in several steps; a ConfigMap update is several renames).
+const POLICY_SETTLE: Duration = Duration::from_millis(150);
+
+/// What `gpu-agent run` was asked for.
+#[derive(Debug)]
+pub struct Options {
+    pub host: HostRoot,
+    /// The policy file (in this process's filesystem: a ConfigMap volume in
+    /// a DaemonSet), read again when it changes; `None`: the defaults.
+    pub policy_path: Option<PathBuf>,
+    pub policy: Policy,
+    pub view: NodeView,
+    pub caps: HeldCaps,
+    /// Stamp the state file every this many seconds (0: never).
+    pub heartbeat: u64,
+    /// Run the stages once and exit.
+    pub once: bool,
+}
+
+/// The agent could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SupervisorError {
+    #[error(transparent)]
+    Lock(#[from] state::LockError),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot handle signals: {0}")]
+    Signals(#[source] std::io::Error),
+}
+
+/// One supervised task, for `status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskStatus {
+    pub name: String,
+    pub running: bool,
+    /// Times it was started again after failing.
+    pub restarts: u32,
+    /// Why it last stopped, if it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Unix seconds of the next start, while waiting to restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_at: Option<u64>,
+}
+
+/// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns
+/// whether no stage failed (the last pass).
+pub fn run(opts: Options) -> Result<bool, SupervisorError> {
+    // One agent per host; `status` knows it lives by this lock.
+    let _lock = state::AgentLock::take(&opts.host)?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        host_root = %opts.host.path().display(),
+        simulated = opts.view.simulated.as_deref().unwrap_or("no"),
+        caps = %opts.caps.names().join(","),
+        "gpu-agent starting"
+    );
+    let mut sup = Supervisor::new(opts);
+    let pass = sup.first_pass();
+    if sup.opts.once {
+        let ok = pass.ok();
+        sup.st.stopped_at = Some(state::now());
+        sup.sync_state();
+        return Ok(ok);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("gpu-agent-worker")
+        .enable_all()
+        .build()
+        .map_err(SupervisorError::Runtime)?;
+    let ok = rt.block_on(sup.serve(pass))?;
+    Ok(ok)
+}
+
+/// The running agent's state and tasks.
+struct Supervisor {
+    opts: Options,
+    st: AgentState,
+    file: state::StateFile,
+    /// Told by the tasks whenever what `status` shows changes.
+    changed: Arc<Notify>,
+    inventory: Option<watch::Sender<Arc<Inventory>>>,
+    health_policy: watch::Sender<HealthPolicy>,
+    plugin_plan: Option<PluginPlan>,
+    plugin: Option<RunningPlugin>,
+    health: Option<RunningHealth>,
+    tasks: BTreeMap<&'static str, TaskControl>,
+    /// Passes run so far (the first is setup, later ones reconcile).
+    passes: u64,
+}
+
+#[derive(Default)]
+struct TaskControl {
+    restarts: u32,
+    backoff: Option<Duration>,
+    started: Option<Instant>,
+    restart_at: Option<Instant>,
+    last_error: Option<String>,
+}
+
+impl Supervisor {
+    fn new(opts: Options) -> Self {
+        let mut st = AgentState::new(&opts.host, opts.heartbeat, opts.caps.names());
+        st.policy = opts.policy_path.as_ref().map(|p| p.display().to_string());
+        st.simulated = opts.view.simulated.clone();
+        st.reconcile_interval_secs = opts.policy.reconcile_interval_seconds;
+        let health_policy = watch::Sender::new(opts.policy.health.to_policy());
+        Supervisor {
+            opts,
+            st,
+            file: state::StateFile::default(),
+            changed: Arc::new(Notify::new()),
+            inventory: None,
+            health_policy,
+            plugin_plan: None,
+            plugin: None,
+            health: None,
+            tasks: BTreeMap::new(),
+            passes: 0,
+        }
+    }
+
+    fn context(&self, policy_serve_first: bool) -> Context<'_> {
+        let o = &self.opts;
+        Context {
+            policy: &o.policy,
+            caps: &o.caps,
+            sys: &o.view.sys,
+            backend: o.view.backend.as_ref(),
+            host: &o.host,
+            apply: Some(&hostlib::command::SystemRunner),
+            syscalls: &hostlib::LinuxSyscalls,
+            simulated: o.view.simulated.is_some(),
+            drain: None,
+            serve_first: policy_serve_first,
+            changes: Default::default(),
+        }
+    }
+
+    fn first_pass(&mut self) -> stages::Pass {
+        let started = std::time::Instant::now();
+        let pass = stages::run_pass(&self.context(!self.opts.once));
+        self.passes = 1;
+        self.st.stages = pass.stages.clone();
+        self.st.inventory = pass.inventory.clone();
+        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "first pass");
+        self.validation_files();
+        pass
+    }
+
+    async fn serve(mut self, pass: stages::Pass) -> Result<bool, SupervisorError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).map_err(SupervisorError::Signals)?;
+        let mut int = signal(SignalKind::interrupt()).map_err(SupervisorError::Signals)?;
+        let mut hup = signal(SignalKind::hangup()).map_err(SupervisorError::Signals)?;
+        if let Some(inv) = &pass.inventory {
+            self.inventory = Some(watch::Sender::new(Arc::new(inv.clone())));
+        }
+        self.plugin_plan = pass.plugin.clone();
+        self.start_health();
+        self.start_plugin();
+        // What the pass found, for `status`, before anything waits.
+        self.refresh();
+        self.sync_state();
+        if let Some(inv) = pass.inventory.clone()
+            && !pass.deferred.is_empty()
+        {
+            // The kubelet hears from us first; then the deferred stages.
+            if let Some(p) = &self.plugin {
+                p.first_attempts(
+                    &self.changed,
+                    Duration::from_secs(1),
+                    Duration::from_millis(250),
+                )
+                .await;
+            }
+            self.refresh();
+            self.sync_state();
+            let ctx = self.context(false);
+            let mut stages_now = self.st.stages.clone();
+            stages::run_deferred(&ctx, &pass.deferred, &inv, &mut stages_now);
+            stages::revalidate(&ctx, &inv, &mut stages_now, &pass.deferred);
+            drop(ctx);
+            self.st.stages = stages_now;
+            self.validation_files();
+        }
+        self.refresh();
+        self.sync_state();
+        let mut policy_watch = self
+            .opts
+            .policy_path
+            .as_deref()
+            .and_then(|p| match policy_watch::PolicyWatch::new(p) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(error = %e, "policy changes will be seen on SIGHUP and at each reconcile only");
+                    None
+                }
+            });
+        let mut policy_due: Option<Instant> = None;
+        let mut next_reconcile = self.next_reconcile();
+        let heartbeat = self.opts.heartbeat;
+        let mut tick = tokio::time::interval(Duration::from_secs(heartbeat.max(1)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            let beat = async {
+                if heartbeat > 0 {
+                    tick.tick().await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            let restart_due = self.tasks.values().filter_map(|t| t.restart_at).min();
+            let at = |t: Option<Instant>| async move {
+                match t {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let policy_event = async {
+                match policy_watch.as_mut() {
+                    Some(w) => w.next().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let plugin_ended = async {
+                match self.plugin.as_mut() {
+                    Some(p) => p.ended().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = beat => {
+                    if let Err(e) = self.file.stamp(&self.opts.host) {
+                        tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent hangs");
+                    }
+                    continue;
+                }
+                _ = self.changed.notified() => {}
+                outcome = plugin_ended => self.task_ended("plugin", outcome),
+                _ = at(restart_due) => self.restart_due_tasks(),
+                relevant = policy_event => {
+                    if relevant {
+                        policy_due = Some(Instant::now() + POLICY_SETTLE);
+                    }
+                    continue;
+                }
+                _ = at(policy_due) => {
+                    policy_due = None;
+                    self.reconcile("the policy file changed", true).await;
+                    next_reconcile = self.next_reconcile();
+                }
+                _ = at(next_reconcile) => {
+                    self.reconcile("interval", false).await;
+                    next_reconcile = self.next_reconcile();
+                }
+                _ = hup.recv() => {
+                    self.reconcile("SIGHUP", true).await;
+                    next_reconcile = self.next_reconcile();
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+            self.refresh();
+            self.sync_state();
+        }
+        tracing::info!("gpu-agent stopping");
+        if let Some(h) = self.health.take() {
+            h.stop();
+        }
+        if let Some(p) = self.plugin.take() {
+            p.stop().await;
+        }
+        // The device plugin is gone with us: scripts waiting on it must not
+        // think it serves.
+        validation_file(&self.opts.host, PLUGIN_READY, None);
+        self.st.stopped_at = Some(state::now());
+        self.st.ready = false;
+        self.sync_state();
+        Ok(!self.st.stages.iter().any(|s| s.state == StageState::Failed))
+    }
+
+    fn next_reconcile(&self) -> Option<Instant> {
+        let secs = self.opts.policy.reconcile_interval_seconds;
+        (secs > 0).then(|| Instant::now() + Duration::from_secs(secs))
+    }
+
+    /// Runs the stages again: each compares and repairs only what differs.
+    /// With `reload`, the policy file is read first (an invalid one is
+    /// logged and the running policy kept).
+    async fn reconcile(&mut self, trigger: &str, reload: bool) {
+        let mut policy_changed = false;
+        if reload && let Some(path) = self.opts.policy_path.clone() {
+            match Policy::from_file(&path) {
+                Ok(p) => {
+                    self.st.policy_error = None;
+                    policy_changed = p != self.opts.policy;
+                    if !policy_changed && trigger != "SIGHUP" {
+                        tracing::debug!("the policy file changed on disk, its meaning did not");
+                        return;
+                    }
+                    if policy_changed {
+                        tracing::info!(policy = %path.display(), "policy changed");
+                        self.drain_for_driver_change(&p).await;
+                        self.opts.policy = p;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the policy is invalid; keeping the running one");
+                    self.st.policy_error = Some(e.to_string());
+                    return;
+                }
+            }
+        }
+        let _span = tracing::info_span!("reconcile", trigger).entered();
+        let started = std::time::Instant::now();
+        let pass = {
+            let ctx = self.context(false);
+            stages::run_pass(&ctx)
+        };
+        self.passes += 1;
+        let now = state::now();
+        for s in pass.stages {
+            let Some(old) = self.st.stages.iter_mut().find(|o| o.stage == s.stage) else {
+                continue;
+            };
+            // The plugin's and health's live states come from their tasks.
+            let live = matches!(s.stage, Stage::Plugin | Stage::Health)
+                && s.state == StageState::Ready
+                && matches!(old.state, StageState::Done | StageState::Waiting);
+            let mut new = s;
+            new.repairs = old.repairs;
+            new.last_repair = old.last_repair.take();
+            if !new.changed.is_empty() {
+                let what = new.changed.join("; ");
+                if policy_changed {
+                    tracing::info!(stage = new.stage.name(), changed = %what, "applied the new policy");
+                } else {
+                    new.repairs += 1;
+                    tracing::warn!(stage = new.stage.name(), repaired = %what, "drift repaired");
+                    new.last_repair = Some(Repair { at: now, what });
+                }
+            }
+            new.validation = keep_since(old.validation.take(), new.validation);
+            if live {
+                old.repairs = new.repairs;
+                old.last_repair = new.last_repair;
+                old.changed = new.changed;
+                old.needs = new.needs;
+                old.missing = new.missing;
+            } else {
+                *old = new;
+            }
+        }
+        let conditions = pass.inventory.as_ref().map(crate::health::conditions);
+        // The front ends hear of a new inventory only when the node's GPUs
+        // changed (not their temperatures).
+        if let Some(inv) = pass.inventory {
+            let same = self
+                .st
+                .inventory
+                .as_ref()
+                .is_some_and(|old| same_node(old, &inv));
+            if !same {
+                tracing::info!("the node's GPUs changed");
+                match &self.inventory {
+                    Some(tx) => {
+                        tx.send_replace(Arc::new(inv.clone()));
+                    }
+                    None => self.inventory = Some(watch::Sender::new(Arc::new(inv.clone()))),
+                }
+                self.st.inventory = Some(inv);
+            }
+        }
+        self.health_policy.send_if_modified(|p| {
+            let new = self.opts.policy.health.to_policy();
+            if *p == new {
+                false
+            } else {
+                *p = new;
+                true
+            }
+        });
+        let resources = pass.plugin.as_ref().map(|p| p.resources.clone());
+        let settings_changed = match (&self.plugin_plan, &pass.plugin) {
+            (Some(a), Some(b)) => a.settings != b.settings,
+            (None, None) => false,
+            _ => true,
+        };
+        if pass.plugin.is_some() || self.plugin_plan.is_some() {
+            let before = self.plugin_plan.as_ref().map(|p| p.resources.clone());
+            self.plugin_plan = pass.plugin;
+            if settings_changed && self.plugin.is_some() {
+                // New allocation settings: serve them from a new plugin.
+                tracing::info!(
+                    stage = "plugin",
+                    "device-plugin settings changed; restarting the device plugin"
+                );
+                if let Some(p) = self.plugin.take() {
+                    p.stop().await;
+                }
+                self.start_plugin();
+            } else if let Some(p) = &self.plugin {
+                if before != resources {
+                    let _ = p.updater.send(resources.unwrap_or_default());
+                }
+            } else {
+                self.start_plugin();
+            }
+        }
+        if self.health.is_none() {
+            self.start_health();
+        } else if let (Some(h), Some(c)) = (&self.health, conditions) {
+            h.set_conditions(c);
+        }
+        self.validation_files();
+        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "reconciled");
+    }
+
+    /// A new driver in the policy may mean an upgrade: stop advertising GPUs
+    /// first (resources unregistered) and let the device plugin act on it
+    /// before the pass blocks this thread.
+    async fn drain_for_driver_change(&mut self, new: &Policy) {
+        let old = &self.opts.policy;
+        if !(new.driver.enabled && new.driver.bundle.is_some() && driver_source_changed(old, new)) {
+            return;
+        }
+        let Some(plugin) = &self.plugin else { return };
+        let _ = plugin.updater.send(Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while plugin.board.lock().unwrap().iter().any(|r| r.registered) && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The next pass registers the resources again.
+        self.plugin_plan = None;
+    }
+
+    fn start_plugin(&mut self) {
+        let Some(plan) = self.plugin_plan.clone() else {
+            return;
+        };
+        let Some(inv) = self.inventory.as_ref().map(|tx| tx.borrow().clone()) else {
+            return;
+        };
+        let health = self.health.as_ref().map(|h| h.view.clone());
+        match RunningPlugin::start(&self.opts.host, plan, inv, self.changed.clone(), health) {
+            Ok(p) => {
+                self.plugin = Some(p);
+                self.task_started("plugin");
+            }
+            Err(e) => self.task_ended("plugin", Err(e.to_string())),
+        }
+    }
+
+    fn start_health(&mut self) {
+        let planned = self
+            .st
+            .stages
+            .iter()
+            .any(|s| s.stage == Stage::Health && s.state == StageState::Ready);
+        let Some(inv) = self.inventory.as_ref() else {
+            return;
+        };
+        if !planned {
+            return;
+        }
+        match RunningHealth::start(
+            self.opts.view.backend.as_ref(),
+            &self.opts.host,
+            &self.opts.policy,
+            inv.subscribe(),
+            self.health_policy.subscribe(),
+            self.changed.clone(),
+        ) {
+            Ok(h) => {
+                self.st.health = h.board.lock().unwrap().clone();
+                self.health = Some(h);
+                self.task_started("health");
+            }
+            Err(e) => {
+                if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Health) {
+                    s.state = StageState::Failed;
+                    s.detail = e.clone();
+                }
+            }
+        }
+    }
+
+    fn task_started(&mut self, name: &'static str) {
+        let t = self.tasks.entry(name).or_default();
+        t.started = Some(Instant::now());
+        t.restart_at = None;
+    }
+
+    /// A task stopped on its own: logged, shown, started again with backoff.
+    fn task_ended(&mut self, name: &'static str, outcome: Result<(), String>) {
+        let t = self.tasks.entry(name).or_default();
+        let error = match outcome {
+            Ok(()) => "stopped on its own".to_string(),
+            Err(e) => e,
+        };
+        let stable = t.started.is_some_and(|s| s.elapsed() >= STABLE_AFTER);
+        let backoff = match (t.backoff, stable) {
+            (Some(b), false) => (b * 2).min(MAX_BACKOFF),
+            _ => FIRST_BACKOFF,
+        };
+        t.backoff = Some(backoff);
+        t.restart_at = Some(Instant::now() + backoff);
+        t.last_error = Some(error.clone());
+        t.started = None;
+        tracing::error!(task = name, error = %error, restart_in = ?backoff, "task failed; starting it again");
+        if name == "plugin" {
+            self.plugin = None;
+            if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Plugin) {
+                s.state = StageState::Failed;
+                s.detail =
+                    format!("the device plugin stopped ({error}); restarting in {backoff:?}");
+                s.validation = None;
+            }
+        }
+    }
+
+    fn restart_due_tasks(&mut self) {
+        let now = Instant::now();
+        let due: Vec<&'static str> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.restart_at.is_some_and(|at| at <= now))
+            .map(|(n, _)| *n)
+            .collect();
+        for name in due {
+            if let Some(t) = self.tasks.get_mut(name) {
+                t.restart_at = None;
+                t.restarts += 1;
+            }
+            tracing::info!(task = name, "starting the task again");
+            if name == "plugin" {
+                self.start_plugin();
+            }
+        }
+    }
+
+    /// Copies the tasks' live status into the state.
+    fn refresh(&mut self) {
+        if let Some(p) = &self.plugin {
+            self.st.plugin = p.board.lock().unwrap().clone();
+            stages::apply_plugin_status(&mut self.st.stages, &self.st.plugin);
+            let v = stages::plugin_validation(&self.st.plugin);
+            if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Plugin) {
+                s.validation = keep_since(s.validation.take(), Some(v));
+            }
+        }
+        if let Some(h) = &self.health {
+            self.st.health = h.board.lock().unwrap().clone();
+            stages::apply_health_status(&mut self.st.stages, &self.st.health);
+        }
+        let mut tasks: Vec<TaskStatus> = self
+            .tasks
+            .iter()
+            .map(|(name, t)| TaskStatus {
+                name: name.to_string(),
+                running: t.started.is_some(),
+                restarts: t.restarts,
+                last_error: t.last_error.clone(),
+                restart_at: t.restart_at.map(|at| {
+                    state::now() + at.saturating_duration_since(Instant::now()).as_secs()
+                }),
+            })
+            .collect();
+        if let Some(k) = self.health.as_ref().and_then(|h| h.kmsg.as_ref()) {
+            let k = k.lock().unwrap().clone();
+            tasks.push(TaskStatus {
+                name: "kernel-log".into(),
+                running: k.running,
+                restarts: k.restarts,
+                last_error: k.last_error,
+                restart_at: None,
+            });
+        }
+        self.st.tasks = tasks;
+        self.st.ready = stages::ready(&self.st.stages);
+        let plugin_ok = self
+            .st
+            .stages
+            .iter()
+            .find(|s| s.stage == Stage::Plugin)
+            .and_then(|s| s.validation.as_ref())
+            .is_some_and(|v| v.ok);
+        validation_file(&self.opts.host, PLUGIN_READY, plugin_ok.then_some(""));
+    }
+
+    /// Writes (or removes) the operator's validation files for the stages
+    /// validated so far.
+    fn validation_files(&self) {
+        let ok = |stage: Stage| {
+            self.st.stages.iter().any(|s| {
+                s.stage == stage
+                    && (s.state == StageState::Disabled
+                        || s.validation.as_ref().is_some_and(|v| v.ok))
+            })
+        };
+        let driver_ok = ok(Stage::Driver) && ok(Stage::Devnodes);
+        let driver_text = stages::driver_ready_text(&self.opts.host, &self.opts.policy);
+        validation_file(
+            &self.opts.host,
+            DRIVER_READY,
+            driver_ok.then_some(driver_text.as_str()),
+        );
+        let toolkit_ok = ok(Stage::Runtime) && ok(Stage::Cdi);
+        validation_file(&self.opts.host, TOOLKIT_READY, toolkit_ok.then_some(""));
+    }
+
+    fn sync_state(&mut self) {
+        if let Err(e) = self.file.sync(&mut self.st, &self.opts.host) {
+            tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
+        }
+    }
+}
+
+/// The GPU Operator's validation directory, and the files gpu-agent keeps there.
+pub const VALIDATIONS_DIR: &str = "/run/nvidia/validations";
+pub const DRIVER_READY: &str = "driver-ready";
+pub const TOOLKIT_READY: &str = "toolkit-ready";
+pub const PLUGIN_READY: &str = "plugin-ready";
+
+/// Writes `content` to the validation file `name` when it differs, or
+/// removes the file (`None`).
+fn validation_file(host: &HostRoot, name: &str, content: Option<&str>) {
+    let path = format!("{VALIDATIONS_DIR}/{name}");
+    let result = match content {
+        Some(text) => match host.read_optional(&path) {
+            Ok(Some(old)) if old == text => Ok(()),
+            _ => host
+                .write_atomic(&path, text.as_bytes(), 0o644)
+                .map(|_| tracing::info!(stage = "validate", file = %path, "written")),
+        },
+        None => match host.resolve_no_follow(&path) {
+            Ok(p) if p.exists() => std::fs::remove_file(&p)
+                .map(|_| tracing::info!(stage = "validate", file = %path, "removed"))
+                .map_err(|e| hostlib::HostError::io(p, e)),
+            _ => Ok(()),
+        },
+    };
+    if let Err(e) = result {
+        tracing::warn!(stage = "validate", file = %path, error = %e, "cannot update the validation file");
+    }
+}
+
+/// A validation result keeps its `since` while it says the same.
+fn keep_since(old: Option<Validation>, new: Option<Validation>) -> Option<Validation> {
+    match (old, new) {
+        (Some(o), Some(mut n)) if o.ok == n.ok && o.detail == n.detail => {
+            n.since = o.since;
+            Some(n)
+        }
+        (_, n) => n,
+    }
+}
+
+/// The same GPUs, MIG devices and driver (telemetry aside).
+pub fn same_node(a: &Inventory, b: &Inventory) -> bool {
+    let strip = |i: &Inventory| {
+        let mut i = i.clone();
+        for g in &mut i.gpus {
+            g.telemetry = Default::default();
+        }
+        i
+    };
+    strip(a) == strip(b)
+}
+
+/// The driver the policy asks for is not the one it asked for before.
+fn driver_source_changed(old: &Policy, new: &Policy) -> bool {
+    let (a, b) = (&old.driver, &new.driver);
+    (
+        &a.bundle,
+        &a.bundle_sha256,
+        &a.version,
+        &a.module_dir,
+        a.use_open_kernel_modules,
+    ) != (
+        &b.bundle,
+        &b.bundle_sha256,
+        &b.version,
+        &b.module_dir,
+        b.use_open_kernel_modules,
+    )
+}
+
+/// The device plugin, served in the background.
+#[derive(Debug)]
+pub struct RunningPlugin {
+    board: StatusBoard,
+    updater: mpsc::UnboundedSender<Vec<Resource>>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), PluginError>>>,
+}
+
+impl RunningPlugin {
+    /// Serves `plan` (devices' health from `health`, if given).
+    pub fn start(
+        host: &HostRoot,
+        plan: PluginPlan,
+        inventory: Arc<Inventory>,
+        changed: Arc<Notify>,
+        health: Option<watch::Receiver<HealthView>>,
+    ) -> Result<Self, PluginError> {
+        let dir = manager::plugin_dir(host).map_err(|e| PluginError::Dir {
+            path: host
+                .path()
+                .join(manager::DEVICE_PLUGIN_DIR.trim_start_matches('/')),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let mut mgr = PluginManager::new(
+            dir,
+            plan.resources,
+            inventory,
+            Arc::new(plan.settings),
+            host.clone(),
+        )
+        .with_change_signal(changed.clone());
+        if let Some(h) = health {
+            mgr = mgr.with_health(h);
+        }
+        let board = mgr.board();
+        let updater = mgr.updater();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let result = mgr
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+            changed.notify_one();
+            result
+        });
+        Ok(RunningPlugin {
+            board,
+            updater,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Resolves when the plugin task ends on its own.
+    async fn ended(&mut self) -> Result<(), String> {
+        let Some(task) = self.task.as_mut() else {
+            return std::future::pending().await;
+        };
+        let r = task.await;
+        self.task = None;
+        match r {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("the task panicked or was cancelled: {e}")),
+        }
+    }
+
+    /// Waits until every resource's first registration was answered
+    /// (accepted or refused, within `limit`) and the kubelet listed the
+    /// accepted ones' devices (within `list_grace` after that).
+    async fn first_attempts(&self, changed: &Notify, limit: Duration, list_grace: Duration) {
+        let answered = |b: &[ResourceStatus]| {
+            b.iter()
+                .all(|r| r.registrations > 0 || r.last_error.is_some())
+        };
+        let listed = |b: &[ResourceStatus]| b.iter().all(|r| r.lists > 0 || r.last_error.is_some());
+        for (done, wait) in [
+            (&answered as &dyn Fn(&[ResourceStatus]) -> bool, limit),
+            (&listed, list_grace),
+        ] {
+            let deadline = Instant::now() + wait;
+            loop {
+                let finished = self.task.as_ref().is_none_or(|t| t.is_finished());
+                if done(&self.board.lock().unwrap()) || finished {
+                    break;
+                }
+                tokio::select! {
+                    _ = changed.notified() => {}
+                    _ = tokio::time::sleep_until(deadline) => return,
+                }
+            }
+        }
+    }
+
+    /// Copies the plugins' status into `st` (the demo's view).
+    pub fn refresh(&self, st: &mut AgentState) {
+        st.plugin = self.board.lock().unwrap().clone();
+        stages::apply_plugin_status(&mut st.stages, &st.plugin);
+    }
+
+    /// Stops serving; the sockets are removed.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            match task.await {
+                Ok(Err(e)) => tracing::error!(stage = "plugin", error = %e, "device plugin failed"),
+                Err(e) => {
+                    tracing::error!(stage = "plugin", error = %e, "device plugin task failed")
+                }
+                Ok(Ok(())) => {}
+            }
+        }
+    }
+}
+
+/// The health monitor and its sources.
+#[derive(Debug)]
+pub struct RunningHealth {
+    board: HealthBoard,
+    view: watch::Receiver<HealthView>,
+    conditions: watch::Sender<crate::health::Conditions>,
+    stop: Option<oneshot::Sender<()>>,
+    kmsg_stop: Option<oneshot::Sender<()>>,
+    kmsg: Option<Arc<std::sync::Mutex<crate::health::kernel_log::KernelLogStatus>>>,
+}
+
+impl RunningHealth {
+    /// Starts the monitor on `backend`'s events (and the kernel log, when
+    /// the policy says so).
+    pub fn start(
+        backend: &dyn crate::backend::GpuBackend,
+        host: &HostRoot,
+        policy: &Policy,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        health_policy: watch::Receiver<HealthPolicy>,
+        changed: Arc<Notify>,
+    ) -> Result<Self, String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        backend
+            .watch_health(tx.clone())
+            .map_err(|e| e.to_string())?;
+        let uuids = crate::health::watched_uuids(&inventory.borrow());
+        let monitor =
+            HealthMonitor::new(policy.health.to_policy(), uuids).with_change_signal(changed);
+        let board = monitor.board();
+        let view = monitor.subscribe();
+        let conditions = watch::Sender::new(crate::health::conditions(&inventory.borrow()));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let inputs = crate::health::Inputs {
+            inventory: Some(inventory.clone()),
+            policy: Some(health_policy),
+            conditions: Some(conditions.subscribe()),
+        };
+        tokio::spawn(monitor.run(rx, inputs, async {
+            let _ = stopped.await;
+        }));
+        let (kmsg_stop, kmsg) = if policy.health.kernel_log {
+            let lookback = policy.health.to_policy().recover_after;
+            let (stop, status) =
+                crate::health::kernel_log::start(host, inventory, tx.clone(), lookback);
+            (Some(stop), Some(status))
+        } else {
+            (None, None)
+        };
+        Ok(RunningHealth {
+            board,
+            view,
+            conditions,
+            stop: Some(stop),
+            kmsg_stop,
+            kmsg,
+        })
+    }
+
+    /// NVML's conditions (lost GPU, pending reset, thermal) at a reconcile.
+    fn set_conditions(&self, seen: crate::health::Conditions) {
+        self.conditions.send_if_modified(|c| {
+            if *c == seen {
+                false
+            } else {
+                *c = seen;
+                true
+            }
+        });
+    }
+
+    /// The live health of every GPU.
+    pub fn board(&self) -> HealthBoard {
+        self.board.clone()
+    }
+
+    /// The health the device plugin follows.
+    pub fn view(&self) -> watch::Receiver<HealthView> {
+        self.view.clone()
+    }
+
+    pub fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(s) = self.kmsg_stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
