@@ -538,6 +538,18 @@ pub(crate) struct StatusReport {
     inventory: Option<Inventory>,
     /// The device plugin's resources (running agent only).
     plugin: Vec<ResourceStatus>,
+    /// Every enabled stage validated (running agent only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ready: Option<bool>,
+    /// Running agent only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    health: Vec<gpu_agent::health::GpuHealth>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tasks: Vec<gpu_agent::supervisor::TaskStatus>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reconcile_interval_secs: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy_error: Option<String>,
 }
 
 impl StatusReport {
@@ -558,6 +570,11 @@ impl StatusReport {
             stages: st.stages,
             inventory: st.inventory,
             plugin: st.plugin,
+            ready: Some(st.ready),
+            health: st.health,
+            tasks: st.tasks,
+            reconcile_interval_secs: Some(st.reconcile_interval_secs),
+            policy_error: st.policy_error,
         }
     }
 }
@@ -606,6 +623,11 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         stages: pass.stages,
         inventory: pass.inventory,
         plugin: Vec::new(),
+        ready: None,
+        health: Vec::new(),
+        tasks: Vec::new(),
+        reconcile_interval_secs: None,
+        policy_error: None,
     };
     print_status(&report, output)
 }
@@ -632,11 +654,38 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
             }
         ));
     }
+    if let Some(ready) = report.ready {
+        let reconcile = match report.reconcile_interval_secs {
+            Some(0) | None => "reconciles on policy changes and SIGHUP".to_string(),
+            Some(s) => format!("reconciles every {s} s, on policy changes and SIGHUP"),
+        };
+        out.push_str(&format!(
+            "ready: {} · {reconcile}\n",
+            if ready {
+                "yes (every enabled stage validated)"
+            } else {
+                "no (not every enabled stage is validated)"
+            }
+        ));
+    }
+    if let Some(e) = &report.policy_error {
+        out.push_str(&format!(
+            "policy: the file on disk is not applied: {e}\n"
+        ));
+    }
     out.push('\n');
     out.push_str(&render::stages(&report.stages));
     if !report.plugin.is_empty() {
         out.push('\n');
         out.push_str(&render::plugin_resources(&report.plugin));
+    }
+    if report.health.iter().any(|g| !g.healthy || g.events > 0) {
+        out.push('\n');
+        out.push_str(&render::health(&report.health));
+    }
+    if !report.tasks.is_empty() {
+        out.push('\n');
+        out.push_str(&render::tasks(&report.tasks));
     }
     if let Some(inv) = &report.inventory {
         for w in &inv.warnings {

@@ -171,19 +171,92 @@ pub fn plugin_resources(board: &[ResourceStatus]) -> String {
     table(&["RESOURCE", "SOCKET", "HEALTHY", "REGISTERED"], &rows)
 }
 
-/// The stage table.
+/// The stage table: state, last validation, repairs; failed validations
+/// and the last repairs below it.
 pub fn stages(stages: &[StageStatus]) -> String {
+    let now = crate::state::now();
     let rows: Vec<Vec<String>> = stages
         .iter()
         .map(|s| {
             vec![
                 s.stage.name().to_string(),
                 s.state.label().to_string(),
+                match &s.validation {
+                    Some(v) if v.ok => format!("ok ({})", ago(now, v.since)),
+                    Some(_) => "FAILED".into(),
+                    None => "-".into(),
+                },
+                s.repairs.to_string(),
                 s.detail.clone(),
             ]
         })
         .collect();
-    table(&["STAGE", "STATE", "DETAIL"], &rows)
+    let mut out = table(&["STAGE", "STATE", "VALIDATED", "REPAIRS", "DETAIL"], &rows);
+    for s in stages {
+        if let Some(v) = s.validation.as_ref().filter(|v| !v.ok) {
+            out.push_str(&format!(
+                "validation of {} failed ({}): {}\n",
+                s.stage.name(),
+                ago(now, v.since),
+                v.detail
+            ));
+        }
+        if let Some(r) = &s.last_repair {
+            out.push_str(&format!(
+                "last repair of {} ({}): {}\n",
+                s.stage.name(),
+                ago(now, r.at),
+                r.what
+            ));
+        }
+    }
+    out
+}
+
+/// `12 s ago`, `5 min ago`, `3 h ago`.
+pub fn ago(now: u64, then: u64) -> String {
+    let d = now.saturating_sub(then);
+    match d {
+        0..120 => format!("{d} s ago"),
+        120..7200 => format!("{} min ago", d / 60),
+        _ => format!("{} h ago", d / 3600),
+    }
+}
+
+/// Each GPU's health, with the advice for the unhealthy ones.
+pub fn health(board: &[crate::health::GpuHealth]) -> String {
+    let rows: Vec<Vec<String>> = board
+        .iter()
+        .map(|g| {
+            vec![
+                g.uuid.clone(),
+                if g.healthy { "healthy" } else { "UNHEALTHY" }.into(),
+                g.events.to_string(),
+                match (&g.reason, &g.advice) {
+                    (Some(r), Some(a)) if !g.healthy => format!("{r} — {a}"),
+                    (Some(r), _) if !g.healthy => r.clone(),
+                    _ => String::new(),
+                },
+            ]
+        })
+        .collect();
+    table(&["GPU", "HEALTH", "EVENTS", "WHY"], &rows)
+}
+
+/// The supervised tasks.
+pub fn tasks(tasks: &[crate::supervisor::TaskStatus]) -> String {
+    let rows: Vec<Vec<String>> = tasks
+        .iter()
+        .map(|t| {
+            vec![
+                t.name.clone(),
+                if t.running { "running" } else { "stopped" }.into(),
+                t.restarts.to_string(),
+                t.last_error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    table(&["TASK", "STATE", "RESTARTS", "LAST ERROR"], &rows)
 }
 
 #[cfg(test)]
