@@ -20,6 +20,7 @@ pub mod state;
 pub mod supervisor;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub mod workload;
 
 pub use inventory::Inventory;
 pub use policy::Policy;

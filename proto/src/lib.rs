@@ -3,8 +3,11 @@
 //! - [`deviceplugin::v1beta1`]: the kubelet device-plugin API (our servers,
 //!   and the kubelet's `Registration` service we call).
 //! - [`podresources::v1`]: the kubelet pod-resources API (read for metrics).
-//! - [`cri::v1`]: the CRI runtime service's `Status` (a container runtime's
-//!   effective configuration, as it reports it).
+//! - [`cri::v1`]: the part of the CRI API (`runtime.v1`) gpu-agent calls:
+//!   `Status` and `Version` (which runtime answers, and its effective
+//!   configuration as it reports it), and the pod sandbox, container and
+//!   image calls of the validator's workload check (one short-lived
+//!   container with a GPU injected by CDI).
 
 #![allow(missing_debug_implementations, clippy::all, clippy::pedantic)]
 
