@@ -669,9 +669,7 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
         ));
     }
     if let Some(e) = &report.policy_error {
-        out.push_str(&format!(
-            "policy: the file on disk is not applied: {e}\n"
-        ));
+        out.push_str(&format!("policy: the file on disk is not applied: {e}\n"));
     }
     out.push('\n');
     out.push_str(&render::stages(&report.stages));

@@ -99,6 +99,10 @@ pub struct ValidatorSpec {
     /// The image of that container (it needs `sh`); pulled if absent.
     #[serde(default = "default_workload_image")]
     pub workload_image: String,
+    /// The CRI socket (a host path); default by runtime:
+    /// `/run/containerd/containerd.sock`, `/var/run/crio/crio.sock`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cri_socket: Option<String>,
 }
 
 fn default_workload_image() -> String {
@@ -111,6 +115,7 @@ impl Default for ValidatorSpec {
             enabled: true,
             workload: false,
             workload_image: default_workload_image(),
+            cri_socket: None,
         }
     }
 }

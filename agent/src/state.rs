@@ -64,6 +64,9 @@ pub struct AgentState {
     /// `spec.reconcileIntervalSeconds` of the running policy.
     #[serde(default)]
     pub reconcile_interval_secs: u64,
+    /// The workload check (`spec.validator.workload`), when asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<crate::stages::Validation>,
     /// Why the policy file on disk is not the running policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_error: Option<String>,
@@ -207,6 +210,7 @@ impl AgentState {
             tasks: Vec::new(),
             ready: false,
             reconcile_interval_secs: 0,
+            workload: None,
             policy_error: None,
         }
     }
@@ -327,6 +331,7 @@ mod tests {
             tasks: vec![],
             ready: false,
             reconcile_interval_secs: 0,
+            workload: None,
             policy_error: None,
         }
     }

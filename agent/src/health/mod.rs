@@ -515,8 +515,8 @@ impl HealthMonitor {
             Source::KernelLog => "kernel log",
         };
         let reason = match &message {
-            Some(m) => format!("XID {xid} ({from}: {m})"),
-            None => format!("XID {xid} ({from})"),
+            Some(m) => format!("XID {xid}, from the {from}: {m}"),
+            None => format!("XID {xid}, from {from}"),
         };
         self.event(uuid, sev, reason, Some(advice), now);
     }
@@ -709,7 +709,7 @@ mod tests {
                 .unwrap()
                 .reason
                 .as_deref(),
-            Some("XID 79 (NVML)")
+            Some("XID 79, from NVML")
         );
         assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(60)));
         m.recover(t0 + Duration::from_secs(59));
