@@ -65,7 +65,7 @@ pub fn start(
             };
             st.lock().unwrap().running = true;
             let (tx, mut rx) = mpsc::unbounded_channel::<KernelXid>();
-            let run = reader.run(tx, async {});
+            let run = reader.run(tx, std::future::pending());
             tokio::pin!(run);
             let result = loop {
                 tokio::select! {

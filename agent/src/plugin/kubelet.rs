@@ -97,6 +97,9 @@ struct MockState {
     times: Mutex<Vec<std::time::Instant>>,
     refuse: Mutex<Option<String>>,
     notify: Notify,
+    /// Like a kubelet: list a registered plugin's devices (and keep the
+    /// stream open) in the directory of `kubelet.sock`.
+    list_in: Mutex<Option<PathBuf>>,
 }
 
 #[derive(Debug, Clone)]
@@ -116,6 +119,23 @@ impl Registration for MockService {
             )));
         }
         self.0.times.lock().unwrap().push(std::time::Instant::now());
+        if let Some(dir) = self.0.list_in.lock().unwrap().clone() {
+            let endpoint = dir.join(&req.endpoint);
+            tokio::spawn(async move {
+                use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
+                let Ok(channel) = connect(&endpoint).await else {
+                    return;
+                };
+                let Ok(stream) = DevicePluginClient::new(channel)
+                    .list_and_watch(Empty {})
+                    .await
+                else {
+                    return;
+                };
+                let mut stream = stream.into_inner();
+                while let Ok(Some(_)) = stream.message().await {}
+            });
+        }
         self.0.requests.lock().unwrap().push(req);
         self.0.notify.notify_waiters();
         Ok(Response::new(Empty {}))
@@ -177,6 +197,13 @@ impl MockKubelet {
             stop: Some(stop),
             task: Some(task),
         }
+    }
+
+    /// Lists every registered plugin's devices, as a kubelet does (the
+    /// `ListAndWatch` streams stay open).
+    pub fn list_devices(self) -> Self {
+        *self.state.list_in.lock().unwrap() = self.socket.parent().map(Path::to_path_buf);
+        self
     }
 
     /// Every registration received, in order.

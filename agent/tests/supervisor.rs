@@ -1,0 +1,349 @@
+//! The running agent as a reconciler, end to end: `gpu-agent run` on a copy
+//! of the 8x H100 host fixture with the fake libnvidia-ml (the real NVML
+//! path), a containerd config, a FIFO standing in for /dev/kmsg and the
+//! policy in a ConfigMap-shaped directory (`policy.yaml -> ..data/…`).
+//! Drift is repaired by the interval reconcile and shows in `status`; a
+//! ConfigMap update (the `..data` symlink swapped) is applied without a
+//! signal; an invalid policy is refused and the running one kept; an XID
+//! in the kernel log turns the GPU unhealthy; the operator's validation
+//! files are written; SIGTERM removes the plugin socket and plugin-ready.
+//! Device nodes are made for real, so this runs as root.
+
+mod common;
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+struct Agent {
+    // Dropped last: the mock kubelet runs on it.
+    kubelet: Option<gpu_agent::plugin::kubelet::MockKubelet>,
+    rt: tokio::runtime::Runtime,
+    _dirs: Vec<tempfile::TempDir>,
+    host: PathBuf,
+    cm: PathBuf,
+    child: Child,
+    log: PathBuf,
+    kmsg: Option<fs::File>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(k) = self.kubelet.take() {
+            self.rt.block_on(k.stop());
+        }
+    }
+}
+
+const POLICY_1: &str = "spec:\n  reconcileIntervalSeconds: 1\n  toolkit:\n    reload: none\n  cdi:\n    hookPath: /usr/local/bin/gpu-agent-hook\n";
+
+/// Writes `text` as the ConfigMap's next version and swaps `..data` to it,
+/// as the kubelet does (new dir, new symlink, rename over `..data`).
+fn configmap_update(cm: &Path, version: &str, text: &str) {
+    let dir = cm.join(format!("..{version}"));
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("policy.yaml"), text).unwrap();
+    let tmp = cm.join("..data_tmp");
+    std::os::unix::fs::symlink(format!("..{version}"), &tmp).unwrap();
+    fs::rename(&tmp, cm.join("..data")).unwrap();
+}
+
+impl Agent {
+    fn start(policy: &str) -> Agent {
+        let host_dir = tempfile::tempdir().unwrap();
+        let host = host_dir.path().to_path_buf();
+        let copy = std::process::Command::new("cp")
+            .arg("-a")
+            .arg(format!("{}/.", host_fixture("h100-sxm-8").display()))
+            .arg(&host)
+            .status()
+            .unwrap();
+        assert!(copy.success());
+        fs::create_dir_all(host.join("etc/containerd")).unwrap();
+        fs::copy(
+            fixture("containerd/valid/v2-custom.toml"),
+            host.join("etc/containerd/config.toml"),
+        )
+        .unwrap();
+        let ctrd = host.join("usr/bin/containerd");
+        fs::write(
+            &ctrd,
+            "#!/bin/sh\necho 'containerd github.com/containerd/containerd v1.7.24 61f9fd88'\n",
+        )
+        .unwrap();
+        fs::set_permissions(&ctrd, fs::Permissions::from_mode(0o755)).unwrap();
+        fs::create_dir_all(host.join("usr/local/bin")).unwrap();
+        fs::write(host.join("usr/local/bin/gpu-agent-hook"), "#!/bin/sh\n").unwrap();
+        // The kernel log: a FIFO the test writes to.
+        let kmsg = host.join("dev/kmsg");
+        nix::unistd::mkfifo(&kmsg, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // The policy, as a ConfigMap volume shows it.
+        let cm_dir = tempfile::tempdir().unwrap();
+        let cm = cm_dir.path().to_path_buf();
+        configmap_update(&cm, "2026_11_22_1", policy);
+        std::os::unix::fs::symlink("..data/policy.yaml", cm.join("policy.yaml")).unwrap();
+        // A kubelet that registers and lists (the plugin validates then).
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let plugins = host.join("var/lib/kubelet/device-plugins");
+        fs::create_dir_all(&plugins).unwrap();
+        let kubelet = rt.block_on(async {
+            gpu_agent::plugin::kubelet::MockKubelet::start(&plugins.join("kubelet.sock"))
+                .unwrap()
+                .list_devices()
+        });
+        let (nvml_dir, nvml) = fake_nvml();
+        let log = host.join("agent.log");
+        let child = at(&host)
+            .arg("--policy")
+            .arg(cm.join("policy.yaml"))
+            .arg("--nvml-lib")
+            .arg(&nvml)
+            .args(["--log-format", "text", "run"])
+            .env("FAKE_NVML_NODE", "h100-sxm-8")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        // Open the FIFO's write end (the agent opens the read end).
+        let writer = {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags_nonblock()
+                    .open(&kmsg)
+                {
+                    Ok(f) => break Some(f),
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Err(e) => panic!(
+                        "the agent never opened /dev/kmsg: {e}\nlog:\n{}",
+                        fs::read_to_string(&log).unwrap_or_default()
+                    ),
+                }
+            }
+        };
+        Agent {
+            kubelet: Some(kubelet),
+            rt,
+            _dirs: vec![host_dir, cm_dir, nvml_dir],
+            host,
+            cm,
+            child,
+            log,
+            kmsg: writer,
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let (code, out, err) = run(at(&self.host).args(["status", "-o", "json"]));
+        assert_eq!(code, 0, "{err}");
+        json(&out)
+    }
+
+    fn stage(&self, st: &serde_json::Value, name: &str) -> serde_json::Value {
+        st["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["stage"] == name)
+            .unwrap()
+            .clone()
+    }
+
+    /// Waits (up to `secs`) until `f` holds for the status.
+    fn until(
+        &self,
+        secs: u64,
+        what: &str,
+        f: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let st = self.status();
+            if st["source"] == "running-agent" && f(&st) {
+                return st;
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "{what}: not within {secs} s\nstatus: {st:#}\nlog:\n{}",
+                    fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+trait NonBlock {
+    fn custom_flags_nonblock(&mut self) -> &mut Self;
+}
+
+impl NonBlock for fs::OpenOptions {
+    fn custom_flags_nonblock(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        // Opening a FIFO for writing fails (ENXIO) until a reader has it open.
+        self.custom_flags(libc::O_NONBLOCK)
+    }
+}
+
+fn root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+#[test]
+fn drift_is_repaired_health_comes_from_the_kernel_log_and_sigterm_cleans_up() {
+    if !root() {
+        eprintln!("skipped: the agent makes device nodes (mknod), which needs root");
+        return;
+    }
+    let mut a = Agent::start(POLICY_1);
+    let st = a.until(20, "ready", |st| st["ready"] == true);
+    for s in ["driver", "devnodes", "runtime", "cdi", "plugin"] {
+        let v = &a.stage(&st, s)["validation"];
+        assert_eq!(v["ok"], true, "{s}: {st:#}");
+    }
+    // The operator's validation files.
+    let validations = a.host.join("run/nvidia/validations");
+    let driver_ready = fs::read_to_string(validations.join("driver-ready")).unwrap();
+    assert!(
+        driver_ready.starts_with("IS_HOST_DRIVER=false\nNVIDIA_DRIVER_ROOT=/\n"),
+        "{driver_ready}"
+    );
+    assert!(validations.join("toolkit-ready").exists());
+    assert!(validations.join("plugin-ready").exists());
+    assert_eq!(a.stage(&st, "cdi")["repairs"], 0);
+
+    // Drift: the CDI spec deleted, a device node deleted.
+    let spec = a.host.join("var/run/cdi/gpu-agent-nvidia.com-gpu.json");
+    fs::remove_file(&spec).unwrap();
+    fs::remove_file(a.host.join("dev/nvidia5")).unwrap();
+    let st = a.until(5, "drift repaired by the interval reconcile", |st| {
+        a.stage(st, "cdi")["repairs"] == 1 && a.stage(st, "devnodes")["repairs"] == 1
+    });
+    assert!(spec.exists());
+    assert!(a.host.join("dev/nvidia5").exists());
+    let last = &a.stage(&st, "devnodes")["last_repair"]["what"];
+    assert_eq!(last, "created /dev/nvidia5", "{st:#}");
+    let log = a.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("drift repaired") && l.contains("stage=\"cdi\"")),
+        "{log}"
+    );
+
+    // An XID in the kernel log, for GPU 3 (bus 0000:5d:00.0).
+    let uuid = "GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04";
+    let line = "3,9001,0,-;NVRM: Xid (PCI:0000:5d:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n";
+    a.kmsg.as_mut().unwrap().write_all(line.as_bytes()).unwrap();
+    let st = a.until(5, "the kernel log's XID", |st| {
+        st["health"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["uuid"] == uuid && g["healthy"] == false)
+    });
+    let g = st["health"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["uuid"] == uuid)
+        .unwrap()
+        .clone();
+    assert!(
+        g["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("XID 79, from the kernel log"),
+        "{g}"
+    );
+    assert!(
+        g["advice"].as_str().unwrap().contains("drain and reboot"),
+        "{g}"
+    );
+    let (_, table, _) = run(at(&a.host).arg("status"));
+    assert!(table.contains("UNHEALTHY"), "{table}");
+    assert!(table.contains("kernel-log"), "{table}");
+
+    // SIGTERM: clean stop.
+    assert_eq!(sigterm(&mut a.child), Some(0));
+    let plugins = a.host.join("var/lib/kubelet/device-plugins");
+    let left: Vec<_> = fs::read_dir(&plugins)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name())
+                .filter(|n| n != "kubelet.sock")
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "sockets left: {left:?}");
+    assert!(!validations.join("plugin-ready").exists());
+    let state = json(&fs::read_to_string(a.host.join("run/gpu-agent/state.json")).unwrap());
+    assert!(state["stopped_at"].is_u64(), "{state:#}");
+    assert_eq!(state["ready"], false);
+}
+
+#[test]
+fn a_configmap_update_is_applied_and_an_invalid_policy_is_refused() {
+    if !root() {
+        eprintln!("skipped: the agent makes device nodes (mknod), which needs root");
+        return;
+    }
+    // No interval: only the policy watch can apply the change.
+    let a = Agent::start(
+        &POLICY_1.replace("reconcileIntervalSeconds: 1", "reconcileIntervalSeconds: 0"),
+    );
+    a.until(20, "runtime done", |st| {
+        a.stage(st, "runtime")["state"] == "done"
+    });
+    configmap_update(
+        &a.cm,
+        "2026_11_22_2",
+        &POLICY_1
+            .replace("reconcileIntervalSeconds: 1", "reconcileIntervalSeconds: 0")
+            .replace(
+                "  toolkit:\n    reload: none\n",
+                "  toolkit:\n    enabled: false\n",
+            ),
+    );
+    let started = Instant::now();
+    a.until(5, "the new policy applied", |st| {
+        a.stage(st, "runtime")["state"] == "disabled"
+    });
+    eprintln!("ConfigMap update applied in {:?}", started.elapsed());
+
+    // An invalid policy: refused, named, the running one kept.
+    configmap_update(
+        &a.cm,
+        "2026_11_22_3",
+        "spec:\n  toolkit:\n    enabled: maybe\n",
+    );
+    let st = a.until(5, "the invalid policy refused", |st| {
+        st["policy_error"].is_string()
+    });
+    assert!(
+        st["policy_error"]
+            .as_str()
+            .unwrap()
+            .contains("spec.toolkit.enabled"),
+        "{st:#}"
+    );
+    assert_eq!(a.stage(&st, "runtime")["state"], "disabled");
+}
