@@ -97,7 +97,7 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
         if health
             .as_str()
             .unwrap()
-            .contains("GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41 (XID 79)")
+            .contains("GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41 (XID 79, from NVML)")
         {
             break;
         }

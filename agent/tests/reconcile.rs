@@ -94,14 +94,9 @@ impl Node {
             dir.path().join(CONFIG),
         )
         .unwrap();
-        // containerd 1.7 (its version is all the runtime stage asks of it).
-        let ctrd = dir.path().join("usr/bin/containerd");
-        std::fs::write(
-            &ctrd,
-            "#!/bin/sh\necho 'containerd github.com/containerd/containerd v1.7.24 61f9fd88'\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&ctrd, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // The real containerd 2.x: asked for its version and, by
+        // validation, for its effective configuration.
+        common::install_containerd_2(dir.path());
         std::fs::create_dir_all(dir.path().join("usr/local/bin")).unwrap();
         std::fs::write(dir.path().join(HOOK), "#!/bin/sh\n").unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
@@ -164,6 +159,14 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
         let v = stage(&first, s).validation.as_ref().unwrap();
         assert!(v.ok, "{s:?}: {}", v.detail);
     }
+    // The runtime's validation ran the real containerd on the config.
+    let v = stage(&first, Stage::Runtime).validation.as_ref().unwrap();
+    assert!(
+        v.detail.starts_with("the host's containerd 2.")
+            && v.detail
+                .ends_with("accepts the configuration and shows the \"nvidia\" runtime and CDI"),
+        "{v:?}"
+    );
 
     // A reconcile of the unchanged node: no system call, no file touched.
     let before = snapshot(node.host.path());
@@ -243,7 +246,11 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
         text.contains("# Production containerd config — keep this comment"),
         "{text}"
     );
-    assert!(text.contains("runtimes.nvidia"), "{text}");
+    // containerd 2.1: the main config imports gpu-agent's drop-in.
+    assert!(text.contains("\"/etc/containerd/conf.d/*.toml\""), "{text}");
+    let drop_in =
+        std::fs::read_to_string(node.path("etc/containerd/conf.d/99-gpu-agent.toml")).unwrap();
+    assert!(drop_in.contains("runtimes.nvidia"), "{drop_in}");
     assert!(!stage(&third, Stage::Cdi).changed.is_empty());
     for s in [Stage::Driver, Stage::Devnodes, Stage::Runtime, Stage::Cdi] {
         let v = stage(&third, s).validation.as_ref().unwrap();

@@ -13,7 +13,6 @@ mod common;
 
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -72,13 +71,9 @@ impl Agent {
             host.join("etc/containerd/config.toml"),
         )
         .unwrap();
-        let ctrd = host.join("usr/bin/containerd");
-        fs::write(
-            &ctrd,
-            "#!/bin/sh\necho 'containerd github.com/containerd/containerd v1.7.24 61f9fd88'\n",
-        )
-        .unwrap();
-        fs::set_permissions(&ctrd, fs::Permissions::from_mode(0o755)).unwrap();
+        // The real containerd 2.x: asked for its version and, by
+        // validation, for its effective configuration.
+        common::install_containerd_2(&host);
         fs::create_dir_all(host.join("usr/local/bin")).unwrap();
         fs::write(host.join("usr/local/bin/gpu-agent-hook"), "#!/bin/sh\n").unwrap();
         // The kernel log: a FIFO the test writes to.
@@ -230,6 +225,44 @@ fn drift_is_repaired_health_comes_from_the_kernel_log_and_sigterm_cleans_up() {
     assert!(validations.join("toolkit-ready").exists());
     assert!(validations.join("plugin-ready").exists());
     assert_eq!(a.stage(&st, "cdi")["repairs"], 0);
+
+    // Reconciles of the unchanged node (every second here) write nothing:
+    // not the state file, not a validation file.
+    let state_file = a.host.join("run/gpu-agent/state.json");
+    std::thread::sleep(Duration::from_millis(1500));
+    let stamp = |p: &Path| {
+        let m = fs::metadata(p).unwrap();
+        (m.modified().unwrap(), fs::read(p).unwrap())
+    };
+    let watched = [
+        state_file.clone(),
+        validations.join("driver-ready"),
+        validations.join("toolkit-ready"),
+        a.host.join("etc/containerd/config.toml"),
+        a.host.join("var/run/cdi/gpu-agent-nvidia.com-gpu.json"),
+    ];
+    let before: Vec<_> = watched.iter().map(|p| stamp(p)).collect();
+    let reconciles = |log: &str| {
+        log.matches("reconcile{trigger=\"interval\"}: 8 GPU(s)")
+            .count()
+    };
+    let n0 = reconciles(&a.log());
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        reconciles(&a.log()) >= n0 + 2,
+        "no reconcile ran:\n{}",
+        a.log()
+    );
+    let after: Vec<_> = watched.iter().map(|p| stamp(p)).collect();
+    for ((p, b), a) in watched.iter().zip(&before).zip(&after) {
+        assert!(
+            b == a,
+            "{} was written by a reconcile of an unchanged node:\nbefore: {}\nafter: {}",
+            p.display(),
+            String::from_utf8_lossy(&b.1),
+            String::from_utf8_lossy(&a.1)
+        );
+    }
 
     // Drift: the CDI spec deleted, a device node deleted.
     let spec = a.host.join("var/run/cdi/gpu-agent-nvidia.com-gpu.json");

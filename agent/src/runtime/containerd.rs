@@ -878,3 +878,122 @@ mod tests {
         assert_eq!(line_col("x", 0), (1, 1));
     }
 }
+
+/// What the host's containerd said of the configuration (`config dump`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DumpCheck {
+    /// It ran, accepted the configuration and shows what it should.
+    Accepted(String),
+    /// It cannot run from here (no binary, or one this process cannot
+    /// execute, e.g. dynamically linked against a host library the agent's
+    /// image lacks): the files were checked only.
+    CannotRun(String),
+}
+
+/// Runs the host's containerd (`--config <main> config dump`) and checks
+/// that its effective configuration has the runtime `runtime` and, with
+/// `want_cdi`, CDI enabled. When the host root is not `/`, the main config
+/// is copied with its absolute `imports` resolved under the host root (the
+/// binary reads this process's filesystem). `Err`: containerd refuses the
+/// configuration, or its dump lacks what gpu-agent wrote.
+pub fn dump_check(
+    host: &HostRoot,
+    binary: &str,
+    config: &str,
+    runtime: &str,
+    want_cdi: bool,
+) -> Result<DumpCheck, String> {
+    let Ok(bin) = host.resolve(binary) else {
+        return Ok(DumpCheck::CannotRun(format!("{binary} is not on the host")));
+    };
+    if !bin.exists() {
+        return Ok(DumpCheck::CannotRun(format!("{binary} is not on the host")));
+    }
+    let main = match host.read_optional(config) {
+        Ok(Some(t)) => t,
+        Ok(None) => return Ok(DumpCheck::CannotRun(format!("{config} does not exist"))),
+        Err(e) => return Err(e.to_string()),
+    };
+    let text = if host.is_system() {
+        main
+    } else {
+        let mut doc: toml_edit::DocumentMut = main
+            .parse()
+            .map_err(|e| format!("{config} does not parse: {e}"))?;
+        if let Some(imports) = doc.get_mut("imports").and_then(|i| i.as_array_mut()) {
+            for v in imports.iter_mut() {
+                if let Some(s) = v.as_str().filter(|s| s.starts_with('/')) {
+                    let inside = host.path().join(s.trim_start_matches('/'));
+                    *v = toml_edit::Value::from(inside.display().to_string());
+                }
+            }
+        }
+        doc.to_string()
+    };
+    let dir = tempfile::tempdir().map_err(|e| format!("a temporary directory: {e}"))?;
+    let copy = dir.path().join("config.toml");
+    std::fs::write(&copy, text).map_err(|e| format!("{}: {e}", copy.display()))?;
+    let out = match std::process::Command::new(&bin)
+        .arg("--config")
+        .arg(&copy)
+        .args(["config", "dump"])
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            return Ok(DumpCheck::CannotRun(format!(
+                "cannot run {binary} from here: {e}"
+            )));
+        }
+    };
+    // 126/127: a shell or loader could not execute it.
+    if matches!(out.status.code(), Some(126 | 127)) {
+        return Ok(DumpCheck::CannotRun(format!(
+            "cannot run {binary} from here (exit {})",
+            out.status
+        )));
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        let last = stderr
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(format!("{binary} refuses the configuration: {last}"));
+    }
+    let dump: toml_edit::DocumentMut = String::from_utf8_lossy(&out.stdout)
+        .parse()
+        .map_err(|e| format!("{binary} config dump does not parse: {e}"))?;
+    let mut has_runtime = false;
+    let mut cdi = false;
+    fn walk(t: &dyn toml_edit::TableLike, runtime: &str, has: &mut bool, cdi: &mut bool) {
+        for (k, v) in t.iter() {
+            if k == "enable_cdi" && v.as_bool() == Some(true) {
+                *cdi = true;
+            }
+            if let Some(sub) = v.as_table_like() {
+                if k == "runtimes" && sub.contains_key(runtime) {
+                    *has = true;
+                }
+                walk(sub, runtime, has, cdi);
+            }
+        }
+    }
+    walk(dump.as_table(), runtime, &mut has_runtime, &mut cdi);
+    let version = cached_host_version(host, binary)
+        .map(|v| format!(" {}.{}", v.major, v.minor))
+        .unwrap_or_default();
+    match (has_runtime, cdi || !want_cdi) {
+        (true, true) => Ok(DumpCheck::Accepted(format!(
+            "the host's containerd{version} accepts the configuration and shows the {runtime:?} runtime{}",
+            if want_cdi { " and CDI" } else { "" }
+        ))),
+        (false, _) => Err(format!(
+            "the host's containerd{version} does not show the {runtime:?} runtime in its effective configuration"
+        )),
+        (true, false) => Err(format!(
+            "the host's containerd{version} does not have CDI enabled in its effective configuration"
+        )),
+    }
+}

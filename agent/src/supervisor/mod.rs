@@ -98,8 +98,8 @@ pub fn run(opts: Options) -> Result<bool, SupervisorError> {
         "gpu-agent starting"
     );
     let mut sup = Supervisor::new(opts);
-    let pass = sup.first_pass();
     if sup.opts.once {
+        let pass = sup.first_pass();
         let ok = pass.ok();
         sup.st.stopped_at = Some(state::now());
         sup.sync_state();
@@ -111,7 +111,23 @@ pub fn run(opts: Options) -> Result<bool, SupervisorError> {
         .enable_all()
         .build()
         .map_err(SupervisorError::Runtime)?;
-    let ok = rt.block_on(sup.serve(pass))?;
+    // The policy is watched before the first pass reads the host: a change
+    // made meanwhile is not missed.
+    let policy_watch = {
+        let _guard = rt.enter();
+        sup.opts
+            .policy_path
+            .as_deref()
+            .and_then(|p| match policy_watch::PolicyWatch::new(p) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(error = %e, "policy changes will be seen on SIGHUP only");
+                    None
+                }
+            })
+    };
+    let pass = sup.first_pass();
+    let ok = rt.block_on(sup.serve(pass, policy_watch))?;
     Ok(ok)
 }
 
@@ -191,7 +207,11 @@ impl Supervisor {
         pass
     }
 
-    async fn serve(mut self, pass: stages::Pass) -> Result<bool, SupervisorError> {
+    async fn serve(
+        mut self,
+        pass: stages::Pass,
+        mut policy_watch: Option<policy_watch::PolicyWatch>,
+    ) -> Result<bool, SupervisorError> {
         use tokio::signal::unix::{SignalKind, signal};
         let mut term = signal(SignalKind::terminate()).map_err(SupervisorError::Signals)?;
         let mut int = signal(SignalKind::interrupt()).map_err(SupervisorError::Signals)?;
@@ -230,18 +250,13 @@ impl Supervisor {
         self.workload_check(true).await;
         self.refresh();
         self.sync_state();
-        let mut policy_watch = self
-            .opts
-            .policy_path
-            .as_deref()
-            .and_then(|p| match policy_watch::PolicyWatch::new(p) {
-                Ok(w) => Some(w),
-                Err(e) => {
-                    tracing::warn!(error = %e, "policy changes will be seen on SIGHUP and at each reconcile only");
-                    None
-                }
-            });
-        let mut policy_due: Option<Instant> = None;
+        // Changed between `main` reading it and the watch starting?
+        let mut policy_due: Option<Instant> = match &self.opts.policy_path {
+            Some(p) if Policy::from_file(p).ok().as_ref() != Some(&self.opts.policy) => {
+                Some(Instant::now())
+            }
+            _ => None,
+        };
         let mut next_reconcile = self.next_reconcile();
         let heartbeat = self.opts.heartbeat;
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat.max(1)));
@@ -386,7 +401,6 @@ impl Supervisor {
                     new.last_repair = Some(Repair { at: now, what });
                 }
             }
-            new.validation = keep_since(old.validation.take(), new.validation);
             if live {
                 old.repairs = new.repairs;
                 old.last_repair = new.last_repair;
@@ -394,6 +408,7 @@ impl Supervisor {
                 old.needs = new.needs;
                 old.missing = new.missing;
             } else {
+                new.validation = keep_since(old.validation.take(), new.validation);
                 *old = new;
             }
         }

@@ -130,3 +130,14 @@ pub fn run_with_stdin(args: &[&str], stdin: &str) -> Output {
         .unwrap();
     child.wait_with_output().unwrap()
 }
+
+/// Puts the real containerd 2.x at `<host>/usr/bin/containerd` (a copy: a
+/// link out of the host root is refused), so that the agent asks it for its
+/// version and its effective configuration (`config dump`).
+#[allow(dead_code)]
+pub fn install_containerd_2(host: &Path) {
+    let dest = host.join("usr/bin/containerd");
+    std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(&dest);
+    std::fs::copy(containerd_2(), &dest).unwrap();
+}
