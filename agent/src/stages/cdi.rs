@@ -57,3 +57,50 @@ pub(super) fn cdi_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, Stri
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }
+
+/// Validation: is what this stage set up still there and right?
+pub(super) fn validate(ctx: &Context<'_>, inv: &Inventory) -> Result<String, String> {
+    if inv.gpus.is_empty() && !inv.driver.is_loaded() {
+        return Ok("no GPU and no driver: no spec".into());
+    }
+    let path = crate::cdi::spec_path(&ctx.policy.cdi.spec_dir);
+    let text = ctx
+        .host
+        .read_to_string(&path)
+        .map_err(|e| format!("cannot read the spec: {e}"))?;
+    let spec: crate::cdi::Spec =
+        serde_json::from_str(&text).map_err(|e| format!("{path} does not parse: {e}"))?;
+    let mut named: Vec<&str> = Vec::new();
+    let mut hooks: Vec<&str> = Vec::new();
+    for edits in std::iter::once(&spec.container_edits)
+        .chain(spec.devices.iter().map(|d| &d.container_edits))
+    {
+        named.extend(edits.device_nodes.iter().map(|n| n.path.as_str()));
+        named.extend(edits.mounts.iter().map(|m| m.host_path.as_str()));
+        hooks.extend(edits.hooks.iter().map(|h| h.path.as_str()));
+    }
+    named.sort_unstable();
+    named.dedup();
+    hooks.sort_unstable();
+    hooks.dedup();
+    // Driver files are where the stage found them (the host, or the
+    // simulated tree); the hook program is on the host.
+    let missing: Vec<&str> = named
+        .iter()
+        .copied()
+        .filter(|p| !ctx.sys.exists(p) && !ctx.host.exists(p))
+        .chain(hooks.iter().copied().filter(|p| !ctx.host.exists(p)))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{path} names what is not there: {}",
+            missing.join(", ")
+        ));
+    }
+    Ok(format!(
+        "{path} parses; its {} device(s), {} node(s)/file(s) and {} hook program(s) exist",
+        spec.devices.len(),
+        named.len(),
+        hooks.len()
+    ))
+}

@@ -70,3 +70,21 @@ pub(super) fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState,
         Err(e) => (StageState::Failed, e.to_string()),
     }
 }
+
+/// Validation: is what this stage set up still there and right?
+pub(super) fn validate(ctx: &Context<'_>, inv: &Inventory) -> Result<String, String> {
+    let nodes = crate::driver::plan_nodes(ctx.sys, Some(inv)).map_err(|e| e.to_string())?;
+    let wrong: Vec<&str> = nodes
+        .iter()
+        .filter(|n| !kmod::devnodes::is_right(ctx.host, n))
+        .map(|n| n.path.as_str())
+        .collect();
+    if wrong.is_empty() {
+        Ok(format!(
+            "{} device node(s) present with the right numbers and mode",
+            nodes.len()
+        ))
+    } else {
+        Err(format!("missing or wrong: {}", wrong.join(", ")))
+    }
+}

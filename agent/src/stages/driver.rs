@@ -208,3 +208,46 @@ pub(super) fn join_notes(what: String, notes: &[String]) -> String {
         format!("{what}; {}", notes.join("; "))
     }
 }
+
+/// Validation: is what this stage set up still there and right?
+pub(super) fn validate(ctx: &Context<'_>, inv: &Inventory) -> Result<String, String> {
+    if inv.gpus.is_empty() && !inv.driver.is_loaded() {
+        return Ok("no GPU and no driver".into());
+    }
+    // The bundle gpu-agent installed, if it manages the driver.
+    let bundle = if ctx.policy.driver.enabled && !ctx.simulated {
+        kmod::bundle::current(ctx.host)
+            .ok()
+            .flatten()
+            .and_then(|name| kmod::bundle::read_installed(ctx.host, &name).ok())
+            .map(|m| m.driver_version)
+    } else {
+        None
+    };
+    let nvml = inv.backend.driver_version.clone();
+    let ask = move || {
+        nvml.clone()
+            .ok_or_else(|| "NVML did not answer".to_string())
+    };
+    let version = crate::driver::validate(
+        ctx.sys,
+        bundle.as_deref(),
+        inv.backend
+            .error
+            .is_none()
+            .then_some(&ask as &dyn Fn() -> Result<String, String>),
+    )
+    .map_err(|e| e.to_string())?;
+    let modules: Vec<&str> = inv.driver.modules.iter().map(|m| m.name.as_str()).collect();
+    Ok(format!(
+        "driver {version} loaded ({}){}",
+        modules.join(", "),
+        if bundle.is_some() {
+            "; matches the bundle and NVML"
+        } else if inv.backend.error.is_none() {
+            "; NVML agrees"
+        } else {
+            ""
+        }
+    ))
+}

@@ -87,3 +87,96 @@ pub(super) fn runtime_stage(
         ),
     }
 }
+
+/// Validation: is what this stage set up still there and right?
+pub(super) fn validate(ctx: &Context<'_>) -> Result<String, String> {
+    let p = ctx.policy;
+    let version = match p.operator.default_runtime {
+        crate::policy::ContainerRuntime::Containerd => {
+            crate::runtime::containerd::cached_host_version(ctx.host, &p.toolkit.containerd.binary)
+        }
+        _ => None,
+    };
+    let plan = crate::runtime::plan(ctx.host, p, version).map_err(|e| e.to_string())?;
+    if plan.changes.is_empty() {
+        let want_cdi = p.cdi.enabled && plan.no_cdi.is_none();
+        let cdi = if want_cdi { " and CDI" } else { "" };
+        let files = format!(
+            "the configuration has the {:?} runtime{cdi}",
+            p.operator.runtime_class
+        );
+        if p.operator.default_runtime != crate::policy::ContainerRuntime::Containerd
+            || ctx.simulated
+        {
+            return Ok(files);
+        }
+        use crate::runtime::containerd::DumpCheck;
+        match containerd_dump(ctx, want_cdi)? {
+            DumpCheck::Accepted(d) => Ok(d),
+            DumpCheck::CannotRun(why) => Ok(format!("{files} ({why}; the files were checked)")),
+        }
+    } else {
+        let paths: Vec<&str> = plan.changes.iter().map(|c| c.path.as_str()).collect();
+        Err(format!(
+            "{} no longer say what gpu-agent wrote",
+            paths.join(", ")
+        ))
+    }
+}
+
+/// The host's containerd asked (`config dump`) once per binary and
+/// configuration: a reconcile of an unchanged node does not run it again.
+fn containerd_dump(
+    ctx: &Context<'_>,
+    want_cdi: bool,
+) -> Result<crate::runtime::containerd::DumpCheck, String> {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::Mutex;
+    type Cached = (u64, Result<crate::runtime::containerd::DumpCheck, String>);
+    static LAST: Mutex<Option<Cached>> = Mutex::new(None);
+    let c = &ctx.policy.toolkit.containerd;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        ctx.host.path(),
+        &c.binary,
+        &c.config,
+        &ctx.policy.operator.runtime_class,
+        want_cdi,
+    )
+        .hash(&mut h);
+    if let Ok(m) = ctx
+        .host
+        .resolve(&c.binary)
+        .and_then(|p| std::fs::metadata(&p).map_err(|e| hostlib::HostError::io(p, e)))
+    {
+        (m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()).hash(&mut h);
+    }
+    ctx.host
+        .read_optional(&c.config)
+        .ok()
+        .flatten()
+        .hash(&mut h);
+    if let Ok(names) = ctx.host.read_dir_names(&c.drop_in_dir) {
+        for n in names {
+            let path = format!("{}/{n}", c.drop_in_dir);
+            (n, ctx.host.read_optional(&path).ok().flatten()).hash(&mut h);
+        }
+    }
+    let key = h.finish();
+    let mut last = LAST.lock().unwrap();
+    if let Some((k, r)) = last.as_ref()
+        && *k == key
+    {
+        return r.clone();
+    }
+    let r = crate::runtime::containerd::dump_check(
+        ctx.host,
+        &c.binary,
+        &c.config,
+        &ctx.policy.operator.runtime_class,
+        want_cdi,
+    );
+    *last = Some((key, r.clone()));
+    r
+}

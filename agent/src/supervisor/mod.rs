@@ -380,6 +380,11 @@ impl Supervisor {
         };
         self.passes += 1;
         let now = state::now();
+        let plugin_state = pass
+            .stages
+            .iter()
+            .find(|s| s.stage == Stage::Plugin)
+            .map(|s| s.state);
         for s in pass.stages {
             let Some(old) = self.st.stages.iter_mut().find(|o| o.stage == s.stage) else {
                 continue;
@@ -441,31 +446,61 @@ impl Supervisor {
                 true
             }
         });
-        let resources = pass.plugin.as_ref().map(|p| p.resources.clone());
-        let settings_changed = match (&self.plugin_plan, &pass.plugin) {
-            (Some(a), Some(b)) => a.settings != b.settings,
-            (None, None) => false,
-            _ => true,
-        };
-        if pass.plugin.is_some() || self.plugin_plan.is_some() {
-            let before = self.plugin_plan.as_ref().map(|p| p.resources.clone());
-            self.plugin_plan = pass.plugin;
-            if settings_changed && self.plugin.is_some() {
-                // New allocation settings: serve them from a new plugin.
-                tracing::info!(
-                    stage = "plugin",
-                    "device-plugin settings changed; restarting the device plugin"
-                );
+        match pass.plugin {
+            Some(plan) => {
+                let settings_changed = self
+                    .plugin_plan
+                    .as_ref()
+                    .is_none_or(|old| old.settings != plan.settings);
+                let resources_changed = self
+                    .plugin_plan
+                    .as_ref()
+                    .is_none_or(|old| old.resources != plan.resources);
+                self.plugin_plan = Some(plan);
+                match &self.plugin {
+                    Some(_) if settings_changed => {
+                        // New allocation settings: served by a new plugin.
+                        tracing::info!(
+                            stage = "plugin",
+                            "device-plugin settings changed; restarting the device plugin"
+                        );
+                        if let Some(p) = self.plugin.take() {
+                            p.stop().await;
+                        }
+                        self.start_plugin();
+                    }
+                    Some(p) if resources_changed => {
+                        let resources = self
+                            .plugin_plan
+                            .as_ref()
+                            .map(|p| p.resources.clone())
+                            .unwrap_or_default();
+                        let _ = p.updater.send(resources);
+                    }
+                    Some(_) => {}
+                    None => self.start_plugin(),
+                }
+            }
+            None if plugin_state == Some(StageState::Disabled) => {
                 if let Some(p) = self.plugin.take() {
+                    tracing::info!(
+                        stage = "plugin",
+                        "the device plugin is turned off by the policy"
+                    );
                     p.stop().await;
                 }
-                self.start_plugin();
-            } else if let Some(p) = &self.plugin {
-                if before != resources {
-                    let _ = p.updater.send(resources.unwrap_or_default());
+                self.plugin_plan = None;
+            }
+            None => {
+                // No plan this time (e.g. NVML did not answer): keep
+                // advertising what was (health marks the devices), never
+                // drop the node's capacity to zero for a passing failure.
+                if self.plugin.is_some() {
+                    tracing::warn!(
+                        stage = "plugin",
+                        "no device list this reconcile; the device plugin keeps the last one"
+                    );
                 }
-            } else {
-                self.start_plugin();
             }
         }
         if self.health.is_none() {
