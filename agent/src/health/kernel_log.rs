@@ -41,53 +41,40 @@ pub fn start(
         let cutoff = lookback.map_or(now, |d| now.saturating_sub(d.as_micros() as u64));
         let mut backoff = Duration::from_secs(1);
         loop {
-            let reader = match KmsgReader::open(&host) {
-                Ok(r) => r.since_boot_us(cutoff),
+            let failure = match KmsgReader::open(&host) {
+                Ok(reader) => {
+                    st.lock().unwrap().running = true;
+                    let (tx, mut rx) = mpsc::unbounded_channel::<KernelXid>();
+                    let run = reader.since_boot_us(cutoff).run(tx, std::future::pending());
+                    tokio::pin!(run);
+                    let result = loop {
+                        tokio::select! {
+                            _ = &mut stopped => return,
+                            r = &mut run => break r,
+                            Some(x) = rx.recv() => forward(&inventory, &events, x),
+                        }
+                    };
+                    while let Ok(x) = rx.try_recv() {
+                        forward(&inventory, &events, x);
+                    }
+                    st.lock().unwrap().running = false;
+                    match result {
+                        Ok(()) => return,
+                        Err(e) => format!("the kernel log reader failed: {e}"),
+                    }
+                }
                 Err(e) if e.is_not_found() => {
                     tracing::warn!(stage = "health", source = "kmsg", error = %e, "no kernel log to read; XIDs come from NVML only");
                     st.lock().unwrap().last_error = Some(e.to_string());
                     return;
                 }
-                Err(e) => {
-                    tracing::error!(stage = "health", source = "kmsg", error = %e, retry_in = ?backoff, "cannot read the kernel log");
-                    {
-                        let mut s = st.lock().unwrap();
-                        s.last_error = Some(e.to_string());
-                        s.restarts += 1;
-                    }
-                    tokio::select! {
-                        _ = &mut stopped => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(300));
-                    continue;
-                }
+                Err(e) => format!("cannot read the kernel log: {e}"),
             };
-            st.lock().unwrap().running = true;
-            let (tx, mut rx) = mpsc::unbounded_channel::<KernelXid>();
-            let run = reader.run(tx, std::future::pending());
-            tokio::pin!(run);
-            let result = loop {
-                tokio::select! {
-                    _ = &mut stopped => return,
-                    r = &mut run => break r,
-                    Some(x) = rx.recv() => forward(&inventory, &events, x),
-                }
-            };
-            while let Ok(x) = rx.try_recv() {
-                forward(&inventory, &events, x);
-            }
+            tracing::error!(stage = "health", source = "kmsg", error = %failure, retry_in = ?backoff, "kernel log unreadable; trying again");
             {
                 let mut s = st.lock().unwrap();
-                s.running = false;
-                match result {
-                    Ok(()) => return,
-                    Err(e) => {
-                        tracing::error!(stage = "health", source = "kmsg", error = %e, retry_in = ?backoff, "kernel log reader failed");
-                        s.last_error = Some(e.to_string());
-                        s.restarts += 1;
-                    }
-                }
+                s.last_error = Some(failure);
+                s.restarts += 1;
             }
             tokio::select! {
                 _ = &mut stopped => return,

@@ -1,6 +1,7 @@
 //! The `validate` stage: in-process checks of every stage that ran, in
 //! milliseconds (the GPU Operator's validator chain takes minutes). Each
-//! checked stage gets a [`Validation`]; the supervisor writes the operator's
+//! checked stage gets a [`Validation`]; each stage's checks live in its own
+//! file (`validate`), this stage runs them. The supervisor writes the operator's
 //! status files (`/run/nvidia/validations/driver-ready`, `toolkit-ready`,
 //! `plugin-ready`) from them, and removes a file when its check fails.
 //!
@@ -9,7 +10,9 @@
 //! - devnodes: every node the driver needs is there, with the right
 //!   major:minor and mode.
 //! - runtime: the runtime's configuration (as the files on the host say)
-//!   has the `nvidia` runtime and CDI as the policy asks.
+//!   has the `nvidia` runtime and CDI as the policy asks, and the host's
+//!   containerd (`config dump`, where it can run from here) accepts it and
+//!   shows them.
 //! - cdi: the spec on the host parses, and every node, library and hook it
 //!   names exists.
 //! - plugin (by the supervisor): registered, and the kubelet listed devices.
