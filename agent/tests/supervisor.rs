@@ -380,3 +380,73 @@ fn a_configmap_update_is_applied_and_an_invalid_policy_is_refused() {
     );
     assert_eq!(a.stage(&st, "runtime")["state"], "disabled");
 }
+
+#[test]
+fn a_failing_task_is_shown_and_started_again_while_the_others_go_on() {
+    if !root() {
+        eprintln!("skipped: the agent makes device nodes (mknod), which needs root");
+        return;
+    }
+    let mut a = Agent::start(
+        &POLICY_1.replace("reconcileIntervalSeconds: 1", "reconcileIntervalSeconds: 0"),
+    );
+    a.until(20, "ready", |st| st["ready"] == true);
+    // The kubelet restarts; meanwhile something takes the plugin's socket
+    // path (a directory): serving on it fails, so the plugin task fails.
+    let plugins = a.host.join("var/lib/kubelet/device-plugins");
+    let sock = plugins.join("nvidia-gpu.sock");
+    let kubelet = a.kubelet.take().unwrap();
+    a.rt.block_on(kubelet.stop());
+    fs::remove_file(&sock).unwrap();
+    fs::create_dir(&sock).unwrap();
+    let restarted = a.rt.block_on(async {
+        gpu_agent::plugin::kubelet::MockKubelet::start(&plugins.join("kubelet.sock"))
+            .unwrap()
+            .list_devices()
+    });
+    a.kubelet = Some(restarted);
+    let task = |st: &serde_json::Value| {
+        st["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == "plugin")
+            .cloned()
+            .unwrap()
+    };
+    let st = a.until(5, "the plugin task failed and waits to start again", |st| {
+        let t = task(st);
+        t["running"] == false && t["last_error"].is_string()
+    });
+    let t = task(&st);
+    assert!(
+        t["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("nvidia-gpu.sock"),
+        "the error names the socket: {t}"
+    );
+    assert_eq!(a.stage(&st, "plugin")["state"], "failed", "{st:#}");
+    assert_eq!(st["ready"], false);
+    // The others go on: the kernel log still makes a GPU unhealthy.
+    let line = "3,9002,0,-;NVRM: Xid (PCI:0000:18:00): 48, pid=1, name=x, An uncorrectable double bit error\n";
+    a.kmsg.as_mut().unwrap().write_all(line.as_bytes()).unwrap();
+    a.until(5, "health goes on", |st| {
+        st["health"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|g| g["healthy"] == false)
+    });
+    // Whatever took the path goes away: the next start (backoff) serves again.
+    fs::remove_dir(&sock).unwrap();
+    let st = a.until(10, "the plugin started again and registered", |st| {
+        let t = task(st);
+        t["running"] == true
+            && t["restarts"].as_u64().unwrap() >= 1
+            && a.stage(st, "plugin")["state"] == "done"
+    });
+    let log = a.log();
+    assert!(log.contains("task failed; starting it again"), "{log}");
+    assert!(st["plugin"][0]["registered"] == true, "{st:#}");
+}
