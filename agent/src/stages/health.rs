@@ -34,10 +34,15 @@ pub(super) fn health_plan(inv: &Inventory, policy: &Policy) -> (StageState, Stri
             h.recover_after_seconds
         )
     };
+    let kmsg = if h.kernel_log {
+        " and the kernel log"
+    } else {
+        ""
+    };
     (
         StageState::Ready,
         format!(
-            "watch {watched} GPU(s) for XID and double-bit ECC events (ignoring XIDs {ignored}; {recovery})"
+            "watch {watched} GPU(s) for XIDs (NVML{kmsg}) and double-bit ECC events (XIDs {ignored} only logged; {recovery})"
         ),
     )
 }

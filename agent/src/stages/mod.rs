@@ -105,7 +105,9 @@ impl Stage {
             Stage::Devnodes => &[Capability::CAP_MKNOD],
             // Writing /etc as root; a reload runs the host's systemctl.
             Stage::Runtime => &[],
-            // NVML events need no capability (the kernel log, later, will).
+            // NVML events need no capability; the kernel log needs
+            // CAP_SYSLOG only where kernel.dmesg_restrict is 1, and without
+            // it health goes on from NVML (the reader says why it is off).
             Stage::Health => &[],
             // MIG reconfiguration through NVML is a privileged operation.
             Stage::Mig => &[Capability::CAP_SYS_ADMIN],
