@@ -755,7 +755,8 @@ fn idle_agent_stamps_but_does_not_rewrite_its_state() {
         &["--simulate", "t4-4", "run", "--heartbeat", "1"],
     );
     let deadline = Instant::now() + Duration::from_secs(20);
-    // Settled: the plugin stage has said what it could (no kubelet here).
+    // Settled: the plugin stage has said what it could (no kubelet here)
+    // and the deferred CDI stage has run (it copies the agent's binary).
     loop {
         assert!(
             Instant::now() < deadline,
@@ -763,6 +764,7 @@ fn idle_agent_stamps_but_does_not_rewrite_its_state() {
         );
         if let Ok(text) = fs::read_to_string(&state_file)
             && text.contains("not registered")
+            && text.contains("hook program(s) exist")
         {
             break;
         }
