@@ -432,8 +432,11 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
 /// `gpu-agent --host-root <host> <args>` in the background, once it has
 /// written its state file.
 fn start_agent(host: &Path, args: &[&str]) -> (std::process::Child, std::path::PathBuf) {
+    // No inherited pipes: an agent left behind by a failing test must not
+    // keep the test run waiting on its output.
     let child = at(host)
         .args(args)
+        .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
