@@ -17,3 +17,23 @@ pub(super) fn discover_detail(inv: &Inventory) -> String {
     }
     s
 }
+
+/// Discovers the node (sysfs, /proc, the GPU backend): the inventory every
+/// later stage and front end reads.
+pub(super) fn discover_stage(
+    ctx: &super::Context<'_>,
+) -> ((super::StageState, String), Option<Inventory>) {
+    match crate::inventory::discover(ctx.sys, ctx.backend) {
+        Ok(inv) => {
+            let detail = discover_detail(&inv);
+            for w in &inv.warnings {
+                tracing::warn!(stage = "discover", "{w}");
+            }
+            for g in &inv.gpus {
+                tracing::info!(stage = "discover", gpu = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
+            }
+            ((super::StageState::Done, detail), Some(inv))
+        }
+        Err(e) => ((super::StageState::Failed, e.to_string()), None),
+    }
+}

@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::GpuBackend;
 use crate::caps::{Capability, HeldCaps};
-use crate::inventory::{self, Inventory};
-use crate::plugin::resources::{self, PluginSettings, Resource};
+use crate::inventory::Inventory;
+use crate::plugin::resources::{PluginSettings, Resource};
 use crate::policy::Policy;
 use hostlib::Syscalls;
 use hostlib::command::CommandRunner;
@@ -369,49 +369,19 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
         } else {
             let _span = tracing::info_span!("stage", stage = stage.name()).entered();
             match stage {
-                Stage::Discover => match inventory::discover(ctx.sys, ctx.backend) {
-                    Ok(inv) => {
-                        let detail = discover::discover_detail(&inv);
-                        for w in &inv.warnings {
-                            tracing::warn!(stage = "discover", "{w}");
-                        }
-                        for g in &inv.gpus {
-                            tracing::info!(stage = "discover", gpu = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
-                        }
-                        inventory = Some(inv);
-                        (StageState::Done, detail)
+                Stage::Discover => {
+                    let (outcome, inv) = discover::discover_stage(ctx);
+                    inventory = inv;
+                    outcome
+                }
+                Stage::Plugin => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => {
+                        let (outcome, plan) =
+                            plugin::plugin_stage(ctx, inv, runtime_no_cdi.as_deref());
+                        plugin_plan = plan;
+                        outcome
                     }
-                    Err(e) => (StageState::Failed, e.to_string()),
-                },
-                Stage::Plugin => match (
-                    inventory.as_ref(),
-                    crate::plugin::settings(&ctx.policy.device_plugin, ctx.policy.mig.strategy),
-                ) {
-                    (None, _) => (StageState::Waiting, "waiting on discover".to_string()),
-                    (_, Err(e)) => (StageState::Failed, e.to_string()),
-                    (Some(inv), Ok(settings)) => match resources::build(inv, &settings) {
-                        Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => {
-                            (StageState::Waiting, undescribed(inv, "advertised"))
-                        }
-                        Ok(resources) => {
-                            let cdi_names = settings.hands_out_cdi_names();
-                            let plan = PluginPlan {
-                                settings,
-                                resources,
-                            };
-                            let mut detail = plan.summary();
-                            if let Some(why) = runtime_no_cdi.as_ref().filter(|_| cdi_names) {
-                                let warning = format!(
-                                    "warning: the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"
-                                );
-                                tracing::warn!(stage = "plugin", "{warning}");
-                                detail = format!("{detail}; {warning}");
-                            }
-                            plugin_plan = Some(plan);
-                            (StageState::Ready, detail)
-                        }
-                        Err(e) => (StageState::Failed, e.to_string()),
-                    },
                 },
                 Stage::Driver => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),

@@ -40,3 +40,40 @@ pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus])
     };
     st.detail = parts.join("; ");
 }
+
+/// What the device plugin will advertise (`ready`: a running agent serves
+/// it); `no_cdi`: why the runtime will not inject CDI devices, if it will not.
+pub(super) fn plugin_stage(
+    ctx: &super::Context<'_>,
+    inv: &crate::inventory::Inventory,
+    no_cdi: Option<&str>,
+) -> ((StageState, String), Option<super::PluginPlan>) {
+    let settings = match crate::plugin::settings(&ctx.policy.device_plugin, ctx.policy.mig.strategy)
+    {
+        Ok(s) => s,
+        Err(e) => return ((StageState::Failed, e.to_string()), None),
+    };
+    match crate::plugin::resources::build(inv, &settings) {
+        Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => (
+            (StageState::Waiting, super::undescribed(inv, "advertised")),
+            None,
+        ),
+        Ok(resources) => {
+            let cdi_names = settings.hands_out_cdi_names();
+            let plan = super::PluginPlan {
+                settings,
+                resources,
+            };
+            let mut detail = plan.summary();
+            if let Some(why) = no_cdi.filter(|_| cdi_names) {
+                let warning = format!(
+                    "warning: the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"
+                );
+                tracing::warn!(stage = "plugin", "{warning}");
+                detail = format!("{detail}; {warning}");
+            }
+            ((StageState::Ready, detail), Some(plan))
+        }
+        Err(e) => ((StageState::Failed, e.to_string()), None),
+    }
+}
