@@ -56,6 +56,11 @@ fn configmap_update(cm: &Path, version: &str, text: &str) {
 
 impl Agent {
     fn start(policy: &str) -> Agent {
+        Agent::start_with(policy, None)
+    }
+
+    /// With `nvml_state`: the fake NVML's condition file (`FAKE_NVML_STATE`).
+    fn start_with(policy: &str, nvml_state: Option<&Path>) -> Agent {
         let host_dir = tempfile::tempdir().unwrap();
         let host = host_dir.path().to_path_buf();
         let copy = std::process::Command::new("cp")
@@ -106,6 +111,10 @@ impl Agent {
             .arg(&nvml)
             .args(["--log-format", "text", "run"])
             .env("FAKE_NVML_NODE", "h100-sxm-8")
+            .env(
+                "FAKE_NVML_STATE",
+                nvml_state.unwrap_or(Path::new("/nonexistent")),
+            )
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log).unwrap())
@@ -449,4 +458,51 @@ fn a_failing_task_is_shown_and_started_again_while_the_others_go_on() {
     let log = a.log();
     assert!(log.contains("task failed; starting it again"), "{log}");
     assert!(st["plugin"][0]["registered"] == true, "{st:#}");
+}
+
+#[test]
+fn nvml_conditions_hold_a_gpu_until_they_clear() {
+    if !root() {
+        eprintln!("skipped: the agent makes device nodes (mknod), which needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("nvml-state");
+    fs::write(&state, "").unwrap();
+    let policy = POLICY_1.replace("spec:\n", "spec:\n  health:\n    recoverAfterSeconds: 1\n");
+    let a = Agent::start_with(&policy, Some(&state));
+    a.until(20, "ready", |st| st["ready"] == true);
+    let gpu = |st: &serde_json::Value, uuid: &str| {
+        st["health"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["uuid"] == uuid)
+            .cloned()
+            .unwrap()
+    };
+    let (gpu2, gpu3) = (
+        "GPU-7c1f9e2d-3b4a-4d8e-a1f3-2b3c4d5e6f03",
+        "GPU-4e8a2b3c-9d1e-4f7a-b2c4-3c4d5e6f7a04",
+    );
+    // NVML now says: GPU 3's remapped rows wait for a reset; GPU 2 runs hot.
+    fs::write(&state, "3 remapped-pending\n2 hot\n").unwrap();
+    let st = a.until(5, "the reconcile sees NVML's conditions", |st| {
+        gpu(st, gpu3)["healthy"] == false && gpu(st, gpu2)["events"] == 1
+    });
+    assert_eq!(
+        gpu(&st, gpu3)["reason"],
+        "remapped rows pending: reset the GPU (drain it first)"
+    );
+    assert_eq!(
+        gpu(&st, gpu2)["healthy"],
+        true,
+        "thermal only logs by default"
+    );
+    // Held while NVML reports it (recovery is 1 s; several reconciles pass).
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(gpu(&a.status(), gpu3)["healthy"], false);
+    // Reset done: the condition clears, the quiet period runs, healthy.
+    fs::write(&state, "").unwrap();
+    a.until(6, "healthy again", |st| gpu(st, gpu3)["healthy"] == true);
 }

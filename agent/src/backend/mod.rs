@@ -162,6 +162,9 @@ pub struct Telemetry {
     /// Retired pages wait for a GPU reset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retired_pages_pending: Option<bool>,
+    /// Remapped rows wait for a GPU reset (Ampere and newer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remapped_rows_pending: Option<bool>,
 }
 
 /// One GPU as the backend sees it.

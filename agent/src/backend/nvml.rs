@@ -128,6 +128,44 @@ fn instance_id<E>(f: &Result<InstanceIdFn, E>, mig: &nvml_wrapper::Device<'_>) -
     (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(id)
 }
 
+type RemappedRowsFn = unsafe extern "C" fn(
+    nvml_wrapper_sys::bindings::nvmlDevice_t,
+    *mut std::ffi::c_uint,
+    *mut std::ffi::c_uint,
+    *mut std::ffi::c_uint,
+    *mut std::ffi::c_uint,
+) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+/// Whether remapped rows wait for a GPU reset (`nvmlDeviceGetRemappedRows`'s
+/// `isPending`), which nvml-wrapper 0.13 does not wrap. `None` when the
+/// library lacks the symbol or the GPU does not remap rows (pre-Ampere).
+#[allow(unsafe_code)]
+fn remapped_rows_pending<E>(
+    f: &Result<RemappedRowsFn, E>,
+    device: &nvml_wrapper::Device<'_>,
+) -> Option<bool> {
+    let f = f.as_ref().ok()?;
+    let (mut corr, mut unc, mut pending, mut failure): (
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+        std::ffi::c_uint,
+    ) = (0, 0, 0, 0);
+    // SAFETY: the handle belongs to `device`, which borrows the live NVML
+    // session the function pointer was loaded from; the four out-pointers
+    // are valid for the duration of the call.
+    let rc = unsafe {
+        f(
+            device.handle(),
+            &mut corr,
+            &mut unc,
+            &mut pending,
+            &mut failure,
+        )
+    };
+    (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(pending != 0)
+}
+
 /// The event thread: registers every GPU for XID and double-bit ECC events
 /// and forwards them until the receiver is gone.
 fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
@@ -344,6 +382,10 @@ impl GpuBackend for NvmlBackend {
                         .temperature_threshold(TemperatureThreshold::Slowdown)
                         .ok(),
                     retired_pages_pending: device.are_pages_pending_retired().ok(),
+                    remapped_rows_pending: remapped_rows_pending(
+                        &nvml.lib().nvmlDeviceGetRemappedRows,
+                        &device,
+                    ),
                 },
                 mig_devices,
             });

@@ -87,6 +87,7 @@ impl GpuBackend for SimulatedBackend {
                     memory_used_mib: Some(g.memory_used_mib),
                     slowdown_temperature_c: None,
                     retired_pages_pending: None,
+                    remapped_rows_pending: None,
                 },
                 mig_devices: if g.mig.enabled {
                     g.mig

@@ -48,9 +48,9 @@ pub struct KindSeverities {
     /// Retired pages pending: the GPU needs a reset (default unhealthy).
     #[serde(default = "unhealthy")]
     pub retired_pages_pending: Severity,
-    /// NVML has lost the GPU (e.g. fallen off the bus) (default unhealthy).
+    /// Remapped rows pending: the GPU needs a reset (default unhealthy).
     #[serde(default = "unhealthy")]
-    pub gpu_lost: Severity,
+    pub remapped_rows_pending: Severity,
 }
 
 fn unhealthy() -> Severity {
@@ -68,7 +68,7 @@ impl Default for KindSeverities {
             double_bit_ecc: Severity::Unhealthy,
             thermal: Severity::Log,
             retired_pages_pending: Severity::Unhealthy,
-            gpu_lost: Severity::Unhealthy,
+            remapped_rows_pending: Severity::Unhealthy,
         }
     }
 }
@@ -202,17 +202,19 @@ impl HealthView {
 /// later check no longer sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Condition {
-    Lost,
     RetiredPagesPending,
+    RemappedRowsPending,
     Thermal,
 }
 
 impl Condition {
     fn text(self) -> &'static str {
         match self {
-            Condition::Lost => "NVML has lost the GPU; drain and reboot the node",
             Condition::RetiredPagesPending => {
                 "retired pages pending: reset the GPU (drain it first)"
+            }
+            Condition::RemappedRowsPending => {
+                "remapped rows pending: reset the GPU (drain it first)"
             }
             Condition::Thermal => "temperature at or over the slowdown threshold",
         }
@@ -220,8 +222,8 @@ impl Condition {
 
     fn severity(self, p: &HealthPolicy) -> Severity {
         match self {
-            Condition::Lost => p.on.gpu_lost,
             Condition::RetiredPagesPending => p.on.retired_pages_pending,
+            Condition::RemappedRowsPending => p.on.remapped_rows_pending,
             Condition::Thermal => p.on.thermal,
         }
     }
@@ -281,6 +283,9 @@ pub fn conditions(inv: &Inventory) -> Conditions {
         let mut set = BTreeSet::new();
         if t.retired_pages_pending == Some(true) {
             set.insert(Condition::RetiredPagesPending);
+        }
+        if t.remapped_rows_pending == Some(true) {
+            set.insert(Condition::RemappedRowsPending);
         }
         if let (Some(now), Some(limit)) = (t.temperature_c, t.slowdown_temperature_c)
             && now >= limit

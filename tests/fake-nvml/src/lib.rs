@@ -16,6 +16,11 @@
 //! `<UUID or index> dbe` (double-bit ECC), or `fail` (the wait returns
 //! `NVML_ERROR_UNKNOWN`). Without the variable, a wait sleeps its whole
 //! timeout and times out.
+//!
+//! Conditions: `FAKE_NVML_STATE` names a file read at each call, lines
+//! `<UUID or index> <word>`: `hot` (the temperature reads 95 °C; the
+//! slowdown threshold is 90 °C), `retired-pending` (retired pages wait for
+//! a reset), `remapped-pending` (remapped rows wait for a reset).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -522,9 +527,86 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
     if sensor != TEMPERATURE_GPU {
         return ERROR_INVALID_ARGUMENT;
     }
+    with_gpu(device, |_, i, g| {
+        let hot = conditions_of(i, &g.uuid).iter().any(|w| w == "hot");
+        let t = if hot {
+            Some(95)
+        } else {
+            g.telemetry.temperature_c
+        };
+        // SAFETY: `temp` is the caller's out-pointer.
+        unsafe { answer(temp, t) }
+    })
+}
+
+/// The condition words `FAKE_NVML_STATE` gives GPU `index` (`uuid`).
+fn conditions_of(index: usize, uuid: &str) -> Vec<String> {
+    let Some(text) = std::env::var("FAKE_NVML_STATE")
+        .ok()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+    else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter(|(who, _)| *who == uuid || who.parse::<usize>().ok() == Some(index))
+        .map(|(_, word)| word.trim().to_string())
+        .collect()
+}
+
+const SLOWDOWN_C: c_uint = 90;
+const TEMPERATURE_THRESHOLD_SLOWDOWN: c_uint = 1;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(
+    device: nvmlDevice_t,
+    threshold: c_uint,
+    temp: *mut c_uint,
+) -> nvmlReturn_t {
+    if threshold != TEMPERATURE_THRESHOLD_SLOWDOWN {
+        return ERROR_NOT_SUPPORTED;
+    }
     // SAFETY: `temp` is the caller's out-pointer.
-    with_gpu(device, |_, _, g| unsafe {
-        answer(temp, g.telemetry.temperature_c)
+    with_gpu(device, |_, _, _| unsafe { answer(temp, Some(SLOWDOWN_C)) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
+    device: nvmlDevice_t,
+    pending: *mut c_uint,
+) -> nvmlReturn_t {
+    with_gpu(device, |_, i, g| {
+        let yes = conditions_of(i, &g.uuid)
+            .iter()
+            .any(|w| w == "retired-pending");
+        // SAFETY: `pending` is the caller's out-pointer.
+        unsafe { answer(pending, Some(yes as c_uint)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
+    device: nvmlDevice_t,
+    corr: *mut c_uint,
+    unc: *mut c_uint,
+    pending: *mut c_uint,
+    failure: *mut c_uint,
+) -> nvmlReturn_t {
+    if corr.is_null() || unc.is_null() || pending.is_null() || failure.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    with_gpu(device, |_, i, g| {
+        let yes = conditions_of(i, &g.uuid)
+            .iter()
+            .any(|w| w == "remapped-pending");
+        // SAFETY: the four out-pointers were checked non-null above.
+        unsafe {
+            *corr = 0;
+            *unc = yes as c_uint;
+            *pending = yes as c_uint;
+            *failure = 0;
+        }
+        SUCCESS
     })
 }
 
