@@ -44,6 +44,9 @@ pub struct BackendInfo {
     pub driver_version: Option<String>,
     /// Why the backend could not answer.
     pub error: Option<String>,
+    /// NVML indices of GPUs the backend has lost (fallen off the bus).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost: Vec<u32>,
 }
 
 /// One whole GPU.
@@ -130,6 +133,10 @@ pub fn build(
         Ok(s) => (Some(s), None),
         Err(e) => (None, Some(e.to_string())),
     };
+    let lost = snapshot
+        .as_ref()
+        .map(|s| s.lost.clone())
+        .unwrap_or_default();
     if let Some(err) = &error
         && !by_bus.is_empty()
     {
@@ -208,7 +215,7 @@ pub fn build(
     }
     // GPUs sysfs shows that the backend did not describe.
     for (_, f) in by_bus {
-        if error.is_none() {
+        if error.is_none() && lost.is_empty() {
             warnings.push(format!(
                 "GPU at {} is on the PCI bus (bound to {}) but {backend_name} does not see it",
                 f.address,
@@ -240,6 +247,7 @@ pub fn build(
             name: backend_name.to_string(),
             driver_version,
             error,
+            lost,
         },
         cuda_version,
         gpus,

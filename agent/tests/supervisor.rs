@@ -505,4 +505,20 @@ fn nvml_conditions_hold_a_gpu_until_they_clear() {
     // Reset done: the condition clears, the quiet period runs, healthy.
     fs::write(&state, "").unwrap();
     a.until(6, "healthy again", |st| gpu(st, gpu3)["healthy"] == true);
+
+    // NVML loses GPU 3 (every call about it: GPU_IS_LOST): it stays
+    // advertised, unhealthy, until NVML sees it again.
+    fs::write(&state, "3 lost\n").unwrap();
+    let st = a.until(5, "the lost GPU", |st| gpu(st, gpu3)["healthy"] == false);
+    assert_eq!(
+        gpu(&st, gpu3)["reason"],
+        "NVML has lost the GPU (fallen off the bus): drain and reboot the node"
+    );
+    let nvidia = &st["plugin"][0];
+    assert_eq!(nvidia["devices"], 8, "{st:#}");
+    assert_eq!(nvidia["unhealthy"], 1, "{st:#}");
+    fs::write(&state, "").unwrap();
+    a.until(6, "found again and healthy", |st| {
+        gpu(st, gpu3)["healthy"] == true
+    });
 }

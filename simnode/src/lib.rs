@@ -40,6 +40,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("h100-mig-2", include_str!("../nodes/h100-mig-2.yaml")),
 ];
 
+/// The slowdown temperature every simulated GPU reports (the simulated
+/// backend and the fake libnvidia-ml alike), in °C.
+pub const SLOWDOWN_TEMPERATURE_C: u32 = 90;
+
 /// A whole node.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]

@@ -193,6 +193,9 @@ pub struct BackendSnapshot {
     pub gpus: Vec<BackendGpu>,
     /// PCIe level between GPU indices `a < b`.
     pub pcie: Vec<(u32, u32, PcieLevel)>,
+    /// NVML indices of GPUs NVML has lost (`NVML_ERROR_GPU_IS_LOST`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost: Vec<u32>,
 }
 
 /// A backend that could not answer.

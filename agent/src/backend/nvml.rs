@@ -166,6 +166,129 @@ fn remapped_rows_pending<E>(
     (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(pending != 0)
 }
 
+/// One GPU as NVML describes it (and its handle, for the topology).
+fn describe_device(
+    nvml: &Nvml,
+    index: u32,
+) -> Result<(nvml_wrapper::Device<'_>, BackendGpu), BackendError> {
+    let dev_err = |call: &'static str| {
+        move |source| BackendError::Device {
+            index,
+            call,
+            source,
+        }
+    };
+    let device = nvml
+        .device_by_index(index)
+        .map_err(dev_err("nvmlDeviceGetHandleByIndex"))?;
+    let pci = device.pci_info().map_err(dev_err("nvmlDeviceGetPciInfo"))?;
+    let bus_id: PciAddress = pci.bus_id.parse().map_err(|_| BackendError::Device {
+        index,
+        call: "nvmlDeviceGetPciInfo",
+        source: NvmlError::Unknown,
+    })?;
+    let memory = optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
+    let mig = optional(device.mig_mode())
+        .map_err(dev_err("nvmlDeviceGetMigMode"))?
+        .map(|m| MigMode {
+            current: m.current == 1,
+            pending: m.pending == 1,
+        });
+    let mut nvlink_remotes = Vec::new();
+    for link in 0..NVLINK_MAX_LINKS {
+        let l = device.link_wrapper_for(link);
+        match l.is_active() {
+            Ok(true) => {}
+            Ok(false) => continue,
+            // No NVLink on this GPU, or no link with this number.
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg) => break,
+            Err(e) => return Err(dev_err("nvmlDeviceGetNvLinkState")(e)),
+        }
+        let remote = l
+            .remote_pci_info()
+            .map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
+        match remote.bus_id.parse() {
+            Ok(addr) => nvlink_remotes.push(addr),
+            Err(_) => {
+                tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address")
+            }
+        }
+    }
+    let util = reading(index, "utilization", device.utilization_rates());
+    let memory_total_mib = memory.as_ref().map(|m| m.total / (1024 * 1024));
+    let mut mig_devices = Vec::new();
+    if mig.is_some_and(|m| m.current) {
+        let slots = device
+            .mig_device_count()
+            .map_err(dev_err("nvmlDeviceGetMaxMigDeviceCount"))?;
+        for slot in 0..slots {
+            let m = match device.mig_device_by_index(slot) {
+                Ok(m) => m,
+                // An empty slot.
+                Err(NvmlError::NotFound) => continue,
+                Err(e) => return Err(dev_err("nvmlDeviceGetMigDeviceHandleByIndex")(e)),
+            };
+            let uuid = m.uuid().map_err(dev_err("nvmlDeviceGetUUID (MIG)"))?;
+            let a = m
+                .attributes()
+                .map_err(dev_err("nvmlDeviceGetAttributes (MIG)"))?;
+            mig_devices.push(MigDevice {
+                index: slot,
+                uuid,
+                profile: mig_profile_name(
+                    a.gpu_instance_slice_count,
+                    a.compute_instance_slice_count,
+                    a.memory_size_mb,
+                    memory_total_mib.unwrap_or(0),
+                ),
+                gi_slices: a.gpu_instance_slice_count,
+                ci_slices: a.compute_instance_slice_count,
+                memory_mib: a.memory_size_mb,
+                multiprocessors: a.multiprocessor_count,
+                gpu_instance_id: instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m),
+                compute_instance_id: instance_id(&nvml.lib().nvmlDeviceGetComputeInstanceId, &m),
+            });
+        }
+    }
+    let gpu = BackendGpu {
+        index,
+        uuid: device.uuid().map_err(dev_err("nvmlDeviceGetUUID"))?,
+        name: device.name().map_err(dev_err("nvmlDeviceGetName"))?,
+        bus_id,
+        memory_total_mib,
+        compute_capability: optional(device.cuda_compute_capability())
+            .map_err(dev_err("nvmlDeviceGetCudaComputeCapability"))?
+            .map(|c| ComputeCapability {
+                major: c.major as u32,
+                minor: c.minor as u32,
+            }),
+        mig,
+        nvlink_remotes,
+        telemetry: Telemetry {
+            temperature_c: reading(
+                index,
+                "temperature",
+                device.temperature(TemperatureSensor::Gpu),
+            ),
+            power_mw: reading(index, "power", device.power_usage()),
+            utilization_gpu_pct: util.as_ref().map(|u| u.gpu),
+            utilization_memory_pct: util.as_ref().map(|u| u.memory),
+            memory_used_mib: memory.as_ref().map(|m| m.used / (1024 * 1024)),
+            // Health conditions: quietly absent where NVML has no answer.
+            slowdown_temperature_c: device
+                .temperature_threshold(TemperatureThreshold::Slowdown)
+                .ok(),
+            retired_pages_pending: device.are_pages_pending_retired().ok(),
+            remapped_rows_pending: remapped_rows_pending(
+                &nvml.lib().nvmlDeviceGetRemappedRows,
+                &device,
+            ),
+        },
+        mig_devices,
+    };
+    Ok((device, gpu))
+}
+
 /// The event thread: registers every GPU for XID and double-bit ECC events
 /// and forwards them until the receiver is gone.
 fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
@@ -269,144 +392,42 @@ impl GpuBackend for NvmlBackend {
         let count = nvml.device_count().map_err(sys("nvmlDeviceGetCount"))?;
         let mut devices = Vec::with_capacity(count as usize);
         let mut gpus = Vec::with_capacity(count as usize);
+        let mut lost = Vec::new();
         for index in 0..count {
-            let dev_err = |call: &'static str| {
-                move |source| BackendError::Device {
-                    index,
-                    call,
-                    source,
+            match describe_device(nvml, index) {
+                Ok((device, gpu)) => {
+                    gpus.push(gpu);
+                    devices.push(device);
                 }
-            };
-            let device = nvml
-                .device_by_index(index)
-                .map_err(dev_err("nvmlDeviceGetHandleByIndex"))?;
-            let pci = device.pci_info().map_err(dev_err("nvmlDeviceGetPciInfo"))?;
-            let bus_id: PciAddress = pci.bus_id.parse().map_err(|_| BackendError::Device {
-                index,
-                call: "nvmlDeviceGetPciInfo",
-                source: NvmlError::Unknown,
-            })?;
-            let memory =
-                optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
-            let mig = optional(device.mig_mode())
-                .map_err(dev_err("nvmlDeviceGetMigMode"))?
-                .map(|m| MigMode {
-                    current: m.current == 1,
-                    pending: m.pending == 1,
-                });
-            let mut nvlink_remotes = Vec::new();
-            for link in 0..NVLINK_MAX_LINKS {
-                let l = device.link_wrapper_for(link);
-                match l.is_active() {
-                    Ok(true) => {}
-                    Ok(false) => continue,
-                    // No NVLink on this GPU, or no link with this number.
-                    Err(NvmlError::NotSupported | NvmlError::InvalidArg) => break,
-                    Err(e) => return Err(dev_err("nvmlDeviceGetNvLinkState")(e)),
+                // One GPU gone (fallen off the bus): the others are still
+                // described, and health hears of it.
+                Err(BackendError::Device {
+                    source: NvmlError::GpuLost,
+                    ..
+                }) => {
+                    tracing::error!(gpu = index, "NVML has lost this GPU");
+                    lost.push(index);
                 }
-                let remote = l
-                    .remote_pci_info()
-                    .map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
-                match remote.bus_id.parse() {
-                    Ok(addr) => nvlink_remotes.push(addr),
-                    Err(_) => {
-                        tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address")
-                    }
-                }
+                Err(e) => return Err(e),
             }
-            let util = reading(index, "utilization", device.utilization_rates());
-            let memory_total_mib = memory.as_ref().map(|m| m.total / (1024 * 1024));
-            let mut mig_devices = Vec::new();
-            if mig.is_some_and(|m| m.current) {
-                let slots = device
-                    .mig_device_count()
-                    .map_err(dev_err("nvmlDeviceGetMaxMigDeviceCount"))?;
-                for slot in 0..slots {
-                    let m = match device.mig_device_by_index(slot) {
-                        Ok(m) => m,
-                        // An empty slot.
-                        Err(NvmlError::NotFound) => continue,
-                        Err(e) => return Err(dev_err("nvmlDeviceGetMigDeviceHandleByIndex")(e)),
-                    };
-                    let uuid = m.uuid().map_err(dev_err("nvmlDeviceGetUUID (MIG)"))?;
-                    let a = m
-                        .attributes()
-                        .map_err(dev_err("nvmlDeviceGetAttributes (MIG)"))?;
-                    mig_devices.push(MigDevice {
-                        index: slot,
-                        uuid,
-                        profile: mig_profile_name(
-                            a.gpu_instance_slice_count,
-                            a.compute_instance_slice_count,
-                            a.memory_size_mb,
-                            memory_total_mib.unwrap_or(0),
-                        ),
-                        gi_slices: a.gpu_instance_slice_count,
-                        ci_slices: a.compute_instance_slice_count,
-                        memory_mib: a.memory_size_mb,
-                        multiprocessors: a.multiprocessor_count,
-                        gpu_instance_id: instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m),
-                        compute_instance_id: instance_id(
-                            &nvml.lib().nvmlDeviceGetComputeInstanceId,
-                            &m,
-                        ),
-                    });
-                }
-            }
-            gpus.push(BackendGpu {
-                index,
-                uuid: device.uuid().map_err(dev_err("nvmlDeviceGetUUID"))?,
-                name: device.name().map_err(dev_err("nvmlDeviceGetName"))?,
-                bus_id,
-                memory_total_mib,
-                compute_capability: optional(device.cuda_compute_capability())
-                    .map_err(dev_err("nvmlDeviceGetCudaComputeCapability"))?
-                    .map(|c| ComputeCapability {
-                        major: c.major as u32,
-                        minor: c.minor as u32,
-                    }),
-                mig,
-                nvlink_remotes,
-                telemetry: Telemetry {
-                    temperature_c: reading(
-                        index,
-                        "temperature",
-                        device.temperature(TemperatureSensor::Gpu),
-                    ),
-                    power_mw: reading(index, "power", device.power_usage()),
-                    utilization_gpu_pct: util.as_ref().map(|u| u.gpu),
-                    utilization_memory_pct: util.as_ref().map(|u| u.memory),
-                    memory_used_mib: memory.as_ref().map(|m| m.used / (1024 * 1024)),
-                    // Health conditions: quietly absent where NVML has no answer.
-                    slowdown_temperature_c: device
-                        .temperature_threshold(TemperatureThreshold::Slowdown)
-                        .ok(),
-                    retired_pages_pending: device.are_pages_pending_retired().ok(),
-                    remapped_rows_pending: remapped_rows_pending(
-                        &nvml.lib().nvmlDeviceGetRemappedRows,
-                        &device,
-                    ),
-                },
-                mig_devices,
-            });
-            devices.push(device);
         }
         let mut pcie = Vec::new();
         for a in 0..devices.len() {
             for b in (a + 1)..devices.len() {
                 // The wrapper takes the other device by value: ask for a second handle.
-                let other = match nvml.device_by_index(b as u32) {
+                let (ia, ib) = (gpus[a].index, gpus[b].index);
+                let other = match nvml.device_by_index(ib) {
                     Ok(d) => d,
                     Err(e) => {
                         return Err(BackendError::Device {
-                            index: b as u32,
+                            index: ib,
                             call: "nvmlDeviceGetHandleByIndex",
                             source: e,
                         });
                     }
                 };
                 match devices[a].topology_common_ancestor(other) {
-                    Ok(level) => pcie.push((a as u32, b as u32, pcie_level(level))),
+                    Ok(level) => pcie.push((ia, ib, pcie_level(level))),
                     Err(NvmlError::NotSupported) => {}
                     Err(e) => {
                         tracing::warn!(gpu_a = a, gpu_b = b, error = %e, "NVML topology query failed")
@@ -418,6 +439,7 @@ impl GpuBackend for NvmlBackend {
             driver_version,
             cuda_version,
             gpus,
+            lost,
             pcie,
         })
     }

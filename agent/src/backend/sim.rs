@@ -85,9 +85,10 @@ impl GpuBackend for SimulatedBackend {
                         .utilization_memory
                         .filter(|_| g.telemetry.utilization_gpu.is_some()),
                     memory_used_mib: Some(g.memory_used_mib),
-                    slowdown_temperature_c: None,
-                    retired_pages_pending: None,
-                    remapped_rows_pending: None,
+                    // As the fake libnvidia-ml answers for the same node.
+                    slowdown_temperature_c: Some(simnode::SLOWDOWN_TEMPERATURE_C),
+                    retired_pages_pending: Some(false),
+                    remapped_rows_pending: Some(false),
                 },
                 mig_devices: if g.mig.enabled {
                     g.mig
@@ -125,6 +126,7 @@ impl GpuBackend for SimulatedBackend {
             }
         }
         Ok(BackendSnapshot {
+            lost: Vec::new(),
             driver_version: Some(driver.version.clone()),
             cuda_version: driver.cuda_version_int().and_then(CudaVersion::from_nvml),
             gpus,

@@ -51,6 +51,9 @@ pub struct KindSeverities {
     /// Remapped rows pending: the GPU needs a reset (default unhealthy).
     #[serde(default = "unhealthy")]
     pub remapped_rows_pending: Severity,
+    /// NVML has lost the GPU (fallen off the bus; default unhealthy).
+    #[serde(default = "unhealthy")]
+    pub gpu_lost: Severity,
 }
 
 fn unhealthy() -> Severity {
@@ -69,6 +72,7 @@ impl Default for KindSeverities {
             thermal: Severity::Log,
             retired_pages_pending: Severity::Unhealthy,
             remapped_rows_pending: Severity::Unhealthy,
+            gpu_lost: Severity::Unhealthy,
         }
     }
 }
@@ -202,6 +206,7 @@ impl HealthView {
 /// later check no longer sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Condition {
+    Lost,
     RetiredPagesPending,
     RemappedRowsPending,
     Thermal,
@@ -213,6 +218,9 @@ impl Condition {
             Condition::RetiredPagesPending => {
                 "retired pages pending: reset the GPU (drain it first)"
             }
+            Condition::Lost => {
+                "NVML has lost the GPU (fallen off the bus): drain and reboot the node"
+            }
             Condition::RemappedRowsPending => {
                 "remapped rows pending: reset the GPU (drain it first)"
             }
@@ -223,6 +231,7 @@ impl Condition {
     fn severity(self, p: &HealthPolicy) -> Severity {
         match self {
             Condition::RetiredPagesPending => p.on.retired_pages_pending,
+            Condition::Lost => p.on.gpu_lost,
             Condition::RemappedRowsPending => p.on.remapped_rows_pending,
             Condition::Thermal => p.on.thermal,
         }
@@ -274,9 +283,18 @@ pub fn watched_uuids(inv: &Inventory) -> Vec<String> {
 /// NVML conditions per GPU, as a reconcile's discovery saw them.
 pub type Conditions = BTreeMap<String, BTreeSet<Condition>>;
 
-/// The conditions in an inventory's NVML readings.
-pub fn conditions(inv: &Inventory) -> Conditions {
+/// The conditions in an inventory's NVML readings; a GPU NVML has lost is
+/// named by its UUID in `known` (the last inventory in which NVML saw it).
+pub fn conditions(inv: &Inventory, known: Option<&Inventory>) -> Conditions {
     let mut out = Conditions::new();
+    for i in &inv.backend.lost {
+        let uuid = known
+            .and_then(|k| k.gpus.iter().find(|g| g.index == Some(*i)))
+            .and_then(|g| g.uuid.clone());
+        if let Some(uuid) = uuid {
+            out.entry(uuid).or_default().insert(Condition::Lost);
+        }
+    }
     for g in &inv.gpus {
         let Some(uuid) = &g.uuid else { continue };
         let t = &g.telemetry;

@@ -374,7 +374,7 @@ impl Supervisor {
         }
         let _span = tracing::info_span!("reconcile", trigger).entered();
         let started = std::time::Instant::now();
-        let pass = {
+        let mut pass = {
             let ctx = self.context(false);
             stages::run_pass(&ctx)
         };
@@ -385,7 +385,7 @@ impl Supervisor {
             .iter()
             .find(|s| s.stage == Stage::Plugin)
             .map(|s| s.state);
-        for s in pass.stages {
+        for s in std::mem::take(&mut pass.stages) {
             let Some(old) = self.st.stages.iter_mut().find(|o| o.stage == s.stage) else {
                 continue;
             };
@@ -417,10 +417,23 @@ impl Supervisor {
                 *old = new;
             }
         }
-        let conditions = pass.inventory.as_ref().map(crate::health::conditions);
+        let conditions = pass
+            .inventory
+            .as_ref()
+            .map(|i| crate::health::conditions(i, self.st.inventory.as_ref()));
+        // A GPU NVML has lost stays what the front ends know (advertised,
+        // and unhealthy by its condition) until NVML sees it again: no new
+        // inventory, no new device list.
+        let lost = pass
+            .inventory
+            .as_ref()
+            .is_some_and(|i| !i.backend.lost.is_empty());
+        if lost {
+            pass.plugin = None;
+        }
         // The front ends hear of a new inventory only when the node's GPUs
         // changed (not their temperatures).
-        if let Some(inv) = pass.inventory {
+        if let Some(inv) = pass.inventory.filter(|_| !lost) {
             let same = self
                 .st
                 .inventory
@@ -1047,7 +1060,7 @@ impl RunningHealth {
             HealthMonitor::new(policy.health.to_policy(), uuids).with_change_signal(changed);
         let board = monitor.board();
         let view = monitor.subscribe();
-        let conditions = watch::Sender::new(crate::health::conditions(&inventory.borrow()));
+        let conditions = watch::Sender::new(crate::health::conditions(&inventory.borrow(), None));
         let (stop, stopped) = oneshot::channel::<()>();
         let inputs = crate::health::Inputs {
             inventory: Some(inventory.clone()),

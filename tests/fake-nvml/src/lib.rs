@@ -20,7 +20,8 @@
 //! Conditions: `FAKE_NVML_STATE` names a file read at each call, lines
 //! `<UUID or index> <word>`: `hot` (the temperature reads 95 °C; the
 //! slowdown threshold is 90 °C), `retired-pending` (retired pages wait for
-//! a reset), `remapped-pending` (remapped rows wait for a reset).
+//! a reset), `remapped-pending` (remapped rows wait for a reset), `lost`
+//! (every call about the GPU answers `NVML_ERROR_GPU_IS_LOST`).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -41,6 +42,7 @@ const ERROR_NOT_FOUND: nvmlReturn_t = 6;
 const ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 const ERROR_DRIVER_NOT_LOADED: nvmlReturn_t = 9;
 const ERROR_TIMEOUT: nvmlReturn_t = 10;
+const ERROR_GPU_IS_LOST: nvmlReturn_t = 15;
 const ERROR_UNKNOWN: nvmlReturn_t = 999;
 
 /// `NVML_TEMPERATURE_GPU`
@@ -68,6 +70,13 @@ fn with_gpu(
     f: impl FnOnce(&NodeDescription, usize, &GpuDesc) -> nvmlReturn_t,
 ) -> nvmlReturn_t {
     with_node(|node| match handle_index(device, node) {
+        Some(i)
+            if conditions_of(i, &node.gpus[i].uuid)
+                .iter()
+                .any(|w| w == "lost") =>
+        {
+            ERROR_GPU_IS_LOST
+        }
         Some(i) => f(node, i, &node.gpus[i]),
         None => ERROR_INVALID_ARGUMENT,
     })
@@ -554,7 +563,7 @@ fn conditions_of(index: usize, uuid: &str) -> Vec<String> {
         .collect()
 }
 
-const SLOWDOWN_C: c_uint = 90;
+const SLOWDOWN_C: c_uint = simnode::SLOWDOWN_TEMPERATURE_C;
 const TEMPERATURE_THRESHOLD_SLOWDOWN: c_uint = 1;
 
 #[unsafe(no_mangle)]
