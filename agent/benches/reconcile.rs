@@ -257,8 +257,12 @@ async fn kernel_log_to_list_and_watch() {
         let _ = hstopped.await;
     }));
     let inventories = tokio::sync::watch::Sender::new(inv.clone());
-    let (kstop, _status) =
-        gpu_agent::health::kernel_log::start(&host, inventories.subscribe(), tx, None);
+    let reader = tokio::spawn(gpu_agent::health::kernel_log::follow(
+        host.clone(),
+        inventories.subscribe(),
+        tx,
+        gpu_agent::health::kernel_log::Since::new(None),
+    ));
     assert!(mock.wait_for(1, Duration::from_secs(5)).await);
     let sock = plugin_dir.join("nvidia-gpu.sock");
     let mut client = DevicePluginClient::new(kubelet::connect(&sock).await.unwrap());
@@ -303,7 +307,7 @@ async fn kernel_log_to_list_and_watch() {
         samples,
         Some(Duration::from_millis(50)),
     );
-    let _ = kstop.send(());
+    reader.abort();
     let _ = hstop.send(());
     let _ = stop.send(());
     let _ = task.await;

@@ -163,19 +163,12 @@ async fn serve_plugin(
     let mock =
         MockKubelet::start(&dir.join(KUBELET_SOCKET)).context("cannot start the mock kubelet")?;
     // The health monitor first: the plugin follows its view.
-    let policy = Policy {
-        health: gpu_agent::health::HealthSpec {
-            kernel_log: false,
-            ..Default::default()
-        },
-        ..Policy::default()
-    };
+    let policy = Policy::default();
     let inventory = std::sync::Arc::new(inventory);
     let inventories = tokio::sync::watch::Sender::new(inventory.clone());
     let health_policy = tokio::sync::watch::Sender::new(policy.health.to_policy());
     let health = RunningHealth::start(
         backend,
-        host,
         &policy,
         inventories.subscribe(),
         health_policy.subscribe(),

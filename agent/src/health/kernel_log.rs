@@ -3,95 +3,96 @@
 //! GPU with that PCI bus id (the inventory says which UUID that is). XIDs
 //! logged before the agent started count when they are younger than the
 //! recovery period (a GPU that failed a minute before a restart is still
-//! suspect), older ones are only logged. The reader is started again with
-//! backoff when it fails; without a `/dev/kmsg` under the host root it says
-//! so once and stays off (NVML events still come).
+//! suspect), older ones are only logged. [`follow`] is one run of the
+//! reader; the supervisor starts it again with backoff when it fails, and
+//! [`Since`] makes a new run skip what an earlier one already sent.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use hostlib::HostRoot;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 
 use super::kmsg::{self, KernelXid, KmsgReader};
 use crate::backend::HealthEvent;
 use crate::inventory::Inventory;
 
-/// The reader's state, for `status`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct KernelLogStatus {
-    pub running: bool,
-    pub restarts: u32,
-    pub last_error: Option<String>,
-}
+/// The kernel timestamp (µs since boot) from which XIDs count: at start,
+/// now less the look-back; after each XID sent, just past it (a run that
+/// starts again reads the log from its beginning).
+#[derive(Clone, Debug)]
+pub struct Since(Arc<AtomicU64>);
 
-/// Starts following the kernel log; returns the stop handle and the status.
-pub fn start(
-    host: &HostRoot,
-    inventory: watch::Receiver<Arc<Inventory>>,
-    events: mpsc::UnboundedSender<HealthEvent>,
-    lookback: Option<Duration>,
-) -> (oneshot::Sender<()>, Arc<Mutex<KernelLogStatus>>) {
-    let (stop, mut stopped) = oneshot::channel::<()>();
-    let status = Arc::new(Mutex::new(KernelLogStatus::default()));
-    let host = host.clone();
-    let st = status.clone();
-    tokio::spawn(async move {
+impl Since {
+    /// XIDs from `lookback` before now count.
+    pub fn new(lookback: Option<Duration>) -> Self {
         let now = kmsg::monotonic_now_us();
         let cutoff = lookback.map_or(now, |d| now.saturating_sub(d.as_micros() as u64));
-        let mut backoff = Duration::from_secs(1);
-        loop {
-            let failure = match KmsgReader::open(&host) {
-                Ok(reader) => {
-                    st.lock().unwrap().running = true;
-                    let (tx, mut rx) = mpsc::unbounded_channel::<KernelXid>();
-                    let run = reader.since_boot_us(cutoff).run(tx, std::future::pending());
-                    tokio::pin!(run);
-                    let result = loop {
-                        tokio::select! {
-                            _ = &mut stopped => return,
-                            r = &mut run => break r,
-                            Some(x) = rx.recv() => forward(&inventory, &events, x),
-                        }
-                    };
-                    while let Ok(x) = rx.try_recv() {
-                        forward(&inventory, &events, x);
-                    }
-                    st.lock().unwrap().running = false;
-                    match result {
-                        Ok(()) => return,
-                        Err(e) => format!("the kernel log reader failed: {e}"),
-                    }
-                }
-                Err(e) if e.is_not_found() => {
-                    tracing::warn!(stage = "health", source = "kmsg", error = %e, "no kernel log to read; XIDs come from NVML only");
-                    st.lock().unwrap().last_error = Some(e.to_string());
-                    return;
-                }
-                Err(e) => format!("cannot read the kernel log: {e}"),
-            };
-            tracing::error!(stage = "health", source = "kmsg", error = %failure, retry_in = ?backoff, "kernel log unreadable; trying again");
-            {
-                let mut s = st.lock().unwrap();
-                s.last_error = Some(failure);
-                s.restarts += 1;
-            }
-            tokio::select! {
-                _ = &mut stopped => return,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(Duration::from_secs(300));
+        Since(Arc::new(AtomicU64::new(cutoff)))
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    fn seen(&self, at_us: u64) {
+        self.0.fetch_max(at_us.saturating_add(1), Ordering::Relaxed);
+    }
+}
+
+/// How a run of the reader ended without failing.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// Nothing to read on this host (no `/dev/kmsg` under the host root):
+    /// said once, health goes on from NVML.
+    Off(String),
+    /// The monitor is gone (the agent stops).
+    Done,
+}
+
+/// Follows the host's kernel log, sending XIDs to `events`, until it fails
+/// (`Err`, naming the path: to be started again) or [`Ended`].
+pub async fn follow(
+    host: HostRoot,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    events: mpsc::UnboundedSender<HealthEvent>,
+    since: Since,
+) -> Result<Ended, String> {
+    let reader = match KmsgReader::open(&host) {
+        Ok(r) => r.since_boot_us(since.get()),
+        Err(e) if e.is_not_found() => {
+            tracing::warn!(stage = "health", source = "kmsg", error = %e, "no kernel log to read; XIDs come from NVML only");
+            return Ok(Ended::Off(e.to_string()));
         }
-    });
-    (stop, status)
+        Err(e) => return Err(format!("cannot read the kernel log: {e}")),
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel::<KernelXid>();
+    let run = reader.run(tx, std::future::pending());
+    tokio::pin!(run);
+    let result = loop {
+        tokio::select! {
+            r = &mut run => break r,
+            Some(x) = rx.recv() => forward(&inventory, &events, &since, x),
+        }
+    };
+    while let Ok(x) = rx.try_recv() {
+        forward(&inventory, &events, &since, x);
+    }
+    match result {
+        Ok(()) => Ok(Ended::Done),
+        Err(e) => Err(format!("the kernel log reader failed: {e}")),
+    }
 }
 
 /// Sends an XID to the monitor for the GPU at its bus id.
 fn forward(
     inventory: &watch::Receiver<Arc<Inventory>>,
     events: &mpsc::UnboundedSender<HealthEvent>,
+    since: &Since,
     x: KernelXid,
 ) {
+    since.seen(x.at_us);
     let inv = inventory.borrow();
     let gpu = inv
         .gpus

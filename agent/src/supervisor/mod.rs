@@ -24,7 +24,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use crate::caps::HeldCaps;
-use crate::health::{HealthBoard, HealthMonitor, HealthPolicy, HealthView};
+use crate::health::{HealthBoard, HealthMonitor, HealthPolicy, HealthView, kernel_log};
 use crate::inventory::Inventory;
 use crate::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
 use crate::plugin::resources::Resource;
@@ -42,6 +42,8 @@ const STABLE_AFTER: Duration = Duration::from_secs(600);
 /// Policy file events within this time are one change (an editor writes a
 /// file in several steps; a ConfigMap update is several renames).
 const POLICY_SETTLE: Duration = Duration::from_millis(150);
+/// The kernel-log reader's task name in `status`.
+const KERNEL_LOG: &str = "kernel-log";
 
 /// What `gpu-agent run` was asked for.
 #[derive(Debug)]
@@ -144,8 +146,9 @@ struct Supervisor {
     plugin: Option<RunningPlugin>,
     health: Option<RunningHealth>,
     tasks: BTreeMap<&'static str, TaskControl>,
-    /// Passes run so far (the first is setup, later ones reconcile).
-    passes: u64,
+    /// The kernel-log reader's current run, and where its XIDs start.
+    kmsg: Option<tokio::task::JoinHandle<Result<kernel_log::Ended, String>>>,
+    kmsg_since: Option<kernel_log::Since>,
 }
 
 #[derive(Default)]
@@ -154,6 +157,9 @@ struct TaskControl {
     backoff: Option<Duration>,
     started: Option<Instant>,
     restart_at: Option<Instant>,
+    /// The same, in Unix seconds, for `status` (fixed when the restart is
+    /// planned: the state file does not change while the task waits).
+    restart_unix: Option<u64>,
     last_error: Option<String>,
 }
 
@@ -175,7 +181,8 @@ impl Supervisor {
             plugin: None,
             health: None,
             tasks: BTreeMap::new(),
-            passes: 0,
+            kmsg: None,
+            kmsg_since: None,
         }
     }
 
@@ -199,7 +206,6 @@ impl Supervisor {
     fn first_pass(&mut self) -> stages::Pass {
         let started = std::time::Instant::now();
         let pass = stages::run_pass(&self.context(!self.opts.once));
-        self.passes = 1;
         self.st.stages = pass.stages.clone();
         self.st.inventory = pass.inventory.clone();
         tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "first pass");
@@ -289,6 +295,12 @@ impl Supervisor {
                     None => std::future::pending().await,
                 }
             };
+            let kmsg_ended = async {
+                match self.kmsg.as_mut() {
+                    Some(h) => h.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = beat => {
                     if let Err(e) = self.file.stamp(&self.opts.host) {
@@ -298,6 +310,7 @@ impl Supervisor {
                 }
                 _ = self.changed.notified() => {}
                 outcome = plugin_ended => self.task_ended("plugin", outcome),
+                r = kmsg_ended => self.kernel_log_ended(r),
                 _ = at(restart_due) => self.restart_due_tasks(),
                 relevant = policy_event => {
                     if relevant {
@@ -325,6 +338,9 @@ impl Supervisor {
             self.sync_state();
         }
         tracing::info!("gpu-agent stopping");
+        if let Some(k) = self.kmsg.take() {
+            k.abort();
+        }
         if let Some(h) = self.health.take() {
             h.stop();
         }
@@ -378,7 +394,6 @@ impl Supervisor {
             let ctx = self.context(false);
             stages::run_pass(&ctx)
         };
-        self.passes += 1;
         let now = state::now();
         let plugin_state = pass
             .stages
@@ -681,7 +696,6 @@ impl Supervisor {
         }
         match RunningHealth::start(
             self.opts.view.backend.as_ref(),
-            &self.opts.host,
             &self.opts.policy,
             inv.subscribe(),
             self.health_policy.subscribe(),
@@ -691,6 +705,7 @@ impl Supervisor {
                 self.st.health = h.board.lock().unwrap().clone();
                 self.health = Some(h);
                 self.task_started("health");
+                self.start_kernel_log();
             }
             Err(e) => {
                 if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Health) {
@@ -698,6 +713,51 @@ impl Supervisor {
                     s.detail = e.clone();
                 }
             }
+        }
+    }
+
+    /// Follows the kernel log (`spec.health.kernelLog`) beside the health
+    /// monitor; a run that fails is started again like any task.
+    fn start_kernel_log(&mut self) {
+        let Some(h) = &self.health else { return };
+        let Some(inv) = &self.inventory else { return };
+        if !self.opts.policy.health.kernel_log || self.kmsg.is_some() {
+            return;
+        }
+        let recover_after = self.opts.policy.health.to_policy().recover_after;
+        let since = self
+            .kmsg_since
+            .get_or_insert_with(|| kernel_log::Since::new(recover_after))
+            .clone();
+        self.kmsg = Some(tokio::spawn(kernel_log::follow(
+            self.opts.host.clone(),
+            inv.subscribe(),
+            h.events.clone(),
+            since,
+        )));
+        self.task_started(KERNEL_LOG);
+    }
+
+    /// The kernel-log reader ended: off for good (nothing to read here), or
+    /// failed (started again with backoff).
+    fn kernel_log_ended(
+        &mut self,
+        r: Result<Result<kernel_log::Ended, String>, tokio::task::JoinError>,
+    ) {
+        self.kmsg = None;
+        match r {
+            Ok(Ok(ended)) => {
+                let t = self.tasks.entry(KERNEL_LOG).or_default();
+                t.started = None;
+                if let kernel_log::Ended::Off(why) = ended {
+                    t.last_error = Some(why);
+                }
+            }
+            Ok(Err(e)) => self.task_ended(KERNEL_LOG, Err(e)),
+            Err(e) => self.task_ended(
+                KERNEL_LOG,
+                Err(format!("the task panicked or was cancelled: {e}")),
+            ),
         }
     }
 
@@ -721,6 +781,7 @@ impl Supervisor {
         };
         t.backoff = Some(backoff);
         t.restart_at = Some(Instant::now() + backoff);
+        t.restart_unix = Some(state::now() + backoff.as_secs());
         t.last_error = Some(error.clone());
         t.started = None;
         tracing::error!(task = name, error = %error, restart_in = ?backoff, "task failed; starting it again");
@@ -749,8 +810,10 @@ impl Supervisor {
                 t.restarts += 1;
             }
             tracing::info!(task = name, "starting the task again");
-            if name == "plugin" {
-                self.start_plugin();
+            match name {
+                "plugin" => self.start_plugin(),
+                KERNEL_LOG => self.start_kernel_log(),
+                _ => {}
             }
         }
     }
@@ -769,7 +832,7 @@ impl Supervisor {
             self.st.health = h.board.lock().unwrap().clone();
             stages::apply_health_status(&mut self.st.stages, &self.st.health);
         }
-        let mut tasks: Vec<TaskStatus> = self
+        let tasks: Vec<TaskStatus> = self
             .tasks
             .iter()
             .map(|(name, t)| TaskStatus {
@@ -777,21 +840,9 @@ impl Supervisor {
                 running: t.started.is_some(),
                 restarts: t.restarts,
                 last_error: t.last_error.clone(),
-                restart_at: t.restart_at.map(|at| {
-                    state::now() + at.saturating_duration_since(Instant::now()).as_secs()
-                }),
+                restart_at: t.restart_at.and(t.restart_unix),
             })
             .collect();
-        if let Some(k) = self.health.as_ref().and_then(|h| h.kmsg.as_ref()) {
-            let k = k.lock().unwrap().clone();
-            tasks.push(TaskStatus {
-                name: "kernel-log".into(),
-                running: k.running,
-                restarts: k.restarts,
-                last_error: k.last_error,
-                restart_at: None,
-            });
-        }
         self.st.tasks = tasks;
         let workload_ok = !(self.opts.policy.validator.enabled
             && self.opts.policy.validator.workload)
@@ -857,12 +908,16 @@ fn validation_file(host: &HostRoot, name: &str, content: Option<&str>) {
                 .write_atomic(&path, text.as_bytes(), 0o644)
                 .map(|_| tracing::info!(stage = "validate", file = %path, "written")),
         },
-        None => match host.resolve_no_follow(&path) {
-            Ok(p) if p.exists() => std::fs::remove_file(&p)
-                .map(|_| tracing::info!(stage = "validate", file = %path, "removed"))
-                .map_err(|e| hostlib::HostError::io(p, e)),
-            _ => Ok(()),
-        },
+        None => host
+            .resolve_no_follow(&path)
+            .and_then(|p| match std::fs::remove_file(&p) {
+                Ok(()) => {
+                    tracing::info!(stage = "validate", file = %path, "removed");
+                    Ok(())
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(hostlib::HostError::io(p, e)),
+            }),
     };
     if let Err(e) = result {
         tracing::warn!(stage = "validate", file = %path, error = %e, "cannot update the validation file");
@@ -1035,17 +1090,16 @@ pub struct RunningHealth {
     board: HealthBoard,
     view: watch::Receiver<HealthView>,
     conditions: watch::Sender<crate::health::Conditions>,
+    /// Where the monitor's events come from (the NVML watcher's, and the
+    /// kernel log's).
+    events: mpsc::UnboundedSender<crate::backend::HealthEvent>,
     stop: Option<oneshot::Sender<()>>,
-    kmsg_stop: Option<oneshot::Sender<()>>,
-    kmsg: Option<Arc<std::sync::Mutex<crate::health::kernel_log::KernelLogStatus>>>,
 }
 
 impl RunningHealth {
-    /// Starts the monitor on `backend`'s events (and the kernel log, when
-    /// the policy says so).
+    /// Starts the monitor on `backend`'s events.
     pub fn start(
         backend: &dyn crate::backend::GpuBackend,
-        host: &HostRoot,
         policy: &Policy,
         inventory: watch::Receiver<Arc<Inventory>>,
         health_policy: watch::Receiver<HealthPolicy>,
@@ -1070,21 +1124,12 @@ impl RunningHealth {
         tokio::spawn(monitor.run(rx, inputs, async {
             let _ = stopped.await;
         }));
-        let (kmsg_stop, kmsg) = if policy.health.kernel_log {
-            let lookback = policy.health.to_policy().recover_after;
-            let (stop, status) =
-                crate::health::kernel_log::start(host, inventory, tx.clone(), lookback);
-            (Some(stop), Some(status))
-        } else {
-            (None, None)
-        };
         Ok(RunningHealth {
             board,
             view,
             conditions,
+            events: tx,
             stop: Some(stop),
-            kmsg_stop,
-            kmsg,
         })
     }
 
@@ -1112,9 +1157,6 @@ impl RunningHealth {
 
     pub fn stop(mut self) {
         if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(s) = self.kmsg_stop.take() {
             let _ = s.send(());
         }
     }
