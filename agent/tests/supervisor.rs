@@ -362,14 +362,24 @@ fn a_configmap_update_is_applied_and_an_invalid_policy_is_refused() {
             .replace("reconcileIntervalSeconds: 1", "reconcileIntervalSeconds: 0")
             .replace(
                 "  toolkit:\n    reload: none\n",
-                "  toolkit:\n    enabled: false\n",
+                "  toolkit:\n    enabled: false\n  health:\n    kernelLog: false\n",
             ),
     );
     let started = Instant::now();
-    a.until(5, "the new policy applied", |st| {
+    let st = a.until(5, "the new policy applied", |st| {
         a.stage(st, "runtime")["state"] == "disabled"
     });
     eprintln!("ConfigMap update applied in {:?}", started.elapsed());
+    // The kernel-log reader is stopped by the new policy, and says why.
+    let kmsg = st["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "kernel-log")
+        .cloned()
+        .unwrap();
+    assert_eq!(kmsg["running"], false, "{st:#}");
+    assert_eq!(kmsg["last_error"], "off: spec.health.kernelLog is false");
 
     // An invalid policy: refused, named, the running one kept.
     configmap_update(

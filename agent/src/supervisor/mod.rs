@@ -536,6 +536,18 @@ impl Supervisor {
         } else if let (Some(h), Some(c)) = (&self.health, conditions) {
             h.set_conditions(c);
         }
+        // `spec.health.kernelLog` turned on or off by the new policy.
+        if policy_changed {
+            if self.opts.policy.health.kernel_log {
+                self.start_kernel_log();
+            } else if let Some(k) = self.kmsg.take() {
+                k.abort();
+                let t = self.tasks.entry(KERNEL_LOG).or_default();
+                t.started = None;
+                t.restart_at = None;
+                t.last_error = Some("off: spec.health.kernelLog is false".into());
+            }
+        }
         self.validation_files();
         tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "reconciled");
         // A container is started only when the runtime, CDI or driver
