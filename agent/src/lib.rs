@@ -10,6 +10,7 @@ pub mod grpc;
 pub mod health;
 pub mod inventory;
 pub mod logging;
+pub mod metrics;
 pub mod plugin;
 pub mod policy;
 pub mod render;

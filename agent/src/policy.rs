@@ -50,7 +50,7 @@ pub struct Policy {
     #[serde(default)]
     pub device_plugin: DevicePluginSpec,
     #[serde(default)]
-    pub dcgm_exporter: Toggle,
+    pub dcgm_exporter: DcgmExporterSpec,
     #[serde(default)]
     pub gfd: Toggle,
     #[serde(default)]
@@ -76,12 +76,46 @@ impl Default for Policy {
             toolkit: ToolkitSpec::default(),
             cdi: CdiSpec::default(),
             device_plugin: DevicePluginSpec::default(),
-            dcgm_exporter: Toggle::default(),
+            dcgm_exporter: DcgmExporterSpec::default(),
             gfd: Toggle::default(),
             mig_manager: Toggle::default(),
             validator: ValidatorSpec::default(),
             mig: MigSpec::default(),
             health: HealthSpec::default(),
+        }
+    }
+}
+
+/// `spec.dcgmExporter`: the Prometheus endpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DcgmExporterSpec {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// Where to listen: `host:port`, or `:port` for every IPv4 address;
+    /// unset: `DCGM_EXPORTER_LISTEN` if set, else dcgm-exporter's `:9400`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    /// A dcgm-exporter counters file (`field, type, help` lines) naming
+    /// what to export; default: dcgm-exporter's default counters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
+    /// Milliseconds between samples while someone scrapes (dcgm-exporter: 30000).
+    #[serde(default = "default_collect_interval")]
+    pub collect_interval_ms: u64,
+}
+
+fn default_collect_interval() -> u64 {
+    1000
+}
+
+impl Default for DcgmExporterSpec {
+    fn default() -> Self {
+        DcgmExporterSpec {
+            enabled: true,
+            listen: None,
+            config: None,
+            collect_interval_ms: default_collect_interval(),
         }
     }
 }

@@ -8,6 +8,8 @@
 //!
 //! Keys are camelCase; unknown keys are rejected with their path.
 
+pub mod readings;
+
 use std::collections::HashMap;
 use std::fs;
 use std::io;
@@ -261,6 +263,17 @@ pub struct TelemetryDesc {
     pub utilization_gpu: Option<u32>,
     #[serde(default)]
     pub utilization_memory: Option<u32>,
+    /// Encoder and decoder utilisation, % (default 0).
+    #[serde(default)]
+    pub utilization_encoder: Option<u32>,
+    #[serde(default)]
+    pub utilization_decoder: Option<u32>,
+    /// Clocks, MHz (defaults: [`readings::DEFAULT_SM_CLOCK_MHZ`],
+    /// [`readings::DEFAULT_MEM_CLOCK_MHZ`]).
+    #[serde(default)]
+    pub sm_clock_mhz: Option<u32>,
+    #[serde(default)]
+    pub mem_clock_mhz: Option<u32>,
 }
 
 /// A description that cannot be used, naming the file and the field.

@@ -10,7 +10,10 @@
 //! sysfs shows.
 
 pub mod nvml;
+mod nvml_sample;
 pub mod sim;
+
+use crate::metrics::fields::{Field, FieldSet};
 
 use hostlib::PciAddress;
 use serde::{Deserialize, Serialize};
@@ -263,8 +266,45 @@ pub enum HealthEvent {
 /// Where health events go; the watcher stops when the receiver is dropped.
 pub type HealthSender = tokio::sync::mpsc::UnboundedSender<HealthEvent>;
 
+/// One sampling pass: every GPU's readings of the fields asked for.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sample {
+    pub gpus: Vec<GpuSample>,
+}
+
+/// One GPU's readings, in the units its DCGM field is exported in.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GpuSample {
+    pub index: u32,
+    pub uuid: String,
+    pub values: Vec<(Field, f64)>,
+    /// MIG devices' own readings (framebuffer).
+    pub mig: Vec<MigSample>,
+}
+
+/// One MIG device's readings.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MigSample {
+    pub uuid: String,
+    pub gpu_instance_id: Option<u32>,
+    pub profile: String,
+    pub values: Vec<(Field, f64)>,
+}
+
+/// Takes samples; keeps what a reading needs between passes (GPM samples).
+pub trait Sampler: Send {
+    fn sample(&mut self, fields: &FieldSet) -> Result<Sample, BackendError>;
+}
+
 /// A source of per-GPU facts.
 pub trait GpuBackend: std::fmt::Debug + Send + Sync {
+    /// A sampler of the readings the metrics exporter serves.
+    fn sampler(&self) -> Result<Box<dyn Sampler>, BackendError> {
+        Err(BackendError::Unavailable(format!(
+            "the {} backend takes no samples",
+            self.name()
+        )))
+    }
     /// `nvml` or `simulated`.
     fn name(&self) -> &'static str;
     /// Reads every GPU now.

@@ -37,7 +37,7 @@ const NVLINK_MAX_LINKS: u32 = 18;
 /// NVML, initialised once and shut down on drop (after the event thread,
 /// which holds a reference, is gone).
 pub struct NvmlBackend {
-    nvml: Arc<Nvml>,
+    pub(super) nvml: Arc<Nvml>,
     lib: PathBuf,
 }
 
@@ -88,7 +88,7 @@ fn pcie_level(level: TopologyLevel) -> PcieLevel {
 }
 
 /// `Ok(None)` for answers NVML does not support on this GPU.
-fn optional<T>(r: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
+pub(super) fn optional<T>(r: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
     match r {
         Ok(v) => Ok(Some(v)),
         Err(NvmlError::NotSupported) => Ok(None),
@@ -98,7 +98,7 @@ fn optional<T>(r: Result<T, NvmlError>) -> Result<Option<T>, NvmlError> {
 
 /// Readings are best-effort: an error other than "not supported" is logged
 /// and the reading left out, so one flaky sensor does not hide a GPU.
-fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option<T> {
+pub(super) fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option<T> {
     match optional(r) {
         Ok(v) => v,
         Err(e) => {
@@ -108,7 +108,7 @@ fn reading<T>(index: u32, what: &'static str, r: Result<T, NvmlError>) -> Option
     }
 }
 
-type InstanceIdFn = unsafe extern "C" fn(
+pub(super) type InstanceIdFn = unsafe extern "C" fn(
     nvml_wrapper_sys::bindings::nvmlDevice_t,
     *mut std::ffi::c_uint,
 ) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
@@ -118,7 +118,10 @@ type InstanceIdFn = unsafe extern "C" fn(
 /// nvml-wrapper 0.13 does not wrap: they name the `/dev/nvidia-caps` nodes a
 /// container needs. `None` when the library lacks the symbol or the call fails.
 #[allow(unsafe_code)]
-fn instance_id<E>(f: &Result<InstanceIdFn, E>, mig: &nvml_wrapper::Device<'_>) -> Option<u32> {
+pub(super) fn instance_id<E>(
+    f: &Result<InstanceIdFn, E>,
+    mig: &nvml_wrapper::Device<'_>,
+) -> Option<u32> {
     let f = f.as_ref().ok()?;
     let mut id: std::ffi::c_uint = 0;
     // SAFETY: the handle belongs to `mig`, which borrows the live NVML
@@ -128,7 +131,7 @@ fn instance_id<E>(f: &Result<InstanceIdFn, E>, mig: &nvml_wrapper::Device<'_>) -
     (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(id)
 }
 
-type RemappedRowsFn = unsafe extern "C" fn(
+pub(super) type RemappedRowsFn = unsafe extern "C" fn(
     nvml_wrapper_sys::bindings::nvmlDevice_t,
     *mut std::ffi::c_uint,
     *mut std::ffi::c_uint,
@@ -136,14 +139,25 @@ type RemappedRowsFn = unsafe extern "C" fn(
     *mut std::ffi::c_uint,
 ) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
 
-/// Whether remapped rows wait for a GPU reset (`nvmlDeviceGetRemappedRows`'s
-/// `isPending`), which nvml-wrapper 0.13 does not wrap. `None` when the
-/// library lacks the symbol or the GPU does not remap rows (pre-Ampere).
+/// `nvmlDeviceGetRemappedRows`'s answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RemappedRows {
+    pub correctable: u32,
+    pub uncorrectable: u32,
+    /// Remapped rows wait for a GPU reset.
+    pub pending: bool,
+    /// A remap failed.
+    pub failure: bool,
+}
+
+/// Remapped rows (`nvmlDeviceGetRemappedRows`), which nvml-wrapper 0.13 does
+/// not wrap. `None` when the library lacks the symbol or the GPU does not
+/// remap rows (pre-Ampere).
 #[allow(unsafe_code)]
-fn remapped_rows_pending<E>(
+pub(super) fn remapped_rows<E>(
     f: &Result<RemappedRowsFn, E>,
     device: &nvml_wrapper::Device<'_>,
-) -> Option<bool> {
+) -> Option<RemappedRows> {
     let f = f.as_ref().ok()?;
     let (mut corr, mut unc, mut pending, mut failure): (
         std::ffi::c_uint,
@@ -163,7 +177,12 @@ fn remapped_rows_pending<E>(
             &mut failure,
         )
     };
-    (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(pending != 0)
+    (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(RemappedRows {
+        correctable: corr,
+        uncorrectable: unc,
+        pending: pending != 0,
+        failure: failure != 0,
+    })
 }
 
 /// One GPU as NVML describes it (and its handle, for the topology).
@@ -279,10 +298,8 @@ fn describe_device(
                 .temperature_threshold(TemperatureThreshold::Slowdown)
                 .ok(),
             retired_pages_pending: device.are_pages_pending_retired().ok(),
-            remapped_rows_pending: remapped_rows_pending(
-                &nvml.lib().nvmlDeviceGetRemappedRows,
-                &device,
-            ),
+            remapped_rows_pending: remapped_rows(&nvml.lib().nvmlDeviceGetRemappedRows, &device)
+                .map(|r| r.pending),
         },
         mig_devices,
     };
@@ -361,6 +378,10 @@ fn watch_events(nvml: &Nvml, events: &HealthSender) -> Result<(), NvmlError> {
 impl GpuBackend for NvmlBackend {
     fn name(&self) -> &'static str {
         "nvml"
+    }
+
+    fn sampler(&self) -> Result<Box<dyn super::Sampler>, BackendError> {
+        Ok(Box::new(self.nvml_sampler()))
     }
 
     fn watch_health(&self, events: HealthSender) -> Result<(), BackendError> {

@@ -47,6 +47,13 @@ impl GpuBackend for SimulatedBackend {
         Ok(())
     }
 
+    fn sampler(&self) -> Result<Box<dyn super::Sampler>, BackendError> {
+        Ok(Box::new(SimSampler {
+            node: self.node.clone(),
+            started: std::time::Instant::now(),
+        }))
+    }
+
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
         let n = &self.node;
         let Some(driver) = &n.driver else {
@@ -132,5 +139,119 @@ impl GpuBackend for SimulatedBackend {
             gpus,
             pcie,
         })
+    }
+}
+
+/// Samples the description's readings (`simnode::readings`), timed from the
+/// sampler's start.
+#[derive(Debug)]
+struct SimSampler {
+    node: NodeDescription,
+    started: std::time::Instant,
+}
+
+impl super::Sampler for SimSampler {
+    fn sample(
+        &mut self,
+        want: &crate::metrics::fields::FieldSet,
+    ) -> Result<super::Sample, BackendError> {
+        use crate::metrics::fields::Field as F;
+        let secs = self.started.elapsed().as_secs_f64();
+        let gpus = self
+            .node
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let r = g.readings(secs);
+                let mut v: Vec<(F, Option<f64>)> = vec![
+                    (F::SmClock, Some(r.sm_clock_mhz.into())),
+                    (F::MemClock, Some(r.mem_clock_mhz.into())),
+                    (F::GpuTemp, r.gpu_temp_c.map(f64::from)),
+                    (F::MemoryTemp, r.mem_temp_c.map(f64::from)),
+                    (F::PowerUsage, r.power_mw.map(|mw| f64::from(mw) / 1000.0)),
+                    (F::TotalEnergyConsumption, r.energy_mj.map(|e| e as f64)),
+                    (F::PcieReplayCounter, Some(r.pcie_replays as f64)),
+                    (F::GpuUtil, r.gpu_util.map(f64::from)),
+                    (F::MemCopyUtil, r.mem_util.map(f64::from)),
+                    (F::EncUtil, Some(r.enc_util.into())),
+                    (F::DecUtil, Some(r.dec_util.into())),
+                    (F::FbTotal, Some(r.fb_total_mib as f64)),
+                    (F::FbReserved, Some(r.fb_reserved_mib as f64)),
+                    (F::FbUsed, Some(r.fb_used_mib as f64)),
+                    (
+                        F::FbFree,
+                        Some(
+                            r.fb_total_mib
+                                .saturating_sub(r.fb_used_mib + r.fb_reserved_mib)
+                                as f64,
+                        ),
+                    ),
+                    (
+                        F::NvlinkBandwidthTotal,
+                        r.nvlink_tx_kib
+                            .zip(r.nvlink_rx_kib)
+                            .map(|(t, x)| (t + x) as f64),
+                    ),
+                    (F::CorrectableRemappedRows, Some(0.0)),
+                    (F::UncorrectableRemappedRows, Some(0.0)),
+                    (F::RowRemapFailure, Some(0.0)),
+                ];
+                if let Some(gpm) = r.gpm {
+                    v.extend([
+                        (F::ProfGrEngineActive, Some(gpm.graphics_util_pct / 100.0)),
+                        (F::ProfPipeTensorActive, Some(gpm.tensor_util_pct / 100.0)),
+                        (F::ProfDramActive, Some(gpm.dram_bw_util_pct / 100.0)),
+                        (
+                            F::ProfPcieTxBytes,
+                            Some(gpm.pcie_tx_mib_s * 1024.0 * 1024.0),
+                        ),
+                        (
+                            F::ProfPcieRxBytes,
+                            Some(gpm.pcie_rx_mib_s * 1024.0 * 1024.0),
+                        ),
+                    ]);
+                }
+                let mig = if g.mig.enabled {
+                    g.mig
+                        .devices
+                        .iter()
+                        .enumerate()
+                        .map(|(k, m)| super::MigSample {
+                            uuid: m.uuid.clone(),
+                            gpu_instance_id: Some(m.gi_id(k)),
+                            profile: m.profile.clone().unwrap_or_else(|| {
+                                mig_profile_name(
+                                    m.gi_slices,
+                                    m.ci_slices(),
+                                    m.memory_mib,
+                                    g.memory_mib,
+                                )
+                            }),
+                            values: vec![
+                                (F::FbFree, m.memory_mib as f64),
+                                (F::FbUsed, 0.0),
+                                (F::FbTotal, m.memory_mib as f64),
+                            ]
+                            .into_iter()
+                            .filter(|(f, _)| want.wants(*f))
+                            .collect(),
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                super::GpuSample {
+                    index: i as u32,
+                    uuid: g.uuid.clone(),
+                    values: v
+                        .into_iter()
+                        .filter_map(|(f, x)| x.filter(|_| want.wants(f)).map(|x| (f, x)))
+                        .collect(),
+                    mig,
+                }
+            })
+            .collect();
+        Ok(super::Sample { gpus })
     }
 }

@@ -531,6 +531,7 @@ impl HealthMonitor {
         st.recent.insert(xid, (now, kernel));
         st.recent
             .retain(|_, (t, _)| now.saturating_duration_since(*t) <= SAME_EVENT_WINDOW);
+        crate::metrics::agent::xid(uuid, xid);
         let advice = xid::describe(xid);
         let sev = self.policy.xid_severity(xid);
         let from = match source {

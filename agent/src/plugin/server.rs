@@ -173,6 +173,7 @@ impl DevicePlugin for PluginService {
                 Status::invalid_argument(e.to_string())
             })?;
             out.container_responses.push(resp);
+            crate::metrics::agent::allocated(&resource.name);
         }
         tracing::info!(
             resource = %resource.name,

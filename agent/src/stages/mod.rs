@@ -8,6 +8,7 @@ mod devnodes;
 mod discover;
 mod driver;
 mod health;
+mod metrics;
 mod plugin;
 mod runtime;
 mod validate;
@@ -173,6 +174,7 @@ impl Stage {
                 | Stage::Validate
                 | Stage::Plugin
                 | Stage::Health
+                | Stage::Metrics
         )
     }
 }
@@ -410,6 +412,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                 Stage::Health => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => health::health_plan(inv, ctx.policy),
+                },
+                Stage::Metrics => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => metrics::metrics_plan(inv, ctx.policy),
                 },
                 other => (
                     StageState::Failed,

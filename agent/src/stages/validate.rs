@@ -54,8 +54,9 @@ pub(super) fn validate_stage(
             since: now,
         });
     }
-    // The time goes to the log, not the detail: an unchanged node's
-    // state must not change from one reconcile to the next.
+    // The time goes to the log and the metrics, not the detail: an
+    // unchanged node's state must not change from one reconcile to the next.
+    crate::metrics::agent::validation_took(started.elapsed());
     tracing::debug!(
         stage = "validate",
         ms = started.elapsed().as_secs_f64() * 1e3,

@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use crate::caps::HeldCaps;
 use crate::health::{HealthBoard, HealthMonitor, HealthPolicy, HealthView, kernel_log};
 use crate::inventory::Inventory;
+use crate::metrics::server::ExporterConfig;
 use crate::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
 use crate::plugin::resources::Resource;
 use crate::policy::Policy;
@@ -44,6 +45,8 @@ const STABLE_AFTER: Duration = Duration::from_secs(600);
 const POLICY_SETTLE: Duration = Duration::from_millis(150);
 /// The kernel-log reader's task name in `status`.
 const KERNEL_LOG: &str = "kernel-log";
+/// The metrics exporter's task name.
+const METRICS: &str = "metrics";
 
 /// What `gpu-agent run` was asked for.
 #[derive(Debug)]
@@ -149,6 +152,11 @@ struct Supervisor {
     /// The kernel-log reader's current run, and where its XIDs start.
     kmsg: Option<tokio::task::JoinHandle<Result<kernel_log::Ended, String>>>,
     kmsg_since: Option<kernel_log::Since>,
+    /// The metrics exporter's run, and the configuration it serves.
+    metrics: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    metrics_config: Option<ExporterConfig>,
+    /// The serving exporter's stage detail (with the port it got).
+    metrics_detail: String,
 }
 
 #[derive(Default)]
@@ -183,6 +191,9 @@ impl Supervisor {
             tasks: BTreeMap::new(),
             kmsg: None,
             kmsg_since: None,
+            metrics: None,
+            metrics_config: None,
+            metrics_detail: String::new(),
         }
     }
 
@@ -208,6 +219,7 @@ impl Supervisor {
         let pass = stages::run_pass(&self.context(!self.opts.once));
         self.st.stages = pass.stages.clone();
         self.st.inventory = pass.inventory.clone();
+        crate::metrics::agent::pass_took(started.elapsed());
         tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "first pass");
         self.validation_files();
         pass
@@ -228,6 +240,7 @@ impl Supervisor {
         self.plugin_plan = pass.plugin.clone();
         self.start_health();
         self.start_plugin();
+        self.start_metrics();
         // What the pass found, for `status`, before anything waits.
         self.refresh();
         self.sync_state();
@@ -301,6 +314,12 @@ impl Supervisor {
                     None => std::future::pending().await,
                 }
             };
+            let metrics_ended = async {
+                match self.metrics.as_mut() {
+                    Some(h) => h.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = beat => {
                     if let Err(e) = self.file.stamp(&self.opts.host) {
@@ -311,6 +330,14 @@ impl Supervisor {
                 _ = self.changed.notified() => {}
                 outcome = plugin_ended => self.task_ended("plugin", outcome),
                 r = kmsg_ended => self.kernel_log_ended(r),
+                r = metrics_ended => {
+                    self.metrics = None;
+                    let outcome = match r {
+                        Ok(o) => o,
+                        Err(e) => Err(format!("the task panicked or was cancelled: {e}")),
+                    };
+                    self.task_ended(METRICS, outcome);
+                }
                 _ = at(restart_due) => self.restart_due_tasks(),
                 relevant = policy_event => {
                     if relevant {
@@ -340,6 +367,9 @@ impl Supervisor {
         tracing::info!("gpu-agent stopping");
         if let Some(k) = self.kmsg.take() {
             k.abort();
+        }
+        if let Some(m) = self.metrics.take() {
+            m.abort();
         }
         if let Some(h) = self.health.take() {
             h.stop();
@@ -405,7 +435,7 @@ impl Supervisor {
                 continue;
             };
             // The plugin's and health's live states come from their tasks.
-            let live = matches!(s.stage, Stage::Plugin | Stage::Health)
+            let live = matches!(s.stage, Stage::Plugin | Stage::Health | Stage::Metrics)
                 && s.state == StageState::Ready
                 && matches!(old.state, StageState::Done | StageState::Waiting);
             let mut new = s;
@@ -548,7 +578,9 @@ impl Supervisor {
                 t.last_error = Some("off: spec.health.kernelLog is false".into());
             }
         }
+        self.reconcile_metrics();
         self.validation_files();
+        crate::metrics::agent::pass_took(started.elapsed());
         tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "reconciled");
         // A container is started only when the runtime, CDI or driver
         // changed (or the policy did), not at every reconcile.
@@ -797,6 +829,16 @@ impl Supervisor {
         t.last_error = Some(error.clone());
         t.started = None;
         tracing::error!(task = name, error = %error, restart_in = ?backoff, "task failed; starting it again");
+        if name == METRICS
+            && let Some(s) = self
+                .st
+                .stages
+                .iter_mut()
+                .find(|s| s.stage == Stage::Metrics)
+        {
+            s.state = StageState::Failed;
+            s.detail = format!("the metrics exporter stopped ({error}); restarting in {backoff:?}");
+        }
         if name == "plugin" {
             self.plugin = None;
             if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Plugin) {
@@ -825,6 +867,7 @@ impl Supervisor {
             match name {
                 "plugin" => self.start_plugin(),
                 KERNEL_LOG => self.start_kernel_log(),
+                METRICS => self.start_metrics(),
                 _ => {}
             }
         }
@@ -896,7 +939,117 @@ impl Supervisor {
         validation_file(&self.opts.host, TOOLKIT_READY, toolkit_ok.then_some(""));
     }
 
+    /// Starts the metrics exporter when its stage planned it.
+    fn start_metrics(&mut self) {
+        if self.metrics.is_some() {
+            return;
+        }
+        let Some(inv) = self.inventory.as_ref() else {
+            return;
+        };
+        let planned = self.st.stages.iter().any(|s| {
+            s.stage == Stage::Metrics && matches!(s.state, StageState::Ready | StageState::Failed)
+        }) && self.opts.policy.dcgm_exporter.enabled;
+        if !planned {
+            return;
+        }
+        let fail = |st: &mut AgentState, why: String| {
+            if let Some(s) = st.stages.iter_mut().find(|s| s.stage == Stage::Metrics) {
+                s.state = StageState::Failed;
+                s.detail = why;
+            }
+        };
+        let cfg = match ExporterConfig::from_spec(&self.opts.policy.dcgm_exporter) {
+            Ok(c) => c,
+            Err(e) => return fail(&mut self.st, e.to_string()),
+        };
+        let sampler = match self.opts.view.backend.sampler() {
+            Ok(s) => s,
+            Err(e) => return fail(&mut self.st, format!("cannot sample the GPUs: {e}")),
+        };
+        let listener = match crate::metrics::server::bind(&cfg) {
+            Ok(l) => l,
+            Err(e) => {
+                // Started again with backoff (the port may be freed).
+                self.task_started(METRICS);
+                return self.task_ended(METRICS, Err(e));
+            }
+        };
+        let bound = listener.local_addr().unwrap_or(cfg.listen);
+        let pod_socket = self
+            .opts
+            .host
+            .path()
+            .join(crate::metrics::pods::POD_RESOURCES_SOCKET.trim_start_matches('/'));
+        self.metrics = Some(tokio::spawn(crate::metrics::server::run(
+            cfg.clone(),
+            listener,
+            inv.subscribe(),
+            sampler,
+            pod_socket,
+        )));
+        self.metrics_detail = format!(
+            "serving {} field(s) on http://{bound}/metrics, sampled every {} ms while scraped",
+            cfg.fields.fields.len(),
+            cfg.interval.as_millis()
+        );
+        if let Some(s) = self
+            .st
+            .stages
+            .iter_mut()
+            .find(|s| s.stage == Stage::Metrics)
+        {
+            s.state = StageState::Done;
+            s.detail = self.metrics_detail.clone();
+        }
+        self.metrics_config = Some(cfg);
+        self.task_started(METRICS);
+    }
+
+    /// After a reconcile: the exporter follows the policy (off, or started
+    /// again on a new address, counters file or interval).
+    fn reconcile_metrics(&mut self) {
+        let want = self
+            .opts
+            .policy
+            .dcgm_exporter
+            .enabled
+            .then(|| ExporterConfig::from_spec(&self.opts.policy.dcgm_exporter).ok())
+            .flatten();
+        if self.metrics.is_some() && want != self.metrics_config {
+            if let Some(m) = self.metrics.take() {
+                m.abort();
+            }
+            tracing::info!(
+                stage = "metrics",
+                "the exporter's policy changed; starting it again"
+            );
+            let t = self.tasks.entry(METRICS).or_default();
+            t.started = None;
+            self.metrics_config = None;
+        }
+        let waiting = self
+            .tasks
+            .get(METRICS)
+            .is_some_and(|t| t.restart_at.is_some());
+        if self.metrics.is_none() && !waiting {
+            self.start_metrics();
+        } else if let (Some(cfg), Some(s)) = (
+            &self.metrics_config,
+            self.st
+                .stages
+                .iter_mut()
+                .find(|s| s.stage == Stage::Metrics),
+        ) && self.metrics.is_some()
+        {
+            let _ = cfg;
+            s.state = StageState::Done;
+            s.detail = self.metrics_detail.clone();
+        }
+    }
+
     fn sync_state(&mut self) {
+        crate::metrics::agent::state(&self.st);
         if let Err(e) = self.file.sync(&mut self.st, &self.opts.host) {
             tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
         }

@@ -5,8 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The built binary. Its metrics endpoint listens on a free loopback port
+/// (tests run side by side; `:9400` would be taken by the first).
 pub fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gpu-agent"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gpu-agent"));
+    c.env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0");
+    c
 }
 
 /// `gpu-agent --host-root <root>`.

@@ -22,8 +22,14 @@
 //! slowdown threshold is 90 °C), `retired-pending` (retired pages wait for
 //! a reset), `remapped-pending` (remapped rows wait for a reset), `lost`
 //! (every call about the GPU answers `NVML_ERROR_GPU_IS_LOST`).
+//!
+//! Readings (clocks, temperatures, power, energy, utilisations, framebuffer,
+//! NVLink traffic, GPM) come from `simnode::readings`: gauges as described,
+//! counters growing with the time since the library was first initialised.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
+
+mod metrics;
 
 use std::ffi::{c_char, c_int, c_uint};
 use std::sync::Mutex;
@@ -51,6 +57,16 @@ const TEMPERATURE_GPU: c_uint = 0;
 struct State {
     node: NodeDescription,
     inits: u32,
+    /// When the library was first initialised: counters grow from here.
+    loaded: std::time::Instant,
+}
+
+/// Seconds since the library was first initialised.
+fn since_load() -> f64 {
+    let guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
+    guard
+        .as_ref()
+        .map_or(0.0, |s| s.loaded.elapsed().as_secs_f64())
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -172,7 +188,11 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     match NodeDescription::load(&name) {
         Ok(node) if node.driver.is_none() => ERROR_DRIVER_NOT_LOADED,
         Ok(node) => {
-            *guard = Some(State { node, inits: 1 });
+            *guard = Some(State {
+                node,
+                inits: 1,
+                loaded: std::time::Instant::now(),
+            });
             SUCCESS
         }
         Err(e) => {
@@ -352,6 +372,11 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     })
 }
 
+/// What the driver reserves (NVML's v2 `reserved`, not counted in `used`).
+fn reserved_bytes(g: &GpuDesc) -> u64 {
+    simnode::readings::FB_RESERVED_MIB.min(g.memory_mib) * 1024 * 1024
+}
+
 fn memory_numbers(g: &GpuDesc) -> Option<(u64, u64)> {
     let total = g.memory_mib * 1024 * 1024;
     let used = g.memory_used_mib * 1024 * 1024;
@@ -363,6 +388,29 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
+    if is_mig_handle(device) {
+        // A MIG device: its own memory, none of it in use.
+        return with_mig(device, |m| {
+            let total = m.memory_mib * 1024 * 1024;
+            // SAFETY: `memory` is the caller's out-pointer.
+            unsafe {
+                answer(
+                    memory,
+                    Some(nvmlMemory_v2_t {
+                        version: if memory.is_null() {
+                            0
+                        } else {
+                            (*memory).version
+                        },
+                        total,
+                        reserved: 0,
+                        used: 0,
+                        free: total,
+                    }),
+                )
+            }
+        });
+    }
     with_gpu(device, |_, _, g| {
         let info = memory_numbers(g).map(|(total, used)| nvmlMemory_v2_t {
             // SAFETY: `memory` is non-null (checked in `answer` before any write);
@@ -373,9 +421,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                 unsafe { (*memory).version }
             },
             total,
-            reserved: 0,
+            reserved: reserved_bytes(g),
             used,
-            free: total - used,
+            free: total.saturating_sub(used + reserved_bytes(g)),
         });
         // SAFETY: `memory` is the caller's out-pointer.
         unsafe { answer(memory, info) }
@@ -539,7 +587,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
     with_gpu(device, |_, i, g| {
         let hot = conditions_of(i, &g.uuid).iter().any(|w| w == "hot");
         let t = if hot {
-            Some(95)
+            Some(HOT_C)
         } else {
             g.telemetry.temperature_c
         };
@@ -563,6 +611,8 @@ fn conditions_of(index: usize, uuid: &str) -> Vec<String> {
         .collect()
 }
 
+/// A `hot` GPU's temperature.
+const HOT_C: c_uint = 95;
 const SLOWDOWN_C: c_uint = simnode::SLOWDOWN_TEMPERATURE_C;
 const TEMPERATURE_THRESHOLD_SLOWDOWN: c_uint = 1;
 

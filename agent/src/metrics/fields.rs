@@ -1,0 +1,329 @@
+//! The DCGM fields gpu-agent exports, under dcgm-exporter's names and types,
+//! and the counters file (dcgm-exporter's CSV: `field, type, help`) that
+//! picks which of them to export.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// A field NVML can give, named as DCGM names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Field {
+    SmClock,
+    MemClock,
+    MemoryTemp,
+    GpuTemp,
+    PowerUsage,
+    TotalEnergyConsumption,
+    PcieReplayCounter,
+    GpuUtil,
+    MemCopyUtil,
+    EncUtil,
+    DecUtil,
+    XidErrors,
+    FbFree,
+    FbUsed,
+    FbReserved,
+    FbTotal,
+    NvlinkBandwidthTotal,
+    UncorrectableRemappedRows,
+    CorrectableRemappedRows,
+    RowRemapFailure,
+    DriverVersion,
+    ProfGrEngineActive,
+    ProfPipeTensorActive,
+    ProfDramActive,
+    ProfPcieTxBytes,
+    ProfPcieRxBytes,
+}
+
+/// How a field is exported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Gauge,
+    Counter,
+    /// A label on every series (`DCGM_FI_DRIVER_VERSION="550.127.08"`).
+    Label,
+}
+
+impl Kind {
+    pub fn word(self) -> &'static str {
+        match self {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+            Kind::Label => "label",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Kind> {
+        Some(match s {
+            "gauge" => Kind::Gauge,
+            "counter" => Kind::Counter,
+            "label" => Kind::Label,
+            _ => return None,
+        })
+    }
+}
+
+/// Every field: DCGM name, kind, our help text (dcgm-exporter's default set
+/// is the ones with `default: true`).
+pub struct FieldInfo {
+    pub field: Field,
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    /// In dcgm-exporter's default counters file.
+    pub default: bool,
+}
+
+impl std::fmt::Debug for FieldInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name)
+    }
+}
+
+macro_rules! fields {
+    ($($field:ident $name:literal $kind:ident $default:literal $help:literal;)*) => {
+        pub const FIELDS: &[FieldInfo] = &[
+            $(FieldInfo { field: Field::$field, name: $name, kind: Kind::$kind, help: $help, default: $default },)*
+        ];
+    };
+}
+
+fields! {
+    SmClock "DCGM_FI_DEV_SM_CLOCK" Gauge true "SM clock (MHz).";
+    MemClock "DCGM_FI_DEV_MEM_CLOCK" Gauge true "Memory clock (MHz).";
+    MemoryTemp "DCGM_FI_DEV_MEMORY_TEMP" Gauge true "Memory (HBM) temperature (C).";
+    GpuTemp "DCGM_FI_DEV_GPU_TEMP" Gauge true "GPU temperature (C).";
+    PowerUsage "DCGM_FI_DEV_POWER_USAGE" Gauge true "Power drawn (W).";
+    TotalEnergyConsumption "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" Counter true "Energy used since the driver was loaded (mJ).";
+    PcieReplayCounter "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" Counter true "PCIe replays (link-level retries).";
+    GpuUtil "DCGM_FI_DEV_GPU_UTIL" Gauge true "Share of time a kernel ran on the GPU (%).";
+    MemCopyUtil "DCGM_FI_DEV_MEM_COPY_UTIL" Gauge true "Share of time device memory was read or written (%).";
+    EncUtil "DCGM_FI_DEV_ENC_UTIL" Gauge true "Video encoder busy (%).";
+    DecUtil "DCGM_FI_DEV_DEC_UTIL" Gauge true "Video decoder busy (%).";
+    XidErrors "DCGM_FI_DEV_XID_ERRORS" Gauge true "The last XID error the GPU raised (0: none since the agent started).";
+    FbFree "DCGM_FI_DEV_FB_FREE" Gauge true "Framebuffer memory free (MiB).";
+    FbUsed "DCGM_FI_DEV_FB_USED" Gauge true "Framebuffer memory in use (MiB).";
+    FbReserved "DCGM_FI_DEV_FB_RESERVED" Gauge true "Framebuffer memory the driver reserves (MiB).";
+    FbTotal "DCGM_FI_DEV_FB_TOTAL" Gauge false "Framebuffer memory in all (MiB).";
+    NvlinkBandwidthTotal "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" Counter true "NVLink data sent and received over all links (KiB).";
+    UncorrectableRemappedRows "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS" Counter true "Rows remapped after uncorrectable errors.";
+    CorrectableRemappedRows "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" Counter true "Rows remapped after correctable errors.";
+    RowRemapFailure "DCGM_FI_DEV_ROW_REMAP_FAILURE" Gauge true "1 when a row remap failed (the GPU needs service).";
+    DriverVersion "DCGM_FI_DRIVER_VERSION" Label true "Driver version.";
+    ProfGrEngineActive "DCGM_FI_PROF_GR_ENGINE_ACTIVE" Gauge true "Share of time the graphics engine was active (ratio).";
+    ProfPipeTensorActive "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" Gauge true "Share of time a tensor pipe was active (ratio).";
+    ProfDramActive "DCGM_FI_PROF_DRAM_ACTIVE" Gauge true "Share of cycles device memory was busy (ratio).";
+    ProfPcieTxBytes "DCGM_FI_PROF_PCIE_TX_BYTES" Gauge true "PCIe data sent (bytes/s).";
+    ProfPcieRxBytes "DCGM_FI_PROF_PCIE_RX_BYTES" Gauge true "PCIe data received (bytes/s).";
+}
+
+/// Fields from dcgm-exporter's default file that NVML cannot give (they
+/// need a vGPU guest or a DCGM host engine): named so that a counters file
+/// listing them gets one plain warning, not an error.
+const NOT_FROM_NVML: &[&str] = &[
+    "DCGM_FI_DEV_VGPU_LICENSE_STATUS",
+    "DCGM_EXP_CLOCK_EVENTS_COUNT",
+    "DCGM_EXP_XID_ERRORS_COUNT",
+    "DCGM_EXP_GPU_HEALTH_STATUS",
+    "DCGM_EXP_P2P_STATUS",
+];
+
+impl Field {
+    pub fn info(self) -> &'static FieldInfo {
+        FIELDS
+            .iter()
+            .find(|f| f.field == self)
+            .expect("every field is in FIELDS")
+    }
+
+    pub fn by_name(name: &str) -> Option<Field> {
+        FIELDS.iter().find(|f| f.name == name).map(|f| f.field)
+    }
+}
+
+/// What to export: dcgm-exporter's default set, or a counters file's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldSet {
+    pub fields: BTreeSet<Field>,
+    /// Help text from the counters file, where it gives one.
+    pub help: Vec<(Field, String)>,
+    /// Lines naming fields NVML cannot give (logged once, not exported).
+    pub skipped: Vec<String>,
+}
+
+impl Default for FieldSet {
+    fn default() -> Self {
+        FieldSet {
+            fields: FIELDS
+                .iter()
+                .filter(|f| f.default)
+                .map(|f| f.field)
+                .collect(),
+            help: Vec::new(),
+            skipped: Vec::new(),
+        }
+    }
+}
+
+/// A counters file that cannot be used; names the file and line.
+#[derive(Debug, thiserror::Error)]
+pub enum CountersError {
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {why}")]
+    Line {
+        path: String,
+        line: usize,
+        why: String,
+    },
+    #[error("{path}: lists no field to export")]
+    Empty { path: String },
+}
+
+impl FieldSet {
+    pub fn wants(&self, f: Field) -> bool {
+        self.fields.contains(&f)
+    }
+
+    /// Reads a dcgm-exporter counters file (`# comments`, blank lines, and
+    /// `DCGM_FI_…, gauge|counter|label, help`).
+    pub fn from_file(path: &Path) -> Result<FieldSet, CountersError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CountersError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, path: &str) -> Result<FieldSet, CountersError> {
+        let mut set = FieldSet {
+            fields: BTreeSet::new(),
+            help: Vec::new(),
+            skipped: Vec::new(),
+        };
+        for (n, raw) in text.lines().enumerate() {
+            let line = raw.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let err = |why: String| CountersError::Line {
+                path: path.to_string(),
+                line: n + 1,
+                why,
+            };
+            let mut parts = line.splitn(3, ',').map(str::trim);
+            let name = parts.next().unwrap_or_default();
+            let Some(kind) = parts.next() else {
+                return Err(err(format!("expected `FIELD, type, help`, found {line:?}")));
+            };
+            let help = parts.next().unwrap_or_default();
+            let Some(kind) = Kind::parse(kind) else {
+                return Err(err(format!(
+                    "{name}: type {kind:?} is not gauge, counter or label"
+                )));
+            };
+            if !name.starts_with("DCGM_") || name.contains(char::is_whitespace) {
+                return Err(err(format!("{name:?} is not a DCGM field name")));
+            }
+            match Field::by_name(name) {
+                Some(f) => {
+                    let info = f.info();
+                    if info.kind != kind {
+                        return Err(err(format!(
+                            "{name} is a {}, not a {}",
+                            info.kind.word(),
+                            kind.word()
+                        )));
+                    }
+                    set.fields.insert(f);
+                    if !help.is_empty() {
+                        set.help.push((f, help.to_string()));
+                    }
+                }
+                None => {
+                    let why = if NOT_FROM_NVML.contains(&name) {
+                        "needs a DCGM host engine or a vGPU guest"
+                    } else {
+                        "NVML cannot give it"
+                    };
+                    set.skipped
+                        .push(format!("{path}:{}: {name} ({why})", n + 1));
+                }
+            }
+        }
+        if set.fields.is_empty() {
+            return Err(CountersError::Empty {
+                path: path.to_string(),
+            });
+        }
+        Ok(set)
+    }
+
+    /// The help text to print for `f`.
+    pub fn help_of(&self, f: Field) -> &str {
+        self.help
+            .iter()
+            .find(|(g, _)| *g == f)
+            .map_or(f.info().help, |(_, h)| h.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_set_is_dcgm_exporters() {
+        let d = FieldSet::default();
+        assert_eq!(d.fields.len(), 25);
+        assert!(d.wants(Field::TotalEnergyConsumption));
+        assert!(!d.wants(Field::FbTotal));
+    }
+
+    #[test]
+    fn a_counters_file_picks_fields_and_names_bad_lines() {
+        let text = "# Format\n# DCGM FIELD, Prometheus metric type, help message\n\n\
+                    DCGM_FI_DEV_GPU_TEMP, gauge, GPU temperature (in C).\n\
+                    DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, counter, Total energy (mJ).\n\
+                    DCGM_FI_DEV_VGPU_LICENSE_STATUS, gauge, vGPU License status\n\
+                    DCGM_FI_DRIVER_VERSION, label, Driver Version\n";
+        let s = FieldSet::parse(text, "/etc/dcgm/c.csv").unwrap();
+        assert_eq!(
+            s.fields.iter().copied().collect::<Vec<_>>(),
+            [
+                Field::GpuTemp,
+                Field::TotalEnergyConsumption,
+                Field::DriverVersion
+            ]
+        );
+        assert_eq!(s.help_of(Field::GpuTemp), "GPU temperature (in C).");
+        assert_eq!(
+            s.skipped,
+            [
+                "/etc/dcgm/c.csv:6: DCGM_FI_DEV_VGPU_LICENSE_STATUS (needs a DCGM host engine or a vGPU guest)"
+            ]
+        );
+        let e = FieldSet::parse("DCGM_FI_DEV_GPU_TEMP gauge\n", "f.csv").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "f.csv:1: expected `FIELD, type, help`, found \"DCGM_FI_DEV_GPU_TEMP gauge\""
+        );
+        let e = FieldSet::parse("# x\nDCGM_FI_DEV_GPU_TEMP, histogram, t\n", "f.csv").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "f.csv:2: DCGM_FI_DEV_GPU_TEMP: type \"histogram\" is not gauge, counter or label"
+        );
+        let e = FieldSet::parse("DCGM_FI_DEV_GPU_TEMP, counter, t\n", "f.csv").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "f.csv:1: DCGM_FI_DEV_GPU_TEMP is a gauge, not a counter"
+        );
+        let e = FieldSet::parse("# nothing\n", "f.csv").unwrap_err();
+        assert_eq!(e.to_string(), "f.csv: lists no field to export");
+    }
+}

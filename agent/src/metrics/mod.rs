@@ -1,0 +1,10 @@
+//! Prometheus metrics under dcgm-exporter's names (the `metrics` stage):
+//! one NVML pass samples every GPU (every second while someone scrapes); a
+//! scrape renders the last sample with the pods that hold each device and
+//! the agent's own series, and never waits on NVML.
+
+pub mod agent;
+pub mod fields;
+pub mod pods;
+pub mod render;
+pub mod server;

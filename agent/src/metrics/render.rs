@@ -1,0 +1,311 @@
+//! One scrape's text: the last sample under dcgm-exporter's names and
+//! labels, then the agent's own series, in Prometheus's text format 0.0.4.
+
+use std::collections::BTreeMap;
+
+use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::{Encoder, TextEncoder};
+
+use super::agent::AgentSeries;
+use super::fields::{FIELDS, Field, FieldSet, Kind};
+use super::pods::{PodMap, PodRef};
+use crate::backend::Sample;
+use crate::inventory::Inventory;
+
+/// The content type of [`render`]'s output.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Everything one scrape shows.
+#[derive(Debug)]
+pub struct Scrape<'a> {
+    pub sample: &'a Sample,
+    pub inventory: &'a Inventory,
+    pub pods: &'a PodMap,
+    pub fields: &'a FieldSet,
+    pub hostname: &'a str,
+    pub agent: &'a AgentSeries,
+}
+
+fn pair(name: &str, value: &str) -> LabelPair {
+    let mut l = LabelPair::default();
+    l.set_name(name.to_string());
+    l.set_value(value.to_string());
+    l
+}
+
+/// NVML's bus-id form, as dcgm-exporter prints it: `00000000:18:00.0`.
+fn nvml_bus_id<'a>(inv: &'a Inventory, uuid: &str) -> Option<(String, Option<&'a str>)> {
+    let g = inv.gpus.iter().find(|g| g.uuid.as_deref() == Some(uuid))?;
+    let b = g.bus_id;
+    Some((
+        format!(
+            "{:08X}:{:02X}:{:02X}.{:X}",
+            b.domain, b.bus, b.device, b.function
+        ),
+        g.model.as_deref(),
+    ))
+}
+
+fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+    let mut f = MetricFamily::default();
+    f.set_name(name.to_string());
+    f.set_help(help.to_string());
+    f.set_field_type(kind);
+    f.set_metric(metrics);
+    f
+}
+
+fn metric(labels: Vec<LabelPair>, kind: MetricType, value: f64) -> Metric {
+    let mut m = Metric::default();
+    m.set_label(labels);
+    if kind == MetricType::COUNTER {
+        let mut c = Counter::default();
+        c.set_value(value);
+        m.set_counter(c);
+    } else {
+        let mut g = Gauge::default();
+        g.set_value(value);
+        m.set_gauge(g);
+    }
+    m
+}
+
+/// One series' labels, per container using the device (one series with
+/// no pod labels when none does).
+fn with_pods(base: &[LabelPair], pods: &[PodRef]) -> Vec<Vec<LabelPair>> {
+    if pods.is_empty() {
+        return vec![base.to_vec()];
+    }
+    pods.iter()
+        .map(|p| {
+            let mut l = base.to_vec();
+            l.push(pair("container", &p.container));
+            l.push(pair("namespace", &p.namespace));
+            l.push(pair("pod", &p.pod));
+            l
+        })
+        .collect()
+}
+
+/// Renders a scrape.
+pub fn render(s: &Scrape<'_>) -> String {
+    let driver = s
+        .fields
+        .wants(Field::DriverVersion)
+        .then(|| s.inventory.backend.driver_version.clone())
+        .flatten();
+    // Each GPU's (and MIG device's) label sets, with its values.
+    struct Series {
+        labels: Vec<Vec<LabelPair>>,
+        values: BTreeMap<Field, f64>,
+    }
+    let mut series: Vec<Series> = Vec::new();
+    for g in &s.sample.gpus {
+        let (bus, model) = nvml_bus_id(s.inventory, &g.uuid).unwrap_or_default();
+        let mut base = vec![
+            pair("gpu", &g.index.to_string()),
+            pair("UUID", &g.uuid),
+            pair("pci_bus_id", &bus),
+            pair("device", &format!("nvidia{}", g.index)),
+            pair("modelName", model.unwrap_or_default()),
+            pair("Hostname", s.hostname),
+        ];
+        if let Some(v) = &driver {
+            base.push(pair("DCGM_FI_DRIVER_VERSION", v));
+        }
+        let mut values: BTreeMap<Field, f64> = g.values.iter().copied().collect();
+        if s.fields.wants(Field::XidErrors) {
+            let last = s.agent.last_xid.get(&g.uuid).copied().unwrap_or(0);
+            values.insert(Field::XidErrors, last as f64);
+        }
+        series.push(Series {
+            labels: with_pods(&base, s.pods.of(&g.uuid)),
+            values,
+        });
+        for m in &g.mig {
+            let mut mb = base[..6].to_vec();
+            mb.push(pair("GPU_I_PROFILE", &m.profile));
+            mb.push(pair(
+                "GPU_I_ID",
+                &m.gpu_instance_id.map(|i| i.to_string()).unwrap_or_default(),
+            ));
+            mb.extend(base[6..].iter().cloned());
+            series.push(Series {
+                labels: with_pods(&mb, s.pods.of(&m.uuid)),
+                values: m.values.iter().copied().collect(),
+            });
+        }
+    }
+    let mut families = Vec::new();
+    for info in FIELDS {
+        if info.kind == Kind::Label || !s.fields.wants(info.field) {
+            continue;
+        }
+        let kind = if info.kind == Kind::Counter {
+            MetricType::COUNTER
+        } else {
+            MetricType::GAUGE
+        };
+        let metrics: Vec<Metric> = series
+            .iter()
+            .filter_map(|x| x.values.get(&info.field).map(|v| (x, *v)))
+            .flat_map(|(x, v)| x.labels.iter().map(move |l| metric(l.clone(), kind, v)))
+            .collect();
+        if !metrics.is_empty() {
+            families.push(family(
+                info.name,
+                s.fields.help_of(info.field),
+                kind,
+                metrics,
+            ));
+        }
+    }
+    families.extend(agent_families(s.agent));
+    let mut out = Vec::with_capacity(64 * 1024);
+    // Encoding into memory fails only on a family without metrics (none here).
+    if let Err(e) = TextEncoder::new().encode(&families, &mut out) {
+        tracing::error!(stage = "metrics", error = %e, "cannot encode metrics");
+    }
+    String::from_utf8(out).unwrap_or_default()
+}
+
+fn agent_families(a: &AgentSeries) -> Vec<MetricFamily> {
+    let mut f = Vec::new();
+    let mut push = |name: &str, help: &str, kind: MetricType, rows: Vec<(Vec<LabelPair>, f64)>| {
+        if !rows.is_empty() {
+            let metrics = rows.into_iter().map(|(l, v)| metric(l, kind, v)).collect();
+            f.push(family(name, help, kind, metrics));
+        }
+    };
+    push(
+        "gpu_agent_stage_state",
+        "Each stage's state (1 for the state it is in).",
+        MetricType::GAUGE,
+        a.stages
+            .iter()
+            .map(|(st, state)| (vec![pair("stage", st), pair("state", state)], 1.0))
+            .collect(),
+    );
+    push(
+        "gpu_agent_repairs_total",
+        "Drift on the host that reconciles put right, by stage.",
+        MetricType::COUNTER,
+        a.repairs
+            .iter()
+            .map(|(st, n)| (vec![pair("stage", st)], *n as f64))
+            .collect(),
+    );
+    push(
+        "gpu_agent_plugin_registrations_total",
+        "Registrations of a device-plugin resource with the kubelet.",
+        MetricType::COUNTER,
+        a.registrations
+            .iter()
+            .map(|(r, n)| (vec![pair("resource", r)], *n as f64))
+            .collect(),
+    );
+    push(
+        "gpu_agent_allocations_total",
+        "Containers the kubelet gave devices of a resource.",
+        MetricType::COUNTER,
+        a.allocations
+            .iter()
+            .map(|(r, n)| (vec![pair("resource", r)], *n as f64))
+            .collect(),
+    );
+    push(
+        "gpu_agent_health_events_total",
+        "GPU health events (XID errors), by XID.",
+        MetricType::COUNTER,
+        a.xid_events
+            .iter()
+            .map(|(x, n)| (vec![pair("xid", &x.to_string())], *n as f64))
+            .collect(),
+    );
+    push(
+        "gpu_agent_reconciles_total",
+        "Passes of the stages (the first and every reconcile).",
+        MetricType::COUNTER,
+        vec![(Vec::new(), a.passes as f64)],
+    );
+    if let Some(d) = a.last_pass_seconds {
+        push(
+            "gpu_agent_reconcile_duration_seconds",
+            "How long the last pass of the stages took.",
+            MetricType::GAUGE,
+            vec![(Vec::new(), d)],
+        );
+    }
+    if let Some(d) = a.last_validation_seconds {
+        push(
+            "gpu_agent_validation_duration_seconds",
+            "How long the last validation took.",
+            MetricType::GAUGE,
+            vec![(Vec::new(), d)],
+        );
+    }
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::GpuBackend;
+
+    #[test]
+    fn series_carry_dcgm_exporters_names_labels_and_pods() {
+        let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
+        let inv = crate::inventory::discover(&sys, &backend).unwrap();
+        let fields = FieldSet::default();
+        let sample = backend.sampler().unwrap().sample(&fields).unwrap();
+        let gpu0 = inv.gpus[0].uuid.clone().unwrap();
+        let mig = inv.gpus[0].mig_devices[0].clone();
+        let mut pods = PodMap::default();
+        let p = |n: &str| PodRef {
+            pod: n.into(),
+            namespace: "ml".into(),
+            container: "c".into(),
+        };
+        pods.by_uuid.insert(mig.uuid.clone(), vec![p("train")]);
+        let mut agent = AgentSeries::default();
+        agent.last_xid.insert(gpu0.clone(), 79);
+        agent.xid_events.insert(79, 1);
+        let text = render(&Scrape {
+            sample: &sample,
+            inventory: &inv,
+            pods: &pods,
+            fields: &fields,
+            hostname: "node-1",
+            agent: &agent,
+        });
+        let base = format!(
+            "gpu=\"0\",UUID=\"{gpu0}\",pci_bus_id=\"00000000:18:00.0\",device=\"nvidia0\",modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"node-1\""
+        );
+        assert!(
+            text.contains("# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "DCGM_FI_DEV_GPU_TEMP{{{base},DCGM_FI_DRIVER_VERSION=\"550.127.08\"}} 30\n"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "DCGM_FI_DEV_XID_ERRORS{{{base},DCGM_FI_DRIVER_VERSION=\"550.127.08\"}} 79\n"
+            )),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            "DCGM_FI_DEV_FB_FREE{{{base},GPU_I_PROFILE=\"3g.40gb\",GPU_I_ID=\"{}\",DCGM_FI_DRIVER_VERSION=\"550.127.08\",container=\"c\",namespace=\"ml\",pod=\"train\"}} 40192\n",
+            mig.gpu_instance_id.unwrap()
+        )), "{text}");
+        assert!(
+            text.contains("gpu_agent_health_events_total{xid=\"79\"} 1\n"),
+            "{text}"
+        );
+        // No DCGM counter is renamed.
+        assert!(!text.contains("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"));
+    }
+}
