@@ -10,6 +10,14 @@ use crate::policy::Policy;
 /// What the exporter will serve, or why it cannot (a bad address or
 /// counters file, named).
 pub(super) fn metrics_plan(inv: &Inventory, policy: &Policy) -> (StageState, String) {
+    if !inv.gpus.is_empty()
+        && !inv
+            .gpus
+            .iter()
+            .any(|g| g.uuid.is_some() && g.index.is_some())
+    {
+        return (StageState::Waiting, super::undescribed(inv, "sampled"));
+    }
     match ExporterConfig::from_spec(&policy.dcgm_exporter) {
         Err(e) => (StageState::Failed, e.to_string()),
         Ok(cfg) => {
