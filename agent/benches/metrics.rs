@@ -117,8 +117,11 @@ fn render_cost() {
 }
 
 fn sample_cost(lib: &std::path::Path) {
-    // SAFETY of the environment: set before NVML is loaded, one thread.
-    unsafe { std::env::set_var("FAKE_NVML_NODE", "h100-sxm-8") };
+    // SAFETY: set before NVML is loaded, while this is the only thread.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::env::set_var("FAKE_NVML_NODE", "h100-sxm-8")
+    };
     let backend = NvmlBackend::open(Some(lib)).unwrap();
     let mut sampler = backend.sampler().unwrap();
     let fields = FieldSet::default();
@@ -238,8 +241,8 @@ fn whole_agent(lib: &std::path::Path) {
 
 fn main() {
     println!("gpu-agent metrics benchmark");
-    render_cost();
     let (_dir, lib) = fake_nvml();
     sample_cost(&lib);
+    render_cost();
     whole_agent(&lib);
 }

@@ -308,3 +308,75 @@ fn answer(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     }
     reply(StatusCode::OK, CONTENT_TYPE, shared.scrape())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::GpuBackend;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(port: u16, request: &str) -> String {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn answers_get_on_its_paths_only_and_caps_connections() {
+        let (_d, sys, backend) = crate::test_support::sim_node("a10g-1");
+        let inv = crate::inventory::discover(&sys, &backend).unwrap();
+        let spec = DcgmExporterSpec {
+            listen: Some("127.0.0.1:0".into()),
+            ..Default::default()
+        };
+        let cfg = ExporterConfig::from_spec(&spec).unwrap();
+        let listener = bind(&cfg).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (_tx, rx) = watch::channel(Arc::new(inv));
+        let task = tokio::spawn(run(
+            cfg,
+            listener,
+            rx,
+            backend.sampler().unwrap(),
+            PathBuf::from("/nonexistent/kubelet.sock"),
+        ));
+        let ok = get(port, "GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(ok.starts_with("HTTP/1.0 200 OK"), "{ok}");
+        assert!(
+            ok.contains("content-type: text/plain; version=0.0.4"),
+            "{ok}"
+        );
+        assert!(ok.contains("\nDCGM_FI_DEV_GPU_TEMP{gpu=\"0\","), "{ok}");
+        let post = get(port, "POST /metrics HTTP/1.0\r\ncontent-length: 0\r\n\r\n").await;
+        assert!(post.starts_with("HTTP/1.0 405"), "{post}");
+        assert!(post.contains("allow: GET"), "{post}");
+        let missing = get(port, "GET /debug/pprof HTTP/1.0\r\n\r\n").await;
+        assert!(missing.starts_with("HTTP/1.0 404"), "{missing}");
+        // Idle connections hold every slot: the next one is closed at once.
+        let mut held = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            held.push(
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .unwrap(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let refused = tokio::time::timeout(
+            Duration::from_secs(5),
+            get(port, "GET /metrics HTTP/1.0\r\n\r\n"),
+        )
+        .await
+        .expect("an over-limit connection is closed, not left hanging");
+        assert_eq!(refused, "");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let again = get(port, "GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(again.starts_with("HTTP/1.0 200 OK"), "{again}");
+        task.abort();
+    }
+}
