@@ -9,6 +9,7 @@ pub mod driver;
 pub mod grpc;
 pub mod health;
 pub mod inventory;
+pub mod labels;
 pub mod logging;
 pub mod metrics;
 pub mod plugin;

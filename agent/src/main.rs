@@ -93,6 +93,12 @@ enum Command {
         #[arg(long, short, value_enum, default_value = "table")]
         output: Output,
     },
+    /// GPU feature discovery's labels for this node (`key=value`, sorted), as
+    /// the labels stage writes them to NFD's feature file.
+    Labels {
+        #[arg(long, short, value_enum, default_value = "table")]
+        output: Output,
+    },
     /// The container runtime's configuration.
     Runtime {
         #[command(subcommand)]
@@ -264,6 +270,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::Run { once, heartbeat } => run(&cli, *once, *heartbeat),
         Command::Status { output } => status(&cli, *output),
         Command::Inventory { output } => inventory(&cli, *output),
+        Command::Labels { output } => labels(&cli, *output),
         Command::Policy {
             command: PolicyCommand::Check { file, effective },
         } => policy_check(file, *effective),
@@ -328,6 +335,20 @@ fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     match output {
         Output::Json => print_json(&inv)?,
         Output::Table => print!("{}", render::inventory(&inv)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn labels(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let policy = load_policy(cli.policy.as_deref())?;
+    let view = node_view(cli, &host)?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
+        .context("cannot discover the node's GPUs")?;
+    let labels = gpu_agent::labels::node_labels(&inv, &policy)?;
+    match output {
+        Output::Json => print_json(&labels)?,
+        Output::Table => print!("{}", gpu_agent::labels::render(&labels)),
     }
     Ok(ExitCode::SUCCESS)
 }

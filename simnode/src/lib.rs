@@ -203,6 +203,55 @@ pub struct MigDeviceDesc {
     /// The compute instance's ID within its GPU instance (default 0).
     #[serde(default)]
     pub ci_id: Option<u32>,
+    /// Media and copy engines the device shares (`nvmlDeviceGetAttributes`'
+    /// `shared*Count`); each left out defaults to an H100's for the GPU
+    /// instance's size ([`MigEngines::h100`]).
+    #[serde(default)]
+    pub engines: MigEnginesDesc,
+}
+
+/// A MIG device's engines as a description gives them; `None`: the default.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigEnginesDesc {
+    #[serde(default)]
+    pub copy: Option<u32>,
+    #[serde(default)]
+    pub decoder: Option<u32>,
+    #[serde(default)]
+    pub encoder: Option<u32>,
+    #[serde(default)]
+    pub jpeg: Option<u32>,
+    #[serde(default)]
+    pub ofa: Option<u32>,
+}
+
+/// A MIG device's shared engines, as NVML counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigEngines {
+    pub copy: u32,
+    pub decoder: u32,
+    pub encoder: u32,
+    pub jpeg: u32,
+    pub ofa: u32,
+}
+
+impl MigEngines {
+    /// What an H100 80GB's GPU instance of `gi_slices` slices has
+    /// (`nvidia-smi mig -lgip`, profiles without `+me`): a decoder, a JPEG
+    /// decoder and a copy engine per slice, no encoder; the whole-GPU
+    /// instance (7 slices) has 8 copy engines and the one optical-flow
+    /// accelerator.
+    pub fn h100(gi_slices: u32) -> Self {
+        let full = gi_slices >= 7;
+        MigEngines {
+            copy: if full { 8 } else { gi_slices },
+            decoder: gi_slices,
+            encoder: 0,
+            jpeg: gi_slices,
+            ofa: u32::from(full),
+        }
+    }
 }
 
 impl MigDeviceDesc {
@@ -217,6 +266,19 @@ impl MigDeviceDesc {
 
     pub fn ci_id(&self) -> u32 {
         self.ci_id.unwrap_or(0)
+    }
+
+    /// The engines NVML reports: the description's, else an H100's.
+    pub fn engines(&self) -> MigEngines {
+        let d = MigEngines::h100(self.gi_slices);
+        let e = &self.engines;
+        MigEngines {
+            copy: e.copy.unwrap_or(d.copy),
+            decoder: e.decoder.unwrap_or(d.decoder),
+            encoder: e.encoder.unwrap_or(d.encoder),
+            jpeg: e.jpeg.unwrap_or(d.jpeg),
+            ofa: e.ofa.unwrap_or(d.ofa),
+        }
     }
 }
 

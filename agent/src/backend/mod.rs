@@ -79,6 +79,21 @@ pub struct MigDevice {
     /// `/dev/nvidia-caps` nodes a container needs (`None`: NVML did not say).
     pub gpu_instance_id: Option<u32>,
     pub compute_instance_id: Option<u32>,
+    /// Engines the device shares (NVML's MIG device attributes).
+    #[serde(default)]
+    pub engines: MigEngines,
+}
+
+/// A MIG device's copy and media engines (`nvmlDeviceGetAttributes`'
+/// `shared*Count`), as GPU feature discovery labels them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigEngines {
+    pub copy: u32,
+    pub decoder: u32,
+    pub encoder: u32,
+    pub jpeg: u32,
+    /// Optical-flow accelerators.
+    pub ofa: u32,
 }
 
 /// NVIDIA's MIG profile name from NVML's attributes: `<G>g.<M>gb`, or

@@ -17,7 +17,8 @@ use nvml_wrapper::error::NvmlError;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigDevice, MigMode, PcieLevel, Telemetry, mig_profile_name,
+    HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
+    mig_profile_name,
 };
 
 /// How long one wait for events blocks. Events wake the thread at once; the
@@ -266,6 +267,13 @@ fn describe_device(
                 multiprocessors: a.multiprocessor_count,
                 gpu_instance_id: instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m),
                 compute_instance_id: instance_id(&nvml.lib().nvmlDeviceGetComputeInstanceId, &m),
+                engines: MigEngines {
+                    copy: a.shared_copy_engine_count,
+                    decoder: a.shared_decoder_count,
+                    encoder: a.shared_encoder_count,
+                    jpeg: a.shared_jpeg_count,
+                    ofa: a.shared_ofa_count,
+                },
             });
         }
     }

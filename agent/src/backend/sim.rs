@@ -6,7 +6,8 @@ use simnode::NodeDescription;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigDevice, MigMode, PcieLevel, Telemetry, mig_profile_name,
+    HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
+    mig_profile_name,
 };
 
 /// Serves a [`NodeDescription`]. Health events are injected with
@@ -117,6 +118,16 @@ impl GpuBackend for SimulatedBackend {
                             multiprocessors: m.multiprocessors,
                             gpu_instance_id: Some(m.gi_id(k)),
                             compute_instance_id: Some(m.ci_id()),
+                            engines: {
+                                let e = m.engines();
+                                MigEngines {
+                                    copy: e.copy,
+                                    decoder: e.decoder,
+                                    encoder: e.encoder,
+                                    jpeg: e.jpeg,
+                                    ofa: e.ofa,
+                                }
+                            },
                         })
                         .collect()
                 } else {

@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::config::MigStrategy;
-use super::config::{AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, SharingSpec};
+use super::config::{
+    AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, ReplicatedResource, SharingSpec,
+};
 use crate::inventory::Inventory;
 
 /// The plain whole-GPU resource.
@@ -209,6 +211,47 @@ fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, Res
     Ok(out)
 }
 
+/// The name a sharing entry's replicas are advertised under: its `rename`
+/// (`nvidia.com/` added when left out), `<name>.shared` with
+/// `renameByDefault`, else the resource's own name.
+fn shared_name(spec: &SharingSpec, r: &ReplicatedResource) -> String {
+    match &r.rename {
+        Some(n) if n.starts_with("nvidia.com/") => n.clone(),
+        Some(n) => format!("nvidia.com/{n}"),
+        None if spec.rename_by_default => format!("{}.shared", r.name),
+        None => r.name.clone(),
+    }
+}
+
+/// How the device plugin time-slices one resource.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replication {
+    /// Replicas of each device.
+    pub replicas: u32,
+    /// The resource the replicas are advertised as (`nvidia.com/gpu`, or
+    /// `nvidia.com/gpu.shared` when renamed).
+    pub advertised_as: String,
+}
+
+impl Replication {
+    /// The replicas go by another name than the resource shared.
+    pub fn renamed(&self, resource: &str) -> bool {
+        self.advertised_as != resource
+    }
+}
+
+/// The time-slicing of `resource` (`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`):
+/// the first sharing entry naming it, as [`build`] applies it; `None` when
+/// the resource is not shared.
+pub fn replication(settings: &PluginSettings, resource: &str) -> Option<Replication> {
+    let spec = settings.time_slicing.as_ref()?;
+    let r = spec.resources.iter().find(|r| r.name == resource)?;
+    Some(Replication {
+        replicas: r.replicas,
+        advertised_as: shared_name(spec, r),
+    })
+}
+
 /// Builds every resource with at least one device, sorted by name. GPUs that
 /// NVML did not describe (no UUID) cannot be allocated and are left out.
 pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>, ResourceError> {
@@ -257,12 +300,7 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
         };
         match (entry, sharing) {
             (Some((_, r)), Some(spec)) => {
-                let name = match &r.rename {
-                    Some(n) if n.starts_with("nvidia.com/") => n.clone(),
-                    Some(n) => format!("nvidia.com/{n}"),
-                    None if spec.rename_by_default => format!("{}.shared", r.name),
-                    None => r.name.clone(),
-                };
+                let name = shared_name(spec, r);
                 let fail = spec.fail_requests_greater_than_one.unwrap_or(false);
                 let res = by_name
                     .entry(name.clone())

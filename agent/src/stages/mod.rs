@@ -8,6 +8,7 @@ mod devnodes;
 mod discover;
 mod driver;
 mod health;
+mod labels;
 mod metrics;
 mod plugin;
 mod runtime;
@@ -175,6 +176,7 @@ impl Stage {
                 | Stage::Plugin
                 | Stage::Health
                 | Stage::Metrics
+                | Stage::Labels
         )
     }
 }
@@ -417,6 +419,10 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => metrics::metrics_plan(inv, ctx.policy),
                 },
+                Stage::Labels => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => labels::labels_stage(ctx, inv),
+                },
                 other => (
                     StageState::Failed,
                     format!("internal error: stage {} has no runner", other.name()),
@@ -424,12 +430,17 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
             }
         };
         log_stage(stage, state, &detail);
-        stages.push(StageStatus {
+        let mut status = StageStatus {
             needs,
             missing,
             changed: ctx.changes.take(),
             ..StageStatus::new(stage, state, detail)
-        });
+        };
+        // Stages after `validate` are checked as soon as they ran.
+        if let Some(inv) = inventory.as_ref() {
+            validate::validate_late(ctx, inv, &mut status);
+        }
+        stages.push(status);
     }
     Pass {
         stages,

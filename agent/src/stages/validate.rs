@@ -16,6 +16,8 @@
 //! - cdi: the spec on the host parses, and every node, library and hook it
 //!   names exists.
 //! - plugin (by the supervisor): registered, and the kubelet listed devices.
+//! - labels (right after it runs, being later in the order): NFD's feature
+//!   file holds exactly the node's labels.
 
 use super::{Context, Stage, StageState, StageStatus, Validation};
 use crate::inventory::Inventory;
@@ -99,6 +101,33 @@ pub fn revalidate(
     }
 }
 
+/// Checks a stage that runs after this one (labels) right after it ran,
+/// unless the policy turns validation off.
+pub(super) fn validate_late(ctx: &Context<'_>, inv: &Inventory, st: &mut StageStatus) {
+    let after_me = Stage::ALL
+        .iter()
+        .position(|s| *s == st.stage)
+        .zip(Stage::ALL.iter().position(|s| *s == Stage::Validate))
+        .is_some_and(|(i, v)| i > v);
+    if !after_me || Stage::Validate.disabled_by(ctx.policy).is_some() {
+        return;
+    }
+    if let Some(r) = check(ctx, inv, st) {
+        let (ok, detail) = match r {
+            Ok(d) => (true, d),
+            Err(e) => {
+                tracing::error!(stage = st.stage.name(), "validation failed: {e}");
+                (false, e)
+            }
+        };
+        st.validation = Some(Validation {
+            ok,
+            detail,
+            since: crate::state::now(),
+        });
+    }
+}
+
 /// `None`: nothing to check (the stage did not run to `done`).
 fn check(ctx: &Context<'_>, inv: &Inventory, st: &StageStatus) -> Option<Result<String, String>> {
     if st.state != StageState::Done {
@@ -109,6 +138,7 @@ fn check(ctx: &Context<'_>, inv: &Inventory, st: &StageStatus) -> Option<Result<
         Stage::Devnodes => Some(super::devnodes::validate(ctx, inv)),
         Stage::Runtime => Some(super::runtime::validate(ctx)),
         Stage::Cdi => Some(super::cdi::validate(ctx, inv)),
+        Stage::Labels => Some(super::labels::validate(ctx, inv)),
         _ => None,
     }
 }

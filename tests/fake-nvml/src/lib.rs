@@ -950,13 +950,14 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
         return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
     }
     with_mig(device, |m| {
+        let e = m.engines();
         let a = nvmlDeviceAttributes_t {
             multiprocessorCount: m.multiprocessors,
-            sharedCopyEngineCount: 0,
-            sharedDecoderCount: 0,
-            sharedEncoderCount: 0,
-            sharedJpegCount: 0,
-            sharedOfaCount: 0,
+            sharedCopyEngineCount: e.copy,
+            sharedDecoderCount: e.decoder,
+            sharedEncoderCount: e.encoder,
+            sharedJpegCount: e.jpeg,
+            sharedOfaCount: e.ofa,
             gpuInstanceSliceCount: m.gi_slices,
             computeInstanceSliceCount: m.ci_slices(),
             memorySizeMB: m.memory_mib,
