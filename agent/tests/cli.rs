@@ -65,7 +65,17 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
         ),
         "{out}"
     );
-    assert!(out.contains("7 stage(s) done, 2 not built yet"), "{out}");
+    // Labels is built and done; metrics is ready (it takes a running agent); mig is not built.
+    assert!(out.contains("8 stage(s) done, 1 not built yet"), "{out}");
+    assert!(
+        row(
+            &out,
+            "labels",
+            "done",
+            "wrote 26 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
+        ),
+        "{out}"
+    );
     assert!(
         row(
             &out,
@@ -352,6 +362,15 @@ fn status_without_an_agent_inspects_the_host() {
                     .starts_with("8 GPU(s) on the node, none can be sampled until nvml"),
                 "{s}"
             );
+        } else if s["stage"] == "labels" {
+            // No NVML: nothing to label the GPUs with; the file is left as is.
+            assert_eq!(s["state"], "waiting", "{s}");
+            assert!(
+                s["detail"].as_str().unwrap().starts_with(
+                    "8 GPU(s) on the node, none can be labelled until nvml describes them"
+                ),
+                "{s}"
+            );
         } else if s["stage"] == "validate" {
             // Checks what is done (the host's driver), says nothing of the rest.
             assert_eq!(s["state"], "done", "{s}");
@@ -379,6 +398,39 @@ fn status_with_a_simulated_node_plans_the_plugin() {
     // Worked out, but nothing serves it without a running agent.
     assert_eq!(plugin["state"], "ready");
     assert_eq!(plugin["detail"], "nvidia.com/gpu: 4 device(s)");
+    // Inspecting writes no labels: it says what it would write.
+    let labels = st["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "labels")
+        .unwrap()
+        .clone();
+    assert_eq!(labels["state"], "ready");
+    assert_eq!(
+        labels["detail"],
+        "would write 26 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
+    );
+}
+
+#[test]
+fn labels_of_a_simulated_node_are_its_golden_file() {
+    let (code, out, err) = run(bin().args(["--simulate", "h100-sxm-8", "labels"]));
+    assert_eq!(code, 0, "{err}");
+    let golden = fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/labels/h100-sxm-8.txt"
+    ))
+    .unwrap();
+    assert_eq!(out, golden);
+    let (code, out, err) = run(bin().args(["--simulate", "a10g-1", "labels", "-o", "json"]));
+    assert_eq!(code, 0, "{err}");
+    let l = json(&out);
+    assert_eq!(l["nvidia.com/gpu.product"], "NVIDIA-A10G");
+    assert_eq!(l["nvidia.com/gpu.machine"], "g5.xlarge");
+    // No GPU: no labels, and that is not an error.
+    let (code, out, err) = run(bin().args(["--simulate", "no-gpu", "labels"]));
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
 }
 
 #[test]
