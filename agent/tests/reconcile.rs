@@ -146,16 +146,23 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
         return;
     }
     let node = Node::new();
-    // Setup: the device nodes, containerd's config and the CDI spec.
+    // Setup: the device nodes, containerd's config, the CDI spec and NFD's
+    // feature file with the GPU labels.
     let first = node.pass(&LinuxSyscalls, true);
-    for s in [Stage::Devnodes, Stage::Runtime, Stage::Cdi] {
+    for s in [Stage::Devnodes, Stage::Runtime, Stage::Cdi, Stage::Labels] {
         let st = stage(&first, s);
         assert_eq!(st.state, StageState::Done, "{st:?}");
         assert!(!st.changed.is_empty(), "setup changes nothing in {s:?}?");
     }
     let validate = stage(&first, Stage::Validate);
     assert_eq!(validate.state, StageState::Done, "{validate:?}");
-    for s in [Stage::Driver, Stage::Devnodes, Stage::Runtime, Stage::Cdi] {
+    for s in [
+        Stage::Driver,
+        Stage::Devnodes,
+        Stage::Runtime,
+        Stage::Cdi,
+        Stage::Labels,
+    ] {
         let v = stage(&first, s).validation.as_ref().unwrap();
         assert!(v.ok, "{s:?}: {}", v.detail);
     }
@@ -197,6 +204,9 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
     std::fs::write(node.path(CONFIG), &admin).unwrap();
     let spec = node.path("var/run/cdi");
     std::fs::remove_dir_all(&spec).unwrap();
+    let gfd = node.path(gpu_agent::labels::FEATURES_FILE.trim_start_matches('/'));
+    let labels = std::fs::read_to_string(&gfd).unwrap();
+    std::fs::write(&gfd, "nvidia.com/gpu.count=1\n").unwrap();
 
     // Looking only, each stage sees its drift.
     let look = node.pass(&RecordingSyscalls::new(), false);
@@ -208,6 +218,7 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
     );
     assert_eq!(stage(&look, Stage::Runtime).state, StageState::Ready);
     assert_eq!(stage(&look, Stage::Cdi).state, StageState::Ready);
+    assert_eq!(stage(&look, Stage::Labels).state, StageState::Ready);
 
     // The next pass repairs exactly that.
     let third = node.pass(&LinuxSyscalls, true);
@@ -252,7 +263,18 @@ fn an_unchanged_node_is_left_alone_and_drift_is_repaired() {
         std::fs::read_to_string(node.path("etc/containerd/conf.d/99-gpu-agent.toml")).unwrap();
     assert!(drop_in.contains("runtimes.nvidia"), "{drop_in}");
     assert!(!stage(&third, Stage::Cdi).changed.is_empty());
-    for s in [Stage::Driver, Stage::Devnodes, Stage::Runtime, Stage::Cdi] {
+    assert_eq!(
+        stage(&third, Stage::Labels).changed,
+        [format!("wrote {}", gpu_agent::labels::FEATURES_FILE)]
+    );
+    assert_eq!(std::fs::read_to_string(&gfd).unwrap(), labels);
+    for s in [
+        Stage::Driver,
+        Stage::Devnodes,
+        Stage::Runtime,
+        Stage::Cdi,
+        Stage::Labels,
+    ] {
         let v = stage(&third, s).validation.as_ref().unwrap();
         assert!(v.ok, "{s:?} after repair: {}", v.detail);
     }
