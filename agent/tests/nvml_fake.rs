@@ -183,4 +183,28 @@ fn mig_devices_same_through_nvml_and_simulation() {
     assert_eq!(profiles, ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]);
     assert_eq!(inv["gpus"][1]["mig_devices"].as_array().unwrap().len(), 7);
     assert_eq!(migs[0]["uuid"], desc.gpus[0].mig.devices[0].uuid);
+    // Engine counts come through nvmlDeviceGetAttributes (an H100's 3g).
+    assert_eq!(
+        migs[0]["engines"],
+        serde_json::json!({"copy": 3, "decoder": 3, "encoder": 0, "jpeg": 3, "ofa": 0})
+    );
+    // The labels of the mixed strategy, through the real NVML path, are the
+    // golden file's.
+    let policy = dir.path().join("mixed.yaml");
+    std::fs::write(&policy, "spec:\n  mig:\n    strategy: mixed\n").unwrap();
+    let (_lib_dir, lib) = fake_nvml();
+    let (code, out, err) = run(at(dir.path())
+        .arg("--nvml-lib")
+        .arg(&lib)
+        .arg("--policy")
+        .arg(&policy)
+        .arg("labels")
+        .env("FAKE_NVML_NODE", "h100-mig-2"));
+    assert_eq!(code, 0, "{err}");
+    let golden = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/labels/mig-mixed.txt"
+    ))
+    .unwrap();
+    assert_eq!(out, golden);
 }
