@@ -850,6 +850,47 @@ mod tests {
     use super::*;
 
     #[test]
+    fn mig_engines_default_to_an_h100s_and_can_be_described() {
+        let h = NodeDescription::load("h100-mig-2").unwrap();
+        let three_g = &h.gpus[0].mig.devices[0];
+        assert_eq!(three_g.gi_slices, 3);
+        assert_eq!(
+            three_g.engines(),
+            MigEngines {
+                copy: 3,
+                decoder: 3,
+                encoder: 0,
+                jpeg: 3,
+                ofa: 0
+            }
+        );
+        assert_eq!(
+            MigEngines::h100(7),
+            MigEngines {
+                copy: 8,
+                decoder: 7,
+                encoder: 0,
+                jpeg: 7,
+                ofa: 1
+            }
+        );
+        let text = "name: x\ngpus:\n  - busId: \"0000:18:00.0\"\n    name: NVIDIA H100 80GB HBM3\n    uuid: GPU-1\n    deviceId: \"0x2330\"\n    memoryMib: 81559\n    computeCapability: \"9.0\"\n    mig:\n      capable: true\n      enabled: true\n      devices:\n        - { uuid: MIG-1, giSlices: 1, memoryMib: 9856, engines: { encoder: 1, ofa: 1 } }\n";
+        let d = NodeDescription::from_yaml(text, "t").unwrap();
+        assert_eq!(
+            d.gpus[0].mig.devices[0].engines(),
+            MigEngines {
+                copy: 1,
+                decoder: 1,
+                encoder: 1,
+                jpeg: 1,
+                ofa: 1
+            }
+        );
+        let bad = text.replace("ofa: 1", "nvenc: 1");
+        assert!(NodeDescription::from_yaml(&bad, "t").is_err());
+    }
+
+    #[test]
     fn builtins_parse_and_validate() {
         for (name, _) in BUILTIN {
             let d = NodeDescription::load(name).unwrap_or_else(|e| panic!("{name}: {e}"));
