@@ -83,10 +83,12 @@ fn render_cost() {
             .collect();
         pods.by_uuid.insert(g.uuid.clone().unwrap(), v);
     }
-    let mut agent = AgentSeries::default();
-    agent.stages = (0..10)
-        .map(|i| (format!("stage{i}"), "done".to_string()))
-        .collect();
+    let agent = AgentSeries {
+        stages: (0..10)
+            .map(|i| (format!("stage{i}"), "done".to_string()))
+            .collect(),
+        ..Default::default()
+    };
     let scrape = Scrape {
         sample: &sample,
         inventory: &inv,
