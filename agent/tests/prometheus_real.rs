@@ -673,9 +673,11 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
     let first: BTreeMap<&str, BTreeMap<String, f64>> =
         counters.iter().map(|n| (*n, counter_values(n))).collect();
     std::thread::sleep(Duration::from_millis(2500));
-    let life = agent_started.elapsed().as_secs_f64();
     let second: BTreeMap<&str, BTreeMap<String, f64>> =
         counters.iter().map(|n| (*n, counter_values(n))).collect();
+    // Measured after the values were scraped: an upper bound on the time
+    // since the fake NVML was loaded.
+    let life = agent_started.elapsed().as_secs_f64();
     for g in gpus {
         let v = |m: &BTreeMap<&str, BTreeMap<String, f64>>, n: &str| m[n].get(&g.uuid).copied();
         if let Some(mw) = g.telemetry.power_mw {
