@@ -369,6 +369,14 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
             resource: "nvidia.com/gpu.shared",
             ids: vec![format!("{}::1", gpus[1].uuid)],
         },
+        // A second container on the same time-sliced GPU: its own series.
+        Pod {
+            name: "notebook-8",
+            namespace: "research",
+            container: "jupyter",
+            resource: "nvidia.com/gpu.shared",
+            ids: vec![format!("{}::0", gpus[1].uuid)],
+        },
         Pod {
             name: "infer-2",
             namespace: "serving",
@@ -387,12 +395,14 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
         .collect();
     fs::write(&pods_file, serde_json::to_string(&pods_json).unwrap()).unwrap();
     // Who holds which UUID (GPU or MIG device).
-    let holder = |uuid: &str| {
-        pods.iter().find(|p| {
-            p.ids
-                .iter()
-                .any(|id| id.split_once("::").map_or(id.as_str(), |(b, _)| b) == uuid)
-        })
+    let holders = |uuid: &str| -> Vec<&Pod> {
+        pods.iter()
+            .filter(|p| {
+                p.ids
+                    .iter()
+                    .any(|id| id.split_once("::").map_or(id.as_str(), |(b, _)| b) == uuid)
+            })
+            .collect()
     };
 
     let mut children = Children::default();
@@ -566,9 +576,9 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
     let up = prom.query(&format!("up{{job=\"{JOB}\"}} == 1"));
     assert_eq!(up.len(), 1, "up{{job={JOB:?}}}: {up:?}");
 
-    // Every gauge of the default set, on every GPU, with its labels.
+    // Every field of the default set, on every GPU, with its labels.
     let base_labels = |i: usize, g: &GpuDesc| -> BTreeMap<String, String> {
-        let mut l: BTreeMap<String, String> = [
+        [
             ("gpu", i.to_string()),
             ("UUID", g.uuid.clone()),
             ("pci_bus_id", bus_id(g)),
@@ -581,13 +591,27 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
-        .collect();
-        if let Some(p) = holder(&g.uuid) {
-            l.insert("pod".into(), p.name.into());
-            l.insert("namespace".into(), p.namespace.into());
-            l.insert("container".into(), p.container.into());
+        .collect()
+    };
+    // A device's label sets: one per container holding it (`uuid`), or
+    // one without pod labels.
+    let label_sets = |base: BTreeMap<String, String>, uuid: &str| {
+        let hs = holders(uuid);
+        if hs.is_empty() {
+            return vec![base];
         }
-        l
+        let mut sets: Vec<BTreeMap<String, String>> = hs
+            .iter()
+            .map(|p| {
+                let mut l = base.clone();
+                l.insert("pod".into(), p.name.into());
+                l.insert("namespace".into(), p.namespace.into());
+                l.insert("container".into(), p.container.into());
+                l
+            })
+            .collect();
+        sets.sort();
+        sets
     };
     let default_fields: Vec<_> = FIELDS
         .iter()
@@ -605,7 +629,7 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
                 .iter()
                 .filter(|s| s.label("UUID") == Some(&g.uuid))
                 .collect();
-            let want_labels = base_labels(i, g);
+            let want_labels = label_sets(base_labels(i, g), &g.uuid);
             let expected = match f.kind {
                 Kind::Gauge => {
                     let xid = if i == 0 { XID } else { 0 };
@@ -641,20 +665,29 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
                 );
                 continue;
             };
-            assert_eq!(mine.len(), 1, "{} on GPU {i} ({}): {got:?}", f.name, g.uuid);
-            let s = mine[0];
-            let mut labels = s.labels.clone();
-            assert_eq!(labels.remove("__name__").as_deref(), Some(f.name));
+            let mut labels: Vec<BTreeMap<String, String>> = mine
+                .iter()
+                .map(|s| {
+                    let mut l = s.labels.clone();
+                    assert_eq!(l.remove("__name__").as_deref(), Some(f.name));
+                    l
+                })
+                .collect();
+            labels.sort();
             assert_eq!(labels, want_labels, "{} on GPU {i}", f.name);
-            if !want.is_nan() {
-                assert!(
-                    close(s.value, want),
-                    "{} on GPU {i}: {} (the fake reads {want})",
-                    f.name,
-                    s.value
-                );
+            for s in &mine {
+                if !want.is_nan() {
+                    assert!(
+                        close(s.value, want),
+                        "{} on GPU {i}: {} (the fake reads {want})",
+                        f.name,
+                        s.value
+                    );
+                }
+                // A shared GPU's series (one per container) read the same.
+                assert_eq!(s.value, mine[0].value, "{} on GPU {i}: {mine:?}", f.name);
+                checked += 1;
             }
-            checked += 1;
         }
     }
     eprintln!(
@@ -721,23 +754,32 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
     let parent = &gpus[mig_gpu];
     for name in ["DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED"] {
         let got = prom.query(&format!("{name}{{GPU_I_PROFILE!=\"\"}}"));
-        assert_eq!(got.len(), parent.mig.devices.len(), "{name}: {got:?}");
+        let series: usize = parent
+            .mig
+            .devices
+            .iter()
+            .map(|m| holders(&m.uuid).len().max(1))
+            .sum();
+        assert_eq!(got.len(), series, "{name}: {got:?}");
         for (pos, m) in parent.mig.devices.iter().enumerate() {
             let gi = m.gi_id(pos).to_string();
-            let s = got
+            let mine: Vec<&Series> = got
                 .iter()
-                .find(|s| s.label("GPU_I_ID") == Some(gi.as_str()))
-                .unwrap_or_else(|| panic!("{name}: no series for GPU instance {gi}: {got:?}"));
-            let mut want = base_labels(mig_gpu, parent);
-            want.insert("__name__".into(), name.into());
-            want.insert("GPU_I_PROFILE".into(), m.profile.clone().unwrap());
-            want.insert("GPU_I_ID".into(), gi.clone());
-            if let Some(p) = holder(&m.uuid) {
-                want.insert("pod".into(), p.name.into());
-                want.insert("namespace".into(), p.namespace.into());
-                want.insert("container".into(), p.container.into());
-            }
-            assert_eq!(s.labels, want, "{name} of MIG device {}", m.uuid);
+                .filter(|s| s.label("GPU_I_ID") == Some(gi.as_str()))
+                .collect();
+            let mut base = base_labels(mig_gpu, parent);
+            base.insert("__name__".into(), name.into());
+            base.insert("GPU_I_PROFILE".into(), m.profile.clone().unwrap());
+            base.insert("GPU_I_ID".into(), gi.clone());
+            let mut labels: Vec<_> = mine.iter().map(|s| s.labels.clone()).collect();
+            labels.sort();
+            assert_eq!(
+                labels,
+                label_sets(base, &m.uuid),
+                "{name} of MIG device {}",
+                m.uuid
+            );
+            let s = mine[0];
             // The fake: a MIG device's memory is all free.
             let value = if name == "DCGM_FI_DEV_FB_FREE" {
                 m.memory_mib as f64
@@ -773,6 +815,7 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
     seen.sort();
     let mut want: Vec<(String, String)> = vec![
         ("notebook-7".into(), gpus[1].uuid.clone()),
+        ("notebook-8".into(), gpus[1].uuid.clone()),
         ("train-0".into(), gpus[0].uuid.clone()),
     ];
     want.sort();
@@ -785,6 +828,8 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
             .any(|s| s.label("xid") == Some(&XID.to_string()) && s.value >= 1.0),
         "{xids:?}"
     );
+    let allocs = prom.query("gpu_agent_allocations_total{resource=\"nvidia.com/gpu\"} >= 1");
+    assert_eq!(allocs.len(), 1, "the stand-in's allocation: {allocs:?}");
 
     // The dashboard: every variable's query has values, every target of
     // every panel returns data.
