@@ -21,40 +21,16 @@ use gpu_agent::metrics::fields::FieldSet;
 use gpu_agent::metrics::pods::{PodMap, PodRef};
 use gpu_agent::metrics::render::{Scrape, render};
 
-fn thread_cpu() -> Duration {
-    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap();
-    Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+#[path = "../tests/common/mod.rs"]
+mod common;
+mod support;
+use support::{ms, pct, thread_cpu};
 
 fn report(what: &str, mut v: Vec<Duration>) -> (Duration, Duration) {
     v.sort();
     let (p50, p99) = (pct(&v, 0.5), pct(&v, 0.99));
     println!("{what:<52} p50 {:7.3} ms  p99 {:7.3} ms", ms(p50), ms(p99));
     (p50, p99)
-}
-
-fn fake_nvml() -> (tempfile::TempDir, std::path::PathBuf) {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    let built = [
-        deps.join("libfake_nvml.so"),
-        deps.parent().unwrap().join("libfake_nvml.so"),
-    ]
-    .into_iter()
-    .find(|p| p.exists())
-    .expect("libfake_nvml.so is built with the bench (dev-dependency)");
-    let dir = tempfile::tempdir().unwrap();
-    let lib = dir.path().join("libnvidia-ml.so.1");
-    std::os::unix::fs::symlink(&built, &lib).unwrap();
-    (dir, lib)
 }
 
 fn render_cost() {
@@ -243,7 +219,7 @@ fn whole_agent(lib: &std::path::Path) {
 
 fn main() {
     println!("gpu-agent metrics benchmark");
-    let (_dir, lib) = fake_nvml();
+    let (_dir, lib) = common::fake_nvml();
     sample_cost(&lib);
     render_cost();
     whole_agent(&lib);

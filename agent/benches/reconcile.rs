@@ -34,18 +34,8 @@ use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginCl
 use hostlib::{HostRoot, LinuxSyscalls};
 use tokio_stream::StreamExt;
 
-fn thread_cpu() -> Duration {
-    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap();
-    Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32)
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+mod support;
+use support::{ms, pct, thread_cpu};
 
 fn report(what: &str, mut v: Vec<Duration>, target: Option<Duration>) {
     v.sort();
