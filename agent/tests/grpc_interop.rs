@@ -358,23 +358,9 @@ async fn without_the_layer_h2_resets_a_path_authority() {
     server.await.unwrap().unwrap();
 }
 
-/// The Python interpreter with grpcio and grpcio-tools (scripts/test makes
-/// the venv; GPU_AGENT_PYTHON names another).
-fn python() -> PathBuf {
-    let py = std::env::var_os("GPU_AGENT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
-    assert!(
-        py.exists(),
-        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
-        py.display()
-    );
-    py
-}
-
 #[test]
 fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
-    let py = python();
+    let py = common::python();
     let host = tempfile::tempdir().unwrap();
     let dir = host.path().join("var/lib/kubelet/device-plugins");
     std::fs::create_dir_all(&dir).unwrap();

@@ -114,20 +114,6 @@ fn prometheus() -> PathBuf {
     p
 }
 
-/// The Python interpreter with grpcio and grpcio-tools (scripts/test makes
-/// the venv; GPU_AGENT_PYTHON names another).
-fn python() -> PathBuf {
-    let py = std::env::var_os("GPU_AGENT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
-    assert!(
-        py.exists(),
-        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
-        py.display()
-    );
-    py
-}
-
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -334,7 +320,7 @@ fn panels(dash: &Value) -> Vec<&Value> {
 fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_data() {
     let started = Instant::now();
     let prom_bin = prometheus();
-    let py = python();
+    let py = common::python();
     let tmp = tempfile::tempdir().unwrap();
     let host = tmp.path().join("host");
     let logs = tmp.path().join("logs");

@@ -33,17 +33,10 @@ fn pair(name: &str, value: &str) -> LabelPair {
     l
 }
 
-/// NVML's bus-id form, as dcgm-exporter prints it: `00000000:18:00.0`.
-fn nvml_bus_id<'a>(inv: &'a Inventory, uuid: &str) -> Option<(String, Option<&'a str>)> {
+/// A GPU's bus id in NVML's form (as dcgm-exporter prints it) and its model.
+fn bus_and_model<'a>(inv: &'a Inventory, uuid: &str) -> Option<(String, Option<&'a str>)> {
     let g = inv.gpus.iter().find(|g| g.uuid.as_deref() == Some(uuid))?;
-    let b = g.bus_id;
-    Some((
-        format!(
-            "{:08X}:{:02X}:{:02X}.{:X}",
-            b.domain, b.bus, b.device, b.function
-        ),
-        g.model.as_deref(),
-    ))
+    Some((g.bus_id.nvml_bus_id(), g.model.as_deref()))
 }
 
 fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
@@ -101,7 +94,7 @@ pub fn render(s: &Scrape<'_>) -> String {
     }
     let mut series: Vec<Series> = Vec::new();
     for g in &s.sample.gpus {
-        let (bus, model) = nvml_bus_id(s.inventory, &g.uuid).unwrap_or_default();
+        let (bus, model) = bus_and_model(s.inventory, &g.uuid).unwrap_or_default();
         let mut base = vec![
             pair("gpu", &g.index.to_string()),
             pair("UUID", &g.uuid),

@@ -976,11 +976,20 @@ impl Supervisor {
             }
         };
         let bound = listener.local_addr().unwrap_or(cfg.listen);
-        let pod_socket = self
+        // Through the host root: /var/lib/kubelet may be a link on the host.
+        let pod_socket = match self
             .opts
             .host
-            .path()
-            .join(crate::metrics::pods::POD_RESOURCES_SOCKET.trim_start_matches('/'));
+            .resolve(crate::metrics::pods::POD_RESOURCES_SOCKET)
+        {
+            Ok(p) => p,
+            Err(e) => {
+                return fail(
+                    &mut self.st,
+                    format!("the kubelet's pod-resources socket: {e}"),
+                );
+            }
+        };
         self.metrics = Some(tokio::spawn(crate::metrics::server::run(
             cfg.clone(),
             listener,
@@ -1034,15 +1043,14 @@ impl Supervisor {
             .is_some_and(|t| t.restart_at.is_some());
         if self.metrics.is_none() && !waiting {
             self.start_metrics();
-        } else if let (Some(cfg), Some(s)) = (
-            &self.metrics_config,
-            self.st
+        } else if self.metrics.is_some()
+            && let Some(s) = self
+                .st
                 .stages
                 .iter_mut()
-                .find(|s| s.stage == Stage::Metrics),
-        ) && self.metrics.is_some()
+                .find(|s| s.stage == Stage::Metrics)
         {
-            let _ = cfg;
+            // The pass planned it again; the running exporter's word stands.
             s.state = StageState::Done;
             s.detail = self.metrics_detail.clone();
         }

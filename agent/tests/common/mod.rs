@@ -34,6 +34,20 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The Python interpreter with grpcio and grpcio-tools, for the peers we did
+/// not write (scripts/test makes the venv; GPU_AGENT_PYTHON names another).
+pub fn python() -> PathBuf {
+    let py = std::env::var_os("GPU_AGENT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
+    assert!(
+        py.exists(),
+        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
+        py.display()
+    );
+    py
+}
+
 pub fn host_fixture(name: &str) -> PathBuf {
     repo().join("tests/fixtures/hosts").join(name)
 }
