@@ -113,6 +113,7 @@ fn make_ctx<'a>(
         drain: None,
         serve_first: false,
         changes: Default::default(),
+        mig_hold: None,
     }
 }
 

@@ -71,6 +71,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         drain: None,
         serve_first: false,
         changes: Default::default(),
+        mig_hold: None,
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

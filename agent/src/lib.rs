@@ -12,6 +12,7 @@ pub mod inventory;
 pub mod labels;
 pub mod logging;
 pub mod metrics;
+pub mod mig;
 pub mod plugin;
 pub mod policy;
 pub mod render;

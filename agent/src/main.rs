@@ -524,6 +524,7 @@ fn context<'a>(
         drain: None,
         serve_first: false,
         changes: Default::default(),
+        mig_hold: None,
     }
 }
 
@@ -571,6 +572,8 @@ pub(crate) struct StatusReport {
     reconcile_interval_secs: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     policy_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mig: Option<gpu_agent::mig::MigStatus>,
 }
 
 impl StatusReport {
@@ -596,6 +599,7 @@ impl StatusReport {
             tasks: st.tasks,
             reconcile_interval_secs: Some(st.reconcile_interval_secs),
             policy_error: st.policy_error,
+            mig: st.mig,
         }
     }
 }
@@ -649,6 +653,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         tasks: Vec::new(),
         reconcile_interval_secs: None,
         policy_error: None,
+        mig: pass.mig,
     };
     print_status(&report, output)
 }
@@ -691,6 +696,14 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     }
     if let Some(e) = &report.policy_error {
         out.push_str(&format!("policy: the file on disk is not applied: {e}\n"));
+    }
+    if let Some(m) = &report.mig {
+        out.push_str(&format!(
+            "mig: layout {:?}: {} ({})\n",
+            m.layout,
+            m.state.as_str(),
+            m.detail
+        ));
     }
     out.push('\n');
     out.push_str(&render::stages(&report.stages));

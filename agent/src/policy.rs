@@ -54,7 +54,7 @@ pub struct Policy {
     #[serde(default)]
     pub gfd: Toggle,
     #[serde(default)]
-    pub mig_manager: Toggle,
+    pub mig_manager: MigManagerSpec,
     #[serde(default)]
     pub validator: ValidatorSpec,
     #[serde(default)]
@@ -78,7 +78,7 @@ impl Default for Policy {
             device_plugin: DevicePluginSpec::default(),
             dcgm_exporter: DcgmExporterSpec::default(),
             gfd: Toggle::default(),
-            mig_manager: Toggle::default(),
+            mig_manager: MigManagerSpec::default(),
             validator: ValidatorSpec::default(),
             mig: MigSpec::default(),
             health: HealthSpec::default(),
@@ -156,6 +156,73 @@ impl Default for ValidatorSpec {
 
 pub(crate) fn yes() -> bool {
     true
+}
+
+/// `spec.migManager`: MIG layouts in mig-parted's format.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigManagerSpec {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The layouts (ClusterPolicy's `config.name`/`config.default`, plus
+    /// the config itself from a `file` or `inline`; default: gpu-agent's
+    /// built-in layouts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<MigManagerConfig>,
+    /// The layout to apply, by name; unset (and no `config.default`): MIG
+    /// is left as it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// Reboot the node when only a reboot can apply a MIG mode change
+    /// (mig-manager's `WITH_REBOOT`). Default false: the state says so.
+    #[serde(default)]
+    pub reboot: bool,
+    /// How long to wait for processes using a GPU whose layout changes.
+    #[serde(default = "default_gpu_clients_timeout")]
+    pub gpu_clients_timeout_seconds: u64,
+}
+
+fn default_gpu_clients_timeout() -> u64 {
+    300
+}
+
+impl Default for MigManagerSpec {
+    fn default() -> Self {
+        MigManagerSpec {
+            enabled: true,
+            config: None,
+            default: None,
+            reboot: false,
+            gpu_clients_timeout_seconds: default_gpu_clients_timeout(),
+        }
+    }
+}
+
+impl MigManagerSpec {
+    /// The layout selected: `default`, else ClusterPolicy's `config.default`.
+    pub fn selected_layout(&self) -> Option<&str> {
+        self.default
+            .as_deref()
+            .or_else(|| self.config.as_ref().and_then(|c| c.default.as_deref()))
+    }
+}
+
+/// `spec.migManager.config`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MigManagerConfig {
+    /// The ConfigMap name (in Kubernetes) holding the layouts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// ClusterPolicy's name for the selected layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default: Option<String>,
+    /// A mig-parted config file (`version: v1`, `mig-configs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<std::path::PathBuf>,
+    /// The same, inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inline: Option<crate::mig::config::MigPartedConfig>,
 }
 
 /// `{enabled: bool}`, default enabled.
@@ -485,6 +552,34 @@ impl Policy {
             if let Some(inline) = &c.inline {
                 inline.check(origin, "spec.devicePlugin.config.inline.")?;
             }
+        }
+        let m = &self.mig_manager;
+        if let Some(c) = m.config.as_ref() {
+            if c.file.is_some() && c.inline.is_some() {
+                return Err(YamlError::invalid(
+                    origin,
+                    "spec.migManager.config",
+                    "give the layouts as `file` or `inline`, not both",
+                ));
+            }
+            if let Some(inline) = &c.inline {
+                inline.check(origin, "spec.migManager.config.inline.")?;
+            }
+            if let (Some(a), Some(b)) = (&m.default, &c.default)
+                && a != b
+            {
+                return Err(YamlError::invalid(
+                    origin,
+                    "spec.migManager.default",
+                    format!("{a:?} differs from spec.migManager.config.default {b:?}; give one"),
+                ));
+            }
+        }
+        if let (Some(layout), Some(inline)) = (
+            m.selected_layout(),
+            m.config.as_ref().and_then(|c| c.inline.as_ref()),
+        ) {
+            inline.layout(layout, origin, "spec.migManager.default")?;
         }
         if let Some(p) = &self.device_plugin.cdi_annotation_prefix
             && !p.ends_with('/')

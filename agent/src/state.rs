@@ -70,6 +70,9 @@ pub struct AgentState {
     /// Why the policy file on disk is not the running policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_error: Option<String>,
+    /// The MIG layout (`nvidia.com/mig.config.state`), when one is selected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig: Option<crate::mig::MigStatus>,
 }
 
 /// A state file that cannot be used.
@@ -212,6 +215,7 @@ impl AgentState {
             reconcile_interval_secs: 0,
             workload: None,
             policy_error: None,
+            mig: None,
         }
     }
 
@@ -333,6 +337,7 @@ mod tests {
             reconcile_interval_secs: 0,
             workload: None,
             policy_error: None,
+            mig: None,
         }
     }
 

@@ -123,6 +123,7 @@ impl Node {
             drain: None,
             serve_first: false,
             changes: Default::default(),
+            mig_hold: None,
         })
     }
 

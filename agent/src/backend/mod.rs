@@ -10,6 +10,7 @@
 //! sysfs shows.
 
 pub mod nvml;
+mod nvml_mig;
 mod nvml_sample;
 pub mod sim;
 
@@ -319,6 +320,10 @@ pub trait GpuBackend: std::fmt::Debug + Send + Sync {
             "the {} backend takes no samples",
             self.name()
         )))
+    }
+    /// MIG reconfiguration (NVML only).
+    fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
+        None
     }
     /// `nvml` or `simulated`.
     fn name(&self) -> &'static str;

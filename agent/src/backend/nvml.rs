@@ -388,6 +388,10 @@ impl GpuBackend for NvmlBackend {
         "nvml"
     }
 
+    fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
+        Some(self)
+    }
+
     fn sampler(&self) -> Result<Box<dyn super::Sampler>, BackendError> {
         Ok(Box::new(self.nvml_sampler()))
     }

@@ -521,8 +521,14 @@ impl PluginManager {
             }
             let mut p = self.plugins.remove(i);
             self.board.lock().unwrap().remove(i);
+            // The kubelet hears the resource has no devices (capacity 0 at
+            // once, not after its endpoint grace period) before it goes.
+            p.resource.send_modify(|r| r.devices.clear());
             if let Some(stop) = p.server.take() {
-                let _ = stop.send(());
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    let _ = stop.send(());
+                });
             }
             let _ = std::fs::remove_file(&p.socket);
             tracing::info!(stage = "plugin", resource = %p.name, "resource no longer exists; stopped serving it and removed its socket");

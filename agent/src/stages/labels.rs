@@ -166,6 +166,7 @@ mod tests {
                 drain: None,
                 serve_first: false,
                 changes: Default::default(),
+                mig_hold: None,
             }
         }
 

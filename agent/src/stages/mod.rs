@@ -10,6 +10,7 @@ mod driver;
 mod health;
 mod labels;
 mod metrics;
+mod mig;
 mod plugin;
 mod runtime;
 mod validate;
@@ -50,6 +51,9 @@ impl Stage {
     pub const ALL: [Stage; 11] = [
         Stage::Discover,
         Stage::Driver,
+        // Before the nodes, the CDI spec and the device plugin: they
+        // describe the MIG devices the layout makes.
+        Stage::Mig,
         Stage::Devnodes,
         Stage::Runtime,
         Stage::Cdi,
@@ -58,7 +62,6 @@ impl Stage {
         Stage::Health,
         Stage::Labels,
         Stage::Metrics,
-        Stage::Mig,
     ];
 
     pub fn name(self) -> &'static str {
@@ -122,6 +125,7 @@ impl Stage {
         match self {
             Stage::Driver if simulated || !policy.driver.enabled => &[],
             Stage::Devnodes if simulated => &[],
+            Stage::Mig if simulated || policy.mig_manager.selected_layout().is_none() => &[],
             other => other.needs(),
         }
     }
@@ -177,6 +181,7 @@ impl Stage {
                 | Stage::Health
                 | Stage::Metrics
                 | Stage::Labels
+                | Stage::Mig
         )
     }
 }
@@ -281,6 +286,8 @@ pub struct Pass {
     pub plugin: Option<PluginPlan>,
     /// Stages left for [`run_deferred`] (with `serve_first`).
     pub deferred: Vec<Stage>,
+    /// The MIG layout's state, when one is selected.
+    pub mig: Option<crate::mig::MigStatus>,
 }
 
 /// What the device plugin will advertise.
@@ -340,6 +347,9 @@ pub struct Context<'a> {
     pub serve_first: bool,
     /// What stages changed on the host during this pass (drained per stage).
     pub changes: ChangeLog,
+    /// Why a MIG layout change must not be applied this pass (the
+    /// supervisor found its GPUs still in use).
+    pub mig_hold: Option<String>,
 }
 
 /// Host changes a stage made, in words (`wrote /var/run/cdi/nvidia.yaml`).
@@ -362,6 +372,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
     let mut deferred = Vec::new();
     // Why the container runtime will not inject CDI devices, if known.
     let mut runtime_no_cdi: Option<String> = None;
+    let mut mig_status = None;
     for stage in Stage::ALL {
         let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
         let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
@@ -390,6 +401,21 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                 Stage::Driver => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => driver::driver_stage(ctx, inv),
+                },
+                Stage::Mig => match inventory.as_ref() {
+                    None => (StageState::Waiting, "waiting on discover".to_string()),
+                    Some(inv) => {
+                        let m = mig::mig_stage(ctx, inv);
+                        mig_status = m.status;
+                        if m.changed {
+                            // The later stages describe the new MIG devices.
+                            let (_, again) = discover::discover_stage(ctx);
+                            if again.is_some() {
+                                inventory = again;
+                            }
+                        }
+                        m.outcome
+                    }
                 },
                 Stage::Devnodes => match inventory.as_ref() {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
@@ -423,10 +449,6 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
                     None => (StageState::Waiting, "waiting on discover".to_string()),
                     Some(inv) => labels::labels_stage(ctx, inv),
                 },
-                other => (
-                    StageState::Failed,
-                    format!("internal error: stage {} has no runner", other.name()),
-                ),
             }
         };
         log_stage(stage, state, &detail);
@@ -447,6 +469,7 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
         inventory,
         plugin: plugin_plan,
         deferred,
+        mig: mig_status,
     }
 }
 
@@ -555,6 +578,7 @@ mod tests {
             drain: None,
             serve_first: false,
             changes: Default::default(),
+            mig_hold: None,
         })
     }
 
@@ -575,6 +599,7 @@ mod tests {
             drain: None,
             serve_first: true,
             changes: Default::default(),
+            mig_hold: None,
         };
         let envvar = Policy::default();
         let mut p = run_pass(&ctx(&envvar));
