@@ -116,9 +116,14 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         .iter()
         .filter(|s| s.state == StageState::NotImplemented)
         .count();
+    let unbuilt = if unbuilt == 0 {
+        String::new()
+    } else {
+        format!(", {unbuilt} not built yet (shown as such, never as done)")
+    };
     writeln!(
         out,
-        "\n{done} stage(s) done, {unbuilt} not built yet (shown as such, never as done). Took {:.2} s.",
+        "\n{done} stage(s) done{unbuilt}. Took {:.2} s.",
         t0.elapsed().as_secs_f64()
     )?;
     if keep {

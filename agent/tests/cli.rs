@@ -65,8 +65,17 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
         ),
         "{out}"
     );
-    // Labels is built and done; metrics is ready (it takes a running agent); mig is not built.
-    assert!(out.contains("8 stage(s) done, 1 not built yet"), "{out}");
+    // Labels and mig (no layout selected) are done; metrics is ready (it takes a running agent).
+    assert!(out.contains("9 stage(s) done."), "{out}");
+    assert!(
+        row(
+            &out,
+            "mig",
+            "done",
+            "no layout selected (spec.migManager.default); MIG is left as it is"
+        ),
+        "{out}"
+    );
     assert!(
         row(
             &out,
@@ -371,6 +380,8 @@ fn status_without_an_agent_inspects_the_host() {
                 ),
                 "{s}"
             );
+        } else if s["stage"] == "mig" {
+            assert_eq!(s["state"], "done", "{s}");
         } else if s["stage"] == "validate" {
             // Checks what is done (the host's driver), says nothing of the rest.
             assert_eq!(s["state"], "done", "{s}");
@@ -380,7 +391,8 @@ fn status_without_an_agent_inspects_the_host() {
         }
     }
     assert_eq!(stages[1]["needs"], serde_json::json!(["CAP_SYS_MODULE"]));
-    assert_eq!(stages[2]["needs"], serde_json::json!(["CAP_MKNOD"]));
+    assert_eq!(stages[2]["stage"], "mig");
+    assert_eq!(stages[3]["needs"], serde_json::json!(["CAP_MKNOD"]));
 }
 
 #[test]
