@@ -8,6 +8,7 @@
 //!
 //! Keys are camelCase; unknown keys are rejected with their path.
 
+pub mod mig;
 pub mod readings;
 
 use std::collections::HashMap;
@@ -40,6 +41,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     ("t4-4", include_str!("../nodes/t4-4.yaml")),
     ("no-gpu", include_str!("../nodes/no-gpu.yaml")),
     ("h100-mig-2", include_str!("../nodes/h100-mig-2.yaml")),
+    (
+        "a100-h100-mixed",
+        include_str!("../nodes/a100-h100-mixed.yaml"),
+    ),
 ];
 
 /// The slowdown temperature every simulated GPU reports (the simulated
@@ -237,20 +242,22 @@ pub struct MigEngines {
 }
 
 impl MigEngines {
-    /// What an H100 80GB's GPU instance of `gi_slices` slices has
-    /// (`nvidia-smi mig -lgip`, profiles without `+me`): a decoder, a JPEG
-    /// decoder and a copy engine per slice, no encoder; the whole-GPU
-    /// instance (7 slices) has 8 copy engines and the one optical-flow
-    /// accelerator.
+    /// What an H100 80GB's GPU instance of `gi_slices` slices has: the
+    /// engines of the profile without `+me` in [`mig::MODELS`] (a decoder,
+    /// a JPEG decoder and a copy engine per slice, no encoder; the
+    /// whole-GPU instance has 8 copy engines and the one optical-flow
+    /// accelerator). Slice counts no profile has get one of each per slice.
     pub fn h100(gi_slices: u32) -> Self {
-        let full = gi_slices >= 7;
-        MigEngines {
-            copy: if full { 8 } else { gi_slices },
-            decoder: gi_slices,
-            encoder: 0,
-            jpeg: gi_slices,
-            ofa: u32::from(full),
-        }
+        mig::fallback()
+            .standard(gi_slices)
+            .map(|p| p.engines)
+            .unwrap_or(MigEngines {
+                copy: gi_slices,
+                decoder: gi_slices,
+                encoder: 0,
+                jpeg: gi_slices,
+                ofa: 0,
+            })
     }
 }
 
@@ -350,7 +357,7 @@ pub enum DescError {
     #[error(transparent)]
     Invalid(#[from] YamlError),
     #[error(
-        "{0:?} is neither a file nor a built-in node description (built-in: h100-sxm-8, a10g-1, t4-4, no-gpu, h100-mig-2)"
+        "{0:?} is neither a file nor a built-in node description (built-in: h100-sxm-8, a10g-1, t4-4, no-gpu, h100-mig-2, a100-h100-mixed)"
     )]
     Unknown(String),
 }
@@ -463,6 +470,16 @@ impl NodeDescription {
                             .into(),
                     ));
                 }
+            }
+            // The devices must be GPU instances of the model's profiles
+            // that fit on it together (an unknown model is taken as an
+            // H100 80GB).
+            if let Err(e) = mig::state::GpuMig::from_desc(g) {
+                let (field, message) = e.split_once(": ").unwrap_or(("devices", e.as_str()));
+                return Err(invalid(
+                    format!("gpus[{i}].mig.{field}"),
+                    message.to_string(),
+                ));
             }
             if g.name.is_empty() || g.name.len() >= 96 {
                 return Err(invalid(
@@ -622,6 +639,13 @@ impl NodeDescription {
             )?;
             let numa = f.numa_node.map_or("-1".to_string(), |n| n.to_string());
             fs::write(dir.join("numa_node"), format!("{numa}\n"))?;
+            // A GPU's function reset (the agent writes "1" to reset it):
+            // made empty and never rewritten, so that a reset written into
+            // the tree keeps its time (the fake NVML reads it).
+            let reset = dir.join("reset");
+            if f.vendor == nvidia && f.class >> 16 == 0x03 && !reset.exists() {
+                fs::write(&reset, "")?;
+            }
             if let Some(group) = f.iommu_group {
                 let gdir = root.join(format!("sys/kernel/iommu_groups/{group}"));
                 fs::create_dir_all(&gdir)?;
@@ -963,6 +987,55 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn mig_devices_must_be_profiles_that_fit_their_model() {
+        let base = include_str!("../nodes/h100-mig-2.yaml");
+        // Two 3g and a 1g: 7 slices, but no room for the 1g.
+        let crowded: String = base
+            .replacen(
+                "profile: 2g.20gb, giSlices: 2, memoryMib: 19968, multiprocessors: 32",
+                "profile: 3g.40gb, giSlices: 3, memoryMib: 40192, multiprocessors: 60",
+                1,
+            )
+            .lines()
+            .filter(|l| !l.contains("90a1b2c3d403"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let err = NodeDescription::from_yaml(&crowded, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "gpus[0].mig.devices: 3g.40gb + 3g.40gb + 1g.10gb do not fit on one H100 80GB"
+            ),
+            "{err}"
+        );
+        // An A100's profile name on an H100.
+        let foreign = base.replacen("profile: 1g.10gb", "profile: 1g.5gb", 1);
+        let err = NodeDescription::from_yaml(&foreign, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("gpus[0].mig.devices[2].profile: 1g.5gb with 1 slices is not a profile of the H100 80GB"),
+            "{err}"
+        );
+        // A 3c inside a 4g does not exist.
+        let three_c: String = base
+            .replacen(
+                "profile: 3g.40gb, giSlices: 3,",
+                "profile: 4g.40gb, giSlices: 4, ciSlices: 3,",
+                1,
+            )
+            .lines()
+            .filter(|l| !l.contains("90a1b2c3d403"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let err = NodeDescription::from_yaml(&three_c, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("gpus[0].mig.devices[0].ciSlices"), "{err}");
     }
 
     #[test]
