@@ -238,7 +238,12 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
     kubelet.until(&[("nvidia.com/gpu", 8)], &log);
     let st = until_mig(&node, &pfile, &log, |st| st["mig"]["state"] == "success");
     assert_eq!(st["mig"]["layout"], "all-disabled");
-    assert!(!node.mig_state.exists() || !fs::read_to_string(&node.mig_state).unwrap().contains("\"gis\":[{"));
+    assert!(
+        !node.mig_state.exists()
+            || !fs::read_to_string(&node.mig_state)
+                .unwrap()
+                .contains("\"gis\":[{")
+    );
 
     // all-balanced: the whole GPUs go, the MIG devices come.
     write_policy(&pfile, &policy("all-balanced", ""));
@@ -259,7 +264,10 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
     assert_eq!(uuids.len(), 32, "{st:#}");
     for (r, (ids, _)) in &c {
         for id in ids {
-            assert!(uuids.contains(id), "{r}: {id} is not a MIG device of the node");
+            assert!(
+                uuids.contains(id),
+                "{r}: {id} is not a MIG device of the node"
+            );
         }
     }
     let log_text = fs::read_to_string(&log).unwrap();
@@ -317,7 +325,11 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
         ],
         &log,
     );
-    assert_eq!(fs::read(&node.mig_state).unwrap(), before, "nothing changed");
+    assert_eq!(
+        fs::read(&node.mig_state).unwrap(),
+        before,
+        "nothing changed"
+    );
 
     // The process is gone: on SIGHUP the layout applies.
     let _ = sleeper.kill();
@@ -325,7 +337,11 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
     fs::write(&node.conditions, "").unwrap();
     sighup(&agent);
     let c = kubelet.until(&[("nvidia.com/mig-1g.10gb", 56)], &log);
-    for r in ["nvidia.com/mig-2g.20gb", "nvidia.com/mig-3g.40gb", "nvidia.com/gpu"] {
+    for r in [
+        "nvidia.com/mig-2g.20gb",
+        "nvidia.com/mig-3g.40gb",
+        "nvidia.com/gpu",
+    ] {
         assert!(c[r].0.is_empty(), "{r} is stale: {c:?}");
     }
     let st = until_mig(&node, &pfile, &log, |st| {
@@ -342,14 +358,13 @@ fn a_layout_that_does_not_fit_is_refused_naming_the_key_and_nothing_changes() {
     let pfile = pdir.path().join("policy.yaml");
     let inline = "    config:\n      inline:\n        version: v1\n        mig-configs:\n          wrong-profile:\n            - devices: all\n              mig-enabled: true\n              mig-devices: {\"1g.5gb\": 7}\n          too-many:\n            - device-filter: \"0x233010DE\"\n              devices: [0, 1]\n              mig-enabled: true\n              mig-devices: {\"3g.40gb\": 2, \"2g.20gb\": 1}\n";
     // Bad keys never get as far as the node.
-    write_policy(
-        &pfile,
-        &format!("{}{}", policy("nope", ""), inline),
-    );
+    write_policy(&pfile, &format!("{}{}", policy("nope", ""), inline));
     let (code, _, err) = run(bin().args(["policy", "check"]).arg(&pfile));
     assert_eq!(code, 2, "{err}");
     assert!(
-        err.contains("spec.migManager.default: no layout named \"nope\" (there are: too-many, wrong-profile)"),
+        err.contains(
+            "spec.migManager.default: no layout named \"nope\" (there are: too-many, wrong-profile)"
+        ),
         "{err}"
     );
     for (layout, message) in [
@@ -399,11 +414,18 @@ fn an_a100_waits_for_a_reset_and_a_refused_reset_rolls_back() {
         if a100 {
             assert_eq!(sorted, ["1g.5gb", "1g.5gb", "2g.10gb", "3g.20gb"], "{g:#}");
         } else {
-            assert_eq!(sorted, ["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"], "{g:#}");
+            assert_eq!(
+                sorted,
+                ["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"],
+                "{g:#}"
+            );
         }
     }
     let log = err;
-    assert!(log.contains("resetting the GPU to apply its MIG mode"), "{log}");
+    assert!(
+        log.contains("resetting the GPU to apply its MIG mode"),
+        "{log}"
+    );
 
     // A reset that does not apply the mode: only a reboot could; the
     // agent may not reboot, so the layout fails and MIG is put back.

@@ -11,6 +11,8 @@
 
 pub mod config;
 pub mod place;
+#[cfg(test)]
+mod tests;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -391,7 +393,15 @@ pub fn plan(
             Vec::new()
         };
         let current = layout_of(control, &uuid, mode.current, &instances, &profiles)?;
-        let wanted = wanted_of(e, &at, index, g, &profiles, mode.current, origin)?;
+        // With MIG off NVML may not list profiles: NVIDIA's published table
+        // for the model checks the layout before anything changes; a model
+        // the table lacks is checked against NVML once MIG is on.
+        let (check, known) = if profiles.is_empty() {
+            facts(g).map_or((Vec::new(), false), |p| (p, true))
+        } else {
+            (profiles.clone(), true)
+        };
+        let wanted = wanted_of(e, &at, index, g, &check, known, origin)?;
         let cap_nodes = g
             .mig_devices
             .iter()
@@ -425,6 +435,31 @@ pub fn plan(
 /// (`/proc/driver/nvidia-caps/mig-minors`).
 fn cap_minor(gpu_minor: u32, gi: u32, ci: Option<u32>) -> u32 {
     simnode::mig_cap_minor(gpu_minor, gi, ci)
+}
+
+/// The model's GPU-instance profiles from NVIDIA's published table.
+fn facts(g: &Gpu) -> Option<Vec<GiProfile>> {
+    let f = simnode::mig::gi_profiles(g.pci.as_ref()?.device)?;
+    Some(
+        f.profiles
+            .iter()
+            .map(|p| GiProfile {
+                id: p.id,
+                name: p.name.to_string(),
+                slices: p.slices,
+                instances: p.instances,
+                memory_mib: p.memory_mib,
+                placements: p
+                    .placements
+                    .iter()
+                    .map(|&start| Placement {
+                        start,
+                        size: p.placement_size,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    )
 }
 
 fn model(g: &Gpu) -> String {
