@@ -86,8 +86,8 @@ pub struct GpuMig {
     /// When the pending mode was set, ns since the Unix epoch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_since_ns: Option<u64>,
-    /// What the fake saw of the GPU's sysfs reset file (its mtime, ns)
-    /// when the mode went pending.
+    /// The keeper's mark of the GPU's reset (the fake NVML: its sysfs reset
+    /// file's mtime, ns, as last seen); the state machine leaves it alone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reset_mark_ns: Option<u64>,
     /// By ID.
@@ -386,13 +386,11 @@ impl GpuMig {
             self.current = enable;
             self.pending = enable;
             self.pending_since_ns = None;
-            self.reset_mark_ns = None;
             return Ok(true);
         }
         self.pending = enable;
         if self.pending == self.current {
             self.pending_since_ns = None;
-            self.reset_mark_ns = None;
             return Ok(true);
         }
         self.pending_since_ns = Some(now_ns);
@@ -403,7 +401,6 @@ impl GpuMig {
     pub fn reset(&mut self) {
         self.current = self.pending;
         self.pending_since_ns = None;
-        self.reset_mark_ns = None;
         self.gpu_instances.clear();
     }
 

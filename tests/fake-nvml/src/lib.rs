@@ -11,17 +11,36 @@
 //! fails with `NVML_ERROR_DRIVER_NOT_LOADED`, as the real library does on a
 //! node without the driver.
 //!
-//! Events: `nvmlEventSetWait` reads new lines from the file named by
-//! `FAKE_NVML_EVENTS` (a test appends to it): `<UUID or index> xid <n>`,
-//! `<UUID or index> dbe` (double-bit ECC), or `fail` (the wait returns
-//! `NVML_ERROR_UNKNOWN`). Without the variable, a wait sleeps its whole
-//! timeout and times out.
+//! Environment:
+//! - `FAKE_NVML_NODE`: the node description (file or built-in name).
+//! - `FAKE_NVML_EVENTS`: a file a test appends event lines to;
+//!   `nvmlEventSetWait` reads the new ones: `<UUID or index> xid <n>`,
+//!   `<UUID or index> dbe` (double-bit ECC), or `fail` (the wait returns
+//!   `NVML_ERROR_UNKNOWN`). Without it, a wait sleeps its whole timeout.
+//! - `FAKE_NVML_STATE`: a file read at each call, lines `<UUID or index>
+//!   <word>`: `hot` (the temperature reads 95 °C; the slowdown threshold is
+//!   90 °C), `retired-pending` (retired pages wait for a reset),
+//!   `remapped-pending` (remapped rows wait for a reset), `lost` (every call
+//!   about the GPU answers `NVML_ERROR_GPU_IS_LOST`), `busy`
+//!   (`nvmlDeviceSetMigMode` answers `NVML_ERROR_IN_USE`), `reset-ignored`
+//!   (a reset written to the GPU's sysfs file does nothing: only a reboot
+//!   could apply a pending MIG mode), and `process <pid>` (a compute process
+//!   in `nvmlDeviceGetComputeRunningProcesses_v3`; on a MIG device's UUID
+//!   it runs there, and `nvmlComputeInstanceDestroy` answers `IN_USE`).
+//! - `FAKE_NVML_MIG`: a JSON file holding the whole MIG state (the
+//!   `simnode::mig::state::NodeMig` of the node: per GPU its mode, current
+//!   and pending, and its GPU instances with their compute instances).
+//!   Loaded at `nvmlInit` when it exists and is about the same GPUs, else
+//!   made from the description; written atomically after every change and
+//!   read again when it changed, so processes share one layout. Without it
+//!   the state lives in the process.
+//! - `FAKE_NVML_SYSFS`: a sysfs tree (the test host's `sys`). Writing a
+//!   GPU's `bus/pci/devices/<bus id>/reset` resets it: its pending MIG mode
+//!   applies and its GPU instances are gone.
 //!
-//! Conditions: `FAKE_NVML_STATE` names a file read at each call, lines
-//! `<UUID or index> <word>`: `hot` (the temperature reads 95 °C; the
-//! slowdown threshold is 90 °C), `retired-pending` (retired pages wait for
-//! a reset), `remapped-pending` (remapped rows wait for a reset), `lost`
-//! (every call about the GPU answers `NVML_ERROR_GPU_IS_LOST`).
+//! MIG: the mode, GPU-instance and compute-instance profiles, placements,
+//! instances and MIG devices follow `simnode::mig` (NVIDIA's published
+//! profiles per model and NVML's rules); see `mig.rs`.
 //!
 //! Readings (clocks, temperatures, power, energy, utilisations, framebuffer,
 //! NVLink traffic, GPM) come from `simnode::readings`: gauges as described,
@@ -30,15 +49,17 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 mod metrics;
+mod mig;
 
 use std::ffi::{c_char, c_int, c_uint};
 use std::sync::Mutex;
 
+use mig::{is_mig_handle, with_mig_device};
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlDeviceAttributes_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuTopologyLevel_t,
-    nvmlMemory_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t, nvmlUtilization_t,
+    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlGpuTopologyLevel_t, nvmlMemory_t,
+    nvmlMemory_v2_t, nvmlPciInfo_t, nvmlReturn_t, nvmlUtilization_t,
 };
-use simnode::{GpuDesc, MigDeviceDesc, NodeDescription};
+use simnode::{GpuDesc, NodeDescription};
 
 const SUCCESS: nvmlReturn_t = 0;
 const ERROR_UNINITIALIZED: nvmlReturn_t = 1;
@@ -56,6 +77,8 @@ const TEMPERATURE_GPU: c_uint = 0;
 
 struct State {
     node: NodeDescription,
+    /// The node's MIG state (mode, instances), live.
+    mig: mig::MigStore,
     inits: u32,
     /// When the library was first initialised: counters grow from here.
     loaded: std::time::Instant,
@@ -187,14 +210,21 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     };
     match NodeDescription::load(&name) {
         Ok(node) if node.driver.is_none() => ERROR_DRIVER_NOT_LOADED,
-        Ok(node) => {
-            *guard = Some(State {
-                node,
-                inits: 1,
-                loaded: std::time::Instant::now(),
-            });
-            SUCCESS
-        }
+        Ok(node) => match mig::MigStore::load(&node) {
+            Ok(mig) => {
+                *guard = Some(State {
+                    node,
+                    mig,
+                    inits: 1,
+                    loaded: std::time::Instant::now(),
+                });
+                SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fake libnvidia-ml: {name}: {e}");
+                ERROR_UNKNOWN
+            }
+        },
         Err(e) => {
             eprintln!("fake libnvidia-ml: {e}");
             ERROR_UNKNOWN
@@ -364,7 +394,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
 ) -> nvmlReturn_t {
     if is_mig_handle(device) {
         // SAFETY: forwarded caller buffer.
-        return with_mig(device, |m| unsafe { write_cstr(&m.uuid, uuid, length) });
+        return with_mig_device(device, |m| unsafe { write_cstr(&m.uuid, uuid, length) });
     }
     // SAFETY: forwarded caller buffer.
     with_gpu(device, |_, _, g| unsafe {
@@ -390,7 +420,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
 ) -> nvmlReturn_t {
     if is_mig_handle(device) {
         // A MIG device: its own memory, none of it in use.
-        return with_mig(device, |m| {
+        return with_mig_device(device, |m| {
             let total = m.memory_mib * 1024 * 1024;
             // SAFETY: `memory` is the caller's out-pointer.
             unsafe {
@@ -483,28 +513,6 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
             SUCCESS
         }
         None => ERROR_NOT_SUPPORTED,
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigMode(
-    device: nvmlDevice_t,
-    current: *mut c_uint,
-    pending: *mut c_uint,
-) -> nvmlReturn_t {
-    if current.is_null() || pending.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, _, g| {
-        if !g.mig.capable {
-            return ERROR_NOT_SUPPORTED;
-        }
-        // SAFETY: checked non-null above.
-        unsafe {
-            *current = c_uint::from(g.mig.enabled);
-            *pending = c_uint::from(g.mig.enabled);
-        }
-        SUCCESS
     })
 }
 
@@ -854,139 +862,4 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         };
         std::thread::sleep(nap.min(deadline - now));
     }
-}
-
-// --- MIG ----------------------------------------------------------------------
-
-/// MIG handles carry (MIG index + 1) in the bits above 16.
-const MIG_SHIFT: usize = 16;
-/// MIG devices a GPU can hold (`nvmlDeviceGetMaxMigDeviceCount`).
-const MAX_MIG_DEVICES: c_uint = 7;
-
-fn is_mig_handle(device: nvmlDevice_t) -> bool {
-    (device as usize) >> MIG_SHIFT != 0
-}
-
-fn mig_handle(gpu: usize, mig: usize) -> nvmlDevice_t {
-    ((gpu + 1) | ((mig + 1) << MIG_SHIFT)) as nvmlDevice_t
-}
-
-/// Runs `f` with the MIG device behind a MIG handle.
-fn with_mig(device: nvmlDevice_t, f: impl FnOnce(&MigDeviceDesc) -> nvmlReturn_t) -> nvmlReturn_t {
-    with_mig_at(device, |_, m| f(m))
-}
-
-/// Like [`with_mig`], with the device's position in its GPU's list.
-fn with_mig_at(
-    device: nvmlDevice_t,
-    f: impl FnOnce(usize, &MigDeviceDesc) -> nvmlReturn_t,
-) -> nvmlReturn_t {
-    let raw = device as usize;
-    let (gpu, mig) = (
-        (raw & ((1 << MIG_SHIFT) - 1)).wrapping_sub(1),
-        (raw >> MIG_SHIFT).wrapping_sub(1),
-    );
-    with_node(
-        |node| match node.gpus.get(gpu).and_then(|g| g.mig.devices.get(mig)) {
-            Some(m) if node.gpus[gpu].mig.enabled => f(mig, m),
-            _ => ERROR_INVALID_ARGUMENT,
-        },
-    )
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
-    device: nvmlDevice_t,
-    is_mig: *mut c_uint,
-) -> nvmlReturn_t {
-    let mig = is_mig_handle(device);
-    // SAFETY: `is_mig` is the caller's out-pointer.
-    with_node(|_| unsafe { answer(is_mig, Some(c_uint::from(mig))) })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
-    device: nvmlDevice_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    // SAFETY: `count` is the caller's out-pointer.
-    with_gpu(device, |_, _, g| unsafe {
-        answer(count, g.mig.capable.then_some(MAX_MIG_DEVICES))
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
-    device: nvmlDevice_t,
-    index: c_uint,
-    mig: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    if mig.is_null() {
-        return ERROR_INVALID_ARGUMENT;
-    }
-    with_gpu(device, |_, i, g| {
-        if !g.mig.capable {
-            return ERROR_NOT_SUPPORTED;
-        }
-        if index >= MAX_MIG_DEVICES {
-            return ERROR_INVALID_ARGUMENT;
-        }
-        if !g.mig.enabled || index as usize >= g.mig.devices.len() {
-            return ERROR_NOT_FOUND;
-        }
-        // SAFETY: checked non-null above.
-        unsafe { *mig = mig_handle(i, index as usize) };
-        SUCCESS
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
-    device: nvmlDevice_t,
-    attrs: *mut nvmlDeviceAttributes_t,
-) -> nvmlReturn_t {
-    if !is_mig_handle(device) {
-        // Whole GPUs: nothing in a node description says this.
-        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
-    }
-    with_mig(device, |m| {
-        let e = m.engines();
-        let a = nvmlDeviceAttributes_t {
-            multiprocessorCount: m.multiprocessors,
-            sharedCopyEngineCount: e.copy,
-            sharedDecoderCount: e.decoder,
-            sharedEncoderCount: e.encoder,
-            sharedJpegCount: e.jpeg,
-            sharedOfaCount: e.ofa,
-            gpuInstanceSliceCount: m.gi_slices,
-            computeInstanceSliceCount: m.ci_slices(),
-            memorySizeMB: m.memory_mib,
-        };
-        // SAFETY: `attrs` is the caller's out-pointer.
-        unsafe { answer(attrs, Some(a)) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
-    device: nvmlDevice_t,
-    id: *mut c_uint,
-) -> nvmlReturn_t {
-    if !is_mig_handle(device) {
-        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
-    }
-    // SAFETY: `id` is the caller's out-pointer.
-    with_mig_at(device, |k, m| unsafe { answer(id, Some(m.gi_id(k))) })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
-    device: nvmlDevice_t,
-    id: *mut c_uint,
-) -> nvmlReturn_t {
-    if !is_mig_handle(device) {
-        return with_gpu(device, |_, _, _| ERROR_NOT_SUPPORTED);
-    }
-    // SAFETY: `id` is the caller's out-pointer.
-    with_mig_at(device, |_, m| unsafe { answer(id, Some(m.ci_id())) })
 }
