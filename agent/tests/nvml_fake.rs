@@ -208,3 +208,582 @@ fn mig_devices_same_through_nvml_and_simulation() {
     .unwrap();
     assert_eq!(out, golden);
 }
+
+// --- MIG through nvml-wrapper and the raw NVML API ------------------------------
+//
+// These drive the fake directly, as the agent's MIG stage will. The library
+// keeps one state per process and reads its environment there, so each
+// scenario runs in a process of its own: the test re-runs this test binary
+// for just itself with `GPU_AGENT_NVML_CHILD=<test>:<phase>` set, and the
+// child does the work.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+use simnode::mig::gi_index;
+use simnode::mig::state::{NodeMig, mig_uuid};
+
+const CHILD: &str = "GPU_AGENT_NVML_CHILD";
+
+/// In a child process: the phase it runs for `test`.
+fn phase(test: &str) -> Option<String> {
+    std::env::var(CHILD)
+        .ok()?
+        .strip_prefix(&format!("{test}:"))
+        .map(String::from)
+}
+
+/// Runs `phase` of `test` in a fresh process of this binary with `envs`
+/// (and the environment of this process); it must pass.
+fn run_phase(test: &str, phase: &str, envs: &[(&str, &OsStr)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, format!("{test}:{phase}"))
+        .envs(envs.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "{test} ({phase}) in its own process:\n{stdout}\n{stderr}"
+    );
+}
+
+fn open(lib: &Path) -> Nvml {
+    Nvml::builder().lib_path(lib.as_os_str()).init().unwrap()
+}
+
+/// NVML calls nvml-wrapper 0.13 does not wrap (or wraps wrongly: its
+/// `possible_placements` never sets the vector's length), through
+/// nvml-wrapper-sys. Errors are the raw `nvmlReturn_t`.
+#[allow(unsafe_code)]
+mod raw {
+    use nvml_wrapper::{Device, Nvml};
+    use nvml_wrapper_sys::bindings::{
+        nvmlComputeInstance_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t,
+        nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_v2_t,
+        nvmlReturn_t,
+    };
+
+    pub const SUCCESS: nvmlReturn_t = 0;
+    pub const INVALID_ARGUMENT: nvmlReturn_t = 2;
+    pub const NOT_SUPPORTED: nvmlReturn_t = 3;
+    pub const IN_USE: nvmlReturn_t = 19;
+    pub const RESET_REQUIRED: u32 = 16;
+    pub const INSUFFICIENT_RESOURCES: nvmlReturn_t = 23;
+
+    fn ok(r: nvmlReturn_t) -> Result<(), nvmlReturn_t> {
+        if r == SUCCESS { Ok(()) } else { Err(r) }
+    }
+
+    /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`: asks the count, then the list.
+    pub fn placements(
+        nvml: &Nvml,
+        dev: &Device<'_>,
+        profile_id: u32,
+    ) -> Result<Vec<(u32, u32)>, nvmlReturn_t> {
+        let mut count = 0;
+        // SAFETY: a live device handle; a null array asks for the count.
+        ok(unsafe {
+            nvml.lib().nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+                dev.handle(),
+                profile_id,
+                std::ptr::null_mut(),
+                &mut count,
+            )
+        })?;
+        let mut list = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        // SAFETY: `list` holds `count` placements.
+        ok(unsafe {
+            nvml.lib().nvmlDeviceGetGpuInstancePossiblePlacements_v2(
+                dev.handle(),
+                profile_id,
+                list.as_mut_ptr(),
+                &mut count,
+            )
+        })?;
+        list.truncate(count as usize);
+        Ok(list.iter().map(|p| (p.start, p.size)).collect())
+    }
+
+    pub fn remaining(nvml: &Nvml, dev: &Device<'_>, profile_id: u32) -> Result<u32, nvmlReturn_t> {
+        let mut n = 0;
+        // SAFETY: a live device handle and an out-pointer.
+        ok(unsafe {
+            nvml.lib()
+                .nvmlDeviceGetGpuInstanceRemainingCapacity(dev.handle(), profile_id, &mut n)
+        })?;
+        Ok(n)
+    }
+
+    /// `nvmlDeviceGetGpuInstanceProfileInfoV` with a v2 struct.
+    pub fn gi_profile_v(
+        nvml: &Nvml,
+        dev: &Device<'_>,
+        index: u32,
+    ) -> Result<nvmlGpuInstanceProfileInfo_v2_t, nvmlReturn_t> {
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut info: nvmlGpuInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+        info.version = std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32 | (2 << 24);
+        // SAFETY: a live device handle and a versioned out-struct.
+        ok(unsafe {
+            nvml.lib()
+                .nvmlDeviceGetGpuInstanceProfileInfoV(dev.handle(), index, &mut info)
+        })?;
+        Ok(info)
+    }
+
+    pub fn create_gi(
+        nvml: &Nvml,
+        dev: &Device<'_>,
+        profile_id: u32,
+        placement: Option<(u32, u32)>,
+    ) -> Result<nvmlGpuInstance_t, nvmlReturn_t> {
+        let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: a live device handle and out-pointers.
+        ok(unsafe {
+            match placement {
+                None => nvml
+                    .lib()
+                    .nvmlDeviceCreateGpuInstance(dev.handle(), profile_id, &mut gi),
+                Some((start, size)) => nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement(
+                    dev.handle(),
+                    profile_id,
+                    &nvmlGpuInstancePlacement_t { start, size },
+                    &mut gi,
+                ),
+            }
+        })?;
+        Ok(gi)
+    }
+
+    pub fn gi_info(nvml: &Nvml, gi: nvmlGpuInstance_t) -> nvmlGpuInstanceInfo_t {
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut info: nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a GPU-instance handle from the library and an out-pointer.
+        ok(unsafe { nvml.lib().nvmlGpuInstanceGetInfo(gi, &mut info) }).unwrap();
+        info
+    }
+
+    /// The compute instance that takes all of a GPU instance of `slices`
+    /// slices (profile `NVML_COMPUTE_INSTANCE_PROFILE_<slices>_SLICE`).
+    pub fn create_full_ci(
+        nvml: &Nvml,
+        gi: nvmlGpuInstance_t,
+        slices: u32,
+    ) -> Result<nvmlComputeInstance_t, nvmlReturn_t> {
+        let index = simnode::mig::ci_index::for_slices(slices).unwrap();
+        // SAFETY: plain C data; all-zero is a valid value.
+        let mut info: nvmlComputeInstanceProfileInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: a GPU-instance handle from the library and an out-pointer.
+        ok(unsafe {
+            nvml.lib()
+                .nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, index, 0, &mut info)
+        })?;
+        assert_eq!(info.sliceCount, slices);
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // SAFETY: as above.
+        ok(unsafe {
+            nvml.lib()
+                .nvmlGpuInstanceCreateComputeInstance(gi, info.id, &mut ci)
+        })?;
+        Ok(ci)
+    }
+
+    pub fn ci_by_id(
+        nvml: &Nvml,
+        gi: nvmlGpuInstance_t,
+        id: u32,
+    ) -> Result<nvmlComputeInstance_t, nvmlReturn_t> {
+        let mut ci: nvmlComputeInstance_t = std::ptr::null_mut();
+        // SAFETY: a GPU-instance handle from the library and an out-pointer.
+        ok(unsafe {
+            nvml.lib()
+                .nvmlGpuInstanceGetComputeInstanceById(gi, id, &mut ci)
+        })?;
+        Ok(ci)
+    }
+
+    pub fn destroy_ci(nvml: &Nvml, ci: nvmlComputeInstance_t) -> nvmlReturn_t {
+        // SAFETY: a compute-instance handle from the library.
+        unsafe { nvml.lib().nvmlComputeInstanceDestroy(ci) }
+    }
+
+    pub fn destroy_gi(nvml: &Nvml, gi: nvmlGpuInstance_t) -> nvmlReturn_t {
+        // SAFETY: a GPU-instance handle from the library.
+        unsafe { nvml.lib().nvmlGpuInstanceDestroy(gi) }
+    }
+
+    /// `nvmlDeviceGetGpuInstanceId` of a MIG device.
+    pub fn gi_id(nvml: &Nvml, mig: &Device<'_>) -> u32 {
+        let mut id = u32::MAX;
+        // SAFETY: a live MIG device handle and an out-pointer.
+        ok(unsafe { nvml.lib().nvmlDeviceGetGpuInstanceId(mig.handle(), &mut id) }).unwrap();
+        id
+    }
+}
+
+/// The C name field as a string.
+fn c_name(name: &[std::ffi::c_char]) -> String {
+    name.iter()
+        .take_while(|c| **c != 0)
+        .map(|c| *c as u8 as char)
+        .collect()
+}
+
+fn mode(dev: &nvml_wrapper::Device<'_>) -> (u32, u32) {
+    let m = dev.mig_mode().unwrap();
+    (m.current, m.pending)
+}
+
+#[test]
+fn mig_layout_made_through_nvml_on_an_h100() {
+    const TEST: &str = "mig_layout_made_through_nvml_on_an_h100";
+    if phase(TEST).is_some() {
+        return h100_layout_in_this_process();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("conditions");
+    std::fs::write(&state, "").unwrap();
+    run_phase(
+        TEST,
+        "main",
+        &[
+            ("FAKE_NVML_NODE", OsStr::new("h100-sxm-8")),
+            ("FAKE_NVML_STATE", state.as_os_str()),
+        ],
+    );
+}
+
+fn h100_layout_in_this_process() {
+    let state = PathBuf::from(std::env::var_os("FAKE_NVML_STATE").unwrap());
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let dev = nvml.device_by_index(0).unwrap();
+    assert_eq!(mode(&dev), (0, 0));
+    assert!(matches!(
+        dev.mig_device_by_index(0),
+        Err(NvmlError::NotFound)
+    ));
+    // Hopper: the mode changes at once (activation status SUCCESS).
+    assert_eq!(dev.set_mig_mode(true).unwrap(), raw::SUCCESS);
+    assert_eq!(mode(&dev), (1, 1));
+
+    // The H100's profiles as NVIDIA lists them.
+    let one = dev.profile_info(gi_index::SLICE_1).unwrap();
+    assert_eq!(
+        (
+            one.id,
+            one.slice_count,
+            one.instance_count,
+            one.memory_size_mb,
+            one.multiprocessor_count
+        ),
+        (19, 1, 7, 9984, 16)
+    );
+    let three = dev.profile_info(gi_index::SLICE_3).unwrap();
+    assert_eq!(
+        (three.id, three.instance_count, three.memory_size_mb),
+        (9, 2, 40448)
+    );
+    let seven = dev.profile_info(gi_index::SLICE_7).unwrap();
+    assert_eq!(
+        (seven.id, seven.copy_engine_count, seven.ofa_count),
+        (0, 8, 1)
+    );
+    // The A30's 2g+me is not an H100 profile.
+    assert!(matches!(
+        dev.profile_info(gi_index::SLICE_2_REV1),
+        Err(NvmlError::NotSupported)
+    ));
+    let rev2 = raw::gi_profile_v(&nvml, &dev, gi_index::SLICE_1_REV2).unwrap();
+    assert_eq!(c_name(&rev2.name), "MIG 1g.20gb");
+    assert_eq!(
+        (rev2.id, rev2.memorySizeMB, rev2.instanceCount),
+        (15, 20096, 4)
+    );
+    assert_eq!(raw::placements(&nvml, &dev, 9), Ok(vec![(0, 4), (4, 4)]));
+    assert_eq!(
+        raw::placements(&nvml, &dev, 15),
+        Ok(vec![(0, 2), (2, 2), (4, 2), (6, 2)])
+    );
+    assert_eq!(raw::placements(&nvml, &dev, 19).unwrap().len(), 7);
+    assert_eq!(raw::remaining(&nvml, &dev, 9), Ok(2));
+
+    // 3g + 2g + 1g + 1g, NVML choosing the placements as the driver does.
+    let mut gis = Vec::new();
+    for (profile, slices) in [(9, 3), (14, 2), (19, 1), (19, 1)] {
+        let gi = raw::create_gi(&nvml, &dev, profile, None).unwrap();
+        raw::create_full_ci(&nvml, gi, slices).unwrap();
+        gis.push(gi);
+    }
+    let placed: Vec<(u32, u32, u32, u32)> = gis
+        .iter()
+        .map(|gi| {
+            let i = raw::gi_info(&nvml, *gi);
+            (i.id, i.profileId, i.placement.start, i.placement.size)
+        })
+        .collect();
+    assert_eq!(
+        placed,
+        [(2, 9, 4, 4), (3, 14, 0, 2), (9, 19, 2, 1), (10, 19, 3, 1)]
+    );
+    // Taken memory slices are refused; a start the profile lacks is invalid.
+    assert_eq!(
+        raw::create_gi(&nvml, &dev, 5, Some((0, 4))).err(),
+        Some(raw::INSUFFICIENT_RESOURCES)
+    );
+    assert_eq!(
+        raw::create_gi(&nvml, &dev, 19, Some((1, 1))).err(),
+        Some(raw::INSUFFICIENT_RESOURCES)
+    );
+    assert_eq!(
+        raw::create_gi(&nvml, &dev, 9, Some((2, 4))).err(),
+        Some(raw::INVALID_ARGUMENT)
+    );
+    assert_eq!(raw::remaining(&nvml, &dev, 19), Ok(0));
+
+    // The MIG devices, by GPU-instance ID, as the agent's discovery reads them.
+    assert_eq!(dev.mig_device_count().unwrap(), 7);
+    let gpu_uuid = dev.uuid().unwrap();
+    let devices: Vec<(u32, String, u32, u64, u32)> = (0..4)
+        .map(|k| {
+            let m = dev.mig_device_by_index(k).unwrap();
+            assert!(m.mig_is_mig_device_handle().unwrap());
+            let a = m.attributes().unwrap();
+            (
+                raw::gi_id(&nvml, &m),
+                m.uuid().unwrap(),
+                a.gpu_instance_slice_count,
+                a.memory_size_mb,
+                a.multiprocessor_count,
+            )
+        })
+        .collect();
+    assert_eq!(
+        devices,
+        [
+            (2, mig_uuid(&gpu_uuid, 2, 0), 3, 40448, 60),
+            (3, mig_uuid(&gpu_uuid, 3, 0), 2, 20096, 32),
+            (9, mig_uuid(&gpu_uuid, 9, 0), 1, 9984, 16),
+            (10, mig_uuid(&gpu_uuid, 10, 0), 1, 9984, 16),
+        ]
+    );
+    assert!(matches!(
+        dev.mig_device_by_index(4),
+        Err(NvmlError::NotFound)
+    ));
+    let first = dev.mig_device_by_index(0).unwrap();
+    assert_eq!(first.memory_info().unwrap().total, 40448 * 1024 * 1024);
+    assert_eq!(first.attributes().unwrap().shared_decoder_count, 3);
+
+    // Processes: one on the whole GPU, one on the third MIG device.
+    std::fs::write(
+        &state,
+        format!("0 process 4242\n{} process 4343\n", devices[2].1),
+    )
+    .unwrap();
+    let procs: Vec<(u32, Option<u32>, Option<u32>)> = dev
+        .running_compute_processes()
+        .unwrap()
+        .iter()
+        .map(|p| (p.pid, p.gpu_instance_id, p.compute_instance_id))
+        .collect();
+    assert_eq!(procs, [(4242, None, None), (4343, Some(9), Some(0))]);
+    // A GPU instance with a compute instance, and a compute instance with
+    // a process, cannot go; MIG cannot be turned off under instances.
+    assert_eq!(raw::destroy_gi(&nvml, gis[2]), raw::IN_USE);
+    let ci = raw::ci_by_id(&nvml, gis[2], 0).unwrap();
+    assert_eq!(raw::destroy_ci(&nvml, ci), raw::IN_USE);
+    std::fs::write(&state, "").unwrap();
+    assert_eq!(raw::destroy_ci(&nvml, ci), raw::SUCCESS);
+    assert_eq!(raw::destroy_gi(&nvml, gis[2]), raw::SUCCESS);
+    assert_eq!(raw::remaining(&nvml, &dev, 19), Ok(1));
+    assert!(matches!(dev.set_mig_mode(false), Err(NvmlError::InUse)));
+    assert_eq!(mode(&dev), (1, 1));
+}
+
+#[test]
+fn a100_mig_mode_waits_for_the_sysfs_reset() {
+    const TEST: &str = "a100_mig_mode_waits_for_the_sysfs_reset";
+    if phase(TEST).is_some() {
+        return a100_reset_in_this_process();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    simnode::NodeDescription::load("a100-h100-mixed")
+        .unwrap()
+        .materialize(dir.path())
+        .unwrap();
+    let state = dir.path().join("conditions");
+    std::fs::write(&state, "").unwrap();
+    let sys = dir.path().join("sys");
+    run_phase(
+        TEST,
+        "main",
+        &[
+            ("FAKE_NVML_NODE", OsStr::new("a100-h100-mixed")),
+            ("FAKE_NVML_SYSFS", sys.as_os_str()),
+            ("FAKE_NVML_STATE", state.as_os_str()),
+        ],
+    );
+}
+
+fn a100_reset_in_this_process() {
+    let sys = PathBuf::from(std::env::var_os("FAKE_NVML_SYSFS").unwrap());
+    let state = PathBuf::from(std::env::var_os("FAKE_NVML_STATE").unwrap());
+    let reset = |bus: &str| {
+        std::fs::write(sys.join("bus/pci/devices").join(bus).join("reset"), "1").unwrap();
+    };
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let a100 = nvml.device_by_index(0).unwrap();
+    let other_a100 = nvml.device_by_index(1).unwrap();
+    let h100 = nvml.device_by_index(2).unwrap();
+    // Ampere: pending until the GPU is reset.
+    assert_eq!(a100.set_mig_mode(true).unwrap(), raw::RESET_REQUIRED);
+    assert_eq!(mode(&a100), (0, 1));
+    assert_eq!(
+        raw::create_gi(&nvml, &a100, 19, None).err(),
+        Some(raw::NOT_SUPPORTED)
+    );
+    // Hopper beside it: at once.
+    assert_eq!(h100.set_mig_mode(true).unwrap(), raw::SUCCESS);
+    assert_eq!(mode(&h100), (1, 1));
+    // The agent resets the A100 through its PCI function.
+    reset("0000:07:00.0");
+    assert_eq!(mode(&a100), (1, 1));
+    assert_eq!(mode(&other_a100), (0, 0));
+    // The A100 40GB's profiles; the driver puts a lone 1g at slice 6 (GI 13).
+    let one = a100.profile_info(gi_index::SLICE_1).unwrap();
+    assert_eq!(
+        (one.id, one.memory_size_mb, one.multiprocessor_count),
+        (19, 4864, 14)
+    );
+    let gi = raw::create_gi(&nvml, &a100, 19, None).unwrap();
+    let info = raw::gi_info(&nvml, gi);
+    assert_eq!(
+        (info.id, info.placement.start, info.placement.size),
+        (13, 6, 1)
+    );
+    assert_eq!(raw::remaining(&nvml, &a100, 19), Ok(6));
+    // A reset takes every instance with it.
+    reset("0000:07:00.0");
+    assert_eq!(raw::remaining(&nvml, &a100, 19), Ok(7));
+    assert_eq!(mode(&a100), (1, 1));
+
+    // A GPU whose reset does not apply the mode (only a reboot would), and
+    // one whose mode cannot be set while it is busy.
+    let uuid1 = other_a100.uuid().unwrap();
+    let uuid3 = nvml.device_by_index(3).unwrap().uuid().unwrap();
+    std::fs::write(&state, format!("{uuid1} reset-ignored\n{uuid3} busy\n")).unwrap();
+    assert_eq!(other_a100.set_mig_mode(true).unwrap(), raw::RESET_REQUIRED);
+    reset("0000:0f:00.0");
+    assert_eq!(mode(&other_a100), (0, 1));
+    assert!(matches!(
+        nvml.device_by_index(3).unwrap().set_mig_mode(true),
+        Err(NvmlError::InUse)
+    ));
+}
+
+#[test]
+fn mig_layout_is_shared_through_fake_nvml_mig() {
+    const TEST: &str = "mig_layout_is_shared_through_fake_nvml_mig";
+    match phase(TEST).as_deref() {
+        Some("make") => return shared_make(),
+        Some("see") => return shared_see(TEST),
+        Some("change") => return shared_change(),
+        _ => {}
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mig.json");
+    let envs = [
+        ("FAKE_NVML_NODE", OsStr::new("h100-sxm-8")),
+        ("FAKE_NVML_MIG", file.as_os_str()),
+    ];
+    run_phase(TEST, "make", &envs);
+    let state: NodeMig = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert!(state.gpus[1].current);
+    assert_eq!(state.gpus[1].gpu_instances.len(), 1);
+    // The agent's discovery, another process, sees the layout.
+    let (_lib_dir, lib) = fake_nvml();
+    let (code, out, err) = run(at(host_fixture("h100-sxm-8"))
+        .arg("--nvml-lib")
+        .arg(&lib)
+        .args(["inventory", "--output", "json"])
+        .envs(envs));
+    assert_eq!(code, 0, "{err}");
+    let inv = json(&out);
+    let migs = inv["gpus"][1]["mig_devices"].as_array().unwrap();
+    assert_eq!(migs.len(), 1);
+    assert_eq!(migs[0]["profile"], "7g.80gb");
+    assert_eq!(
+        migs[0]["uuid"].as_str().unwrap(),
+        mig_uuid(inv["gpus"][1]["uuid"].as_str().unwrap(), 0, 0)
+    );
+    assert_eq!(
+        inv["gpus"][0]["mig"],
+        serde_json::json!({"current": false, "pending": false})
+    );
+    run_phase(TEST, "see", &envs);
+}
+
+/// Makes a whole-GPU MIG device on GPU 1.
+fn shared_make() {
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let dev = nvml.device_by_index(1).unwrap();
+    dev.set_mig_mode(true).unwrap();
+    let gi = raw::create_gi(&nvml, &dev, 0, None).unwrap();
+    raw::create_full_ci(&nvml, gi, 7).unwrap();
+}
+
+/// Sees GPU 1's layout, then, still open, the one another process makes.
+fn shared_see(test: &str) {
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let dev = nvml.device_by_index(1).unwrap();
+    assert_eq!(mode(&dev), (1, 1));
+    let uuid = dev.uuid().unwrap();
+    assert_eq!(
+        dev.mig_device_by_index(0).unwrap().uuid().unwrap(),
+        mig_uuid(&uuid, 0, 0)
+    );
+    assert_eq!(raw::remaining(&nvml, &dev, 9), Ok(0));
+    run_phase(test, "change", &[]);
+    // This library reads the changed file on its next call.
+    let names: Vec<(u32, u32)> = (0..2)
+        .map(|k| {
+            let m = dev.mig_device_by_index(k).unwrap();
+            (
+                raw::gi_id(&nvml, &m),
+                m.attributes().unwrap().gpu_instance_slice_count,
+            )
+        })
+        .collect();
+    assert_eq!(names, [(1, 3), (2, 3)]);
+}
+
+/// Replaces GPU 1's 7g with two 3g.
+fn shared_change() {
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let dev = nvml.device_by_index(1).unwrap();
+    let mut gi = std::ptr::null_mut();
+    #[allow(unsafe_code)]
+    // SAFETY: a live device handle and an out-pointer.
+    let found = unsafe {
+        nvml.lib()
+            .nvmlDeviceGetGpuInstanceById(dev.handle(), 0, &mut gi)
+    };
+    assert_eq!(found, raw::SUCCESS);
+    let ci = raw::ci_by_id(&nvml, gi, 0).unwrap();
+    assert_eq!(raw::destroy_ci(&nvml, ci), raw::SUCCESS);
+    assert_eq!(raw::destroy_gi(&nvml, gi), raw::SUCCESS);
+    for _ in 0..2 {
+        let gi = raw::create_gi(&nvml, &dev, 9, None).unwrap();
+        raw::create_full_ci(&nvml, gi, 3).unwrap();
+    }
+}
