@@ -308,6 +308,10 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
     // timeout naming it, and the old layout is advertised again.
     let mut sleeper = Command::new("sleep").arg("60").spawn().unwrap();
     fs::write(&node.conditions, format!("0 process {}\n", sleeper.id())).unwrap();
+    // The host tree's /proc stands for the host's: the process's name.
+    let pdir = node.host.join(format!("proc/{}", sleeper.id()));
+    fs::create_dir_all(&pdir).unwrap();
+    fs::write(pdir.join("comm"), "sleep\n").unwrap();
     write_policy(&pfile, &policy("all-1g.10gb", ""));
     sighup(&agent);
     let st = until_mig(&node, &pfile, &log, |st| st["mig"]["state"] == "failed");
@@ -438,8 +442,20 @@ fn an_a100_waits_for_a_reset_and_a_refused_reset_rolls_back() {
         "{err}"
     );
     assert!(err.contains("the previous layout is back"), "{err}");
+    // The agent's state says failed; inspecting the host shows MIG as it
+    // was and what the layout would change.
+    let saved = json(&fs::read_to_string(node.host.join("run/gpu-agent/state.json")).unwrap());
+    assert_eq!(saved["mig"]["state"], "failed", "{saved:#}");
+    assert_eq!(saved["mig"]["layout"], "all-balanced");
     let st = node.status(&pfile);
     let g0 = &st["inventory"]["gpus"][0];
     assert!(g0["mig_devices"].as_array().unwrap().is_empty(), "{g0:#}");
-    assert_eq!(stage(&st, "mig")["state"], "failed");
+    let mig = stage(&st, "mig");
+    assert_eq!(mig["state"], "ready", "{mig:#}");
+    assert!(
+        mig["detail"].as_str().unwrap().starts_with(
+            "layout \"all-balanced\" would change GPU 0: MIG off → 3g.20gb, 2g.10gb, 1g.5gb x2"
+        ),
+        "{mig:#}"
+    );
 }
