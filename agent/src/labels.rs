@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 
 use crate::backend::{ComputeCapability, MigDevice};
 use crate::inventory::{Gpu, Inventory};
-use crate::plugin::config::MigStrategy;
+use crate::plugin::config::{MigStrategy, SharingStrategy};
 use crate::plugin::resources::{self, GPU_RESOURCE, PluginSettings};
 use crate::policy::Policy;
 
@@ -132,9 +132,7 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
         "mig.capable",
         gpus.iter().any(|g| g.mig.is_some()).to_string(),
     );
-    // MPS sharing is refused by the config check (gpu-agent does not run
-    // the MPS daemon), so no node is MPS-capable.
-    put("mps.capable", "false".into());
+    put("mps.capable", mps_capable(inv, settings).to_string());
     put("gpu.mode", gpu_mode(&gpus).into());
     full_gpu_labels(&gpus, settings, &mut out);
     match settings.mig_strategy {
@@ -149,6 +147,16 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
         }
     }
     out
+}
+
+/// `nvidia.com/mps.capable`: GFD writes `false` unless the sharing in force
+/// is MPS, and then whether no GPU is in MIG mode. Here: MPS is in force
+/// and the device plugin can serve it — every GPU it shares with MPS is
+/// out of MIG mode and new enough (on a node where other GPUs are in MIG
+/// mode GFD fails to label; gpu-agent serves MPS on the rest and says so).
+fn mps_capable(inv: &Inventory, settings: &PluginSettings) -> bool {
+    matches!(settings.sharing(), Some((SharingStrategy::Mps, _)))
+        && resources::build(inv, settings).is_ok_and(|rs| rs.iter().any(|r| r.mps))
 }
 
 /// `X.Y[.Z]` → (X, Y, Z or ""), as GFD splits NVML's driver version.
@@ -257,13 +265,11 @@ impl ResourceLabels<'_> {
         self.put(out, "product", product.join("-"));
         self.put(out, "count", count);
         self.put(out, "replicas", replicas);
-        // Time-slicing is the only sharing the device plugin does.
-        let strategy = if self.settings.is_some() && replicas > 1 {
-            "time-slicing"
-        } else {
-            "none"
+        let strategy = match &replication {
+            Some(r) if self.settings.is_some() && replicas > 1 => r.strategy,
+            _ => SharingStrategy::None,
         };
-        self.put(out, "sharing-strategy", strategy);
+        self.put(out, "sharing-strategy", strategy.as_str());
     }
 
     /// `memory`, `multiprocessors`, `slices.gi/ci`, `engines.*` of a MIG device.
@@ -417,6 +423,7 @@ mod tests {
 
     const TIME_SLICING_4: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n";
     const TIME_SLICING_RENAMED: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, rename: nvidia.com/gpu.shared, replicas: 4}\n";
+    const MPS_4: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n";
 
     /// (golden file, node, policy).
     fn cases() -> Vec<(&'static str, String, Policy)> {
@@ -438,6 +445,7 @@ mod tests {
                 "a10g-1".into(),
                 policy(TIME_SLICING_RENAMED),
             ),
+            ("mps-shared", "h100-sxm-8".into(), policy(MPS_4)),
         ]
     }
 
@@ -520,6 +528,34 @@ mod tests {
             assert_eq!(rs[0].name, advertised);
             assert_eq!(rs[0].devices.len(), 16);
         }
+    }
+
+    #[test]
+    fn mps_labels_as_gfd_writes_them() {
+        let p = policy(MPS_4);
+        let inv = inventory_of("t4-4");
+        let l = node_labels(&inv, &p).unwrap();
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "mps");
+        assert_eq!(l["nvidia.com/gpu.replicas"], "4");
+        assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4-SHARED");
+        assert_eq!(l["nvidia.com/mps.capable"], "true");
+        // The plugin agrees: 4 MPS replicas of each GPU as nvidia.com/gpu.
+        let settings = crate::plugin::settings(&p.device_plugin, p.mig.strategy).unwrap();
+        let rs = resources::build(&inv, &settings).unwrap();
+        assert_eq!((rs.len(), rs[0].devices.len(), rs[0].mps), (1, 16, true));
+        // Renamed by default: no -SHARED, as GFD.
+        let renamed = policy(&MPS_4.replace("mps:\n", "mps:\n            renameByDefault: true\n"));
+        let l = node_labels(&inv, &renamed).unwrap();
+        assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4");
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "mps");
+        // Time-slicing: not MPS-capable.
+        let l = node_labels(&inv, &policy(TIME_SLICING_4)).unwrap();
+        assert_eq!(l["nvidia.com/mps.capable"], "false");
+        // MPS asked for on MIG-enabled GPUs (strategy none advertises them
+        // whole): refused by the plugin, so not MPS-capable.
+        let on_mig = policy(&format!("{MPS_4}  mig:\n    strategy: none\n"));
+        let l = node_labels(&inventory_of("h100-mig-2"), &on_mig).unwrap();
+        assert_eq!(l["nvidia.com/mps.capable"], "false");
     }
 
     #[test]

@@ -165,7 +165,7 @@ pub struct SharingSpec {
     #[serde(default)]
     pub rename_by_default: bool,
     /// Refuse requests for more than one replica (default false for
-    /// time-slicing, as NVIDIA's).
+    /// time-slicing and true for MPS, as NVIDIA's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fail_requests_greater_than_one: Option<bool>,
     #[serde(default)]
@@ -248,6 +248,21 @@ impl SharingStrategy {
             SharingStrategy::Mps => "mps",
         }
     }
+
+    /// Where the strategy is configured: `sharing.timeSlicing`, `sharing.mps`.
+    pub fn config_key(self) -> &'static str {
+        match self {
+            SharingStrategy::None => "sharing",
+            SharingStrategy::TimeSlicing => "sharing.timeSlicing",
+            SharingStrategy::Mps => "sharing.mps",
+        }
+    }
+
+    /// Whether requests for more than one replica are refused when the
+    /// config does not say: yes for MPS, no for time-slicing (as NVIDIA's).
+    pub fn fail_requests_greater_than_one_default(self) -> bool {
+        self == SharingStrategy::Mps
+    }
 }
 
 impl PluginConfig {
@@ -291,17 +306,21 @@ impl PluginConfig {
                 return Err(invalid(key.into(), "not supported by gpu-agent yet".into()));
             }
         }
-        if let Some(mps) = &self.sharing.mps
-            && mps.resources.iter().any(|r| r.replicas > 1)
+        if let Some(root) = &f.mps_root
+            && !root.starts_with('/')
         {
             return Err(invalid(
-                "sharing.mps".into(),
-                "MPS sharing is not supported by gpu-agent yet (it would need nvidia-cuda-mps-control managed per resource); use sharing.timeSlicing".into(),
+                "flags.mpsRoot".into(),
+                format!("{root:?} is not an absolute host path"),
             ));
         }
-        if let Some(ts) = &self.sharing.time_slicing {
-            for (i, r) in ts.resources.iter().enumerate() {
-                let at = |k: &str| format!("sharing.timeSlicing.resources[{i}].{k}");
+        for (key, spec) in [
+            (SharingStrategy::TimeSlicing, &self.sharing.time_slicing),
+            (SharingStrategy::Mps, &self.sharing.mps),
+        ] {
+            let Some(spec) = spec else { continue };
+            for (i, r) in spec.resources.iter().enumerate() {
+                let at = |k: &str| format!("{}.resources[{i}].{k}", key.config_key());
                 if r.replicas < 2 {
                     return Err(invalid(
                         at("replicas"),
@@ -325,14 +344,28 @@ impl PluginConfig {
                 }
             }
         }
+        let has_entries =
+            |s: &Option<SharingSpec>| s.as_ref().is_some_and(|s| !s.resources.is_empty());
+        if has_entries(&self.sharing.mps) && has_entries(&self.sharing.time_slicing) {
+            return Err(invalid(
+                "sharing.timeSlicing".into(),
+                "cannot be combined with sharing.mps: a node shares its GPUs one way (NVIDIA's plugin would silently drop the time-slicing entries); remove one of the two".into(),
+            ));
+        }
         Ok(())
     }
 
-    /// The sharing in force: time-slicing when it has entries, else none.
+    /// The sharing in force, as NVIDIA's plugin decides it: MPS when
+    /// `sharing.mps` has entries, else time-slicing when it has entries,
+    /// else none (the check refuses both at once).
     pub fn sharing_strategy(&self) -> SharingStrategy {
-        match &self.sharing.time_slicing {
-            Some(ts) if !ts.resources.is_empty() => SharingStrategy::TimeSlicing,
-            _ => SharingStrategy::None,
+        let has = |s: &Option<SharingSpec>| s.as_ref().is_some_and(|s| !s.resources.is_empty());
+        if has(&self.sharing.mps) {
+            SharingStrategy::Mps
+        } else if has(&self.sharing.time_slicing) {
+            SharingStrategy::TimeSlicing
+        } else {
+            SharingStrategy::None
         }
     }
 }
@@ -395,9 +428,18 @@ sharing:
         let cases = [
             ("version: v2\n", "version"),
             (
-                "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
-                "sharing.mps",
+                "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
+                "sharing.mps.resources[0].replicas",
             ),
+            (
+                "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2, rename: \"a b\"}\n",
+                "sharing.mps.resources[0].rename",
+            ),
+            (
+                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2}\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [1], replicas: 2}\n",
+                "sharing.timeSlicing",
+            ),
+            ("version: v1\nflags:\n  mpsRoot: run/mps\n", "flags.mpsRoot"),
             (
                 "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 1}\n",
                 "sharing.timeSlicing.resources[0].replicas",
@@ -423,6 +465,61 @@ sharing:
             let err = PluginConfig::from_yaml(text, "c.yaml").unwrap_err();
             assert_eq!(err.path, path, "{err}");
         }
+    }
+
+    /// NVIDIA's MPS example, as its docs give it, read the way its plugin
+    /// reads it: MPS wins, and more than one replica per request is
+    /// refused unless the config says otherwise.
+    #[test]
+    fn nvidia_mps_example_parses_as_is() {
+        let text = "version: v1\nsharing:\n  mps:\n    renameByDefault: true\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 10\n";
+        let c = PluginConfig::from_yaml(text, "c").unwrap();
+        assert_eq!(c.sharing_strategy(), SharingStrategy::Mps);
+        let mps = c.sharing.mps.as_ref().unwrap();
+        assert!(mps.rename_by_default);
+        assert_eq!(mps.fail_requests_greater_than_one, None);
+        assert!(SharingStrategy::Mps.fail_requests_greater_than_one_default());
+        assert!(!SharingStrategy::TimeSlicing.fail_requests_greater_than_one_default());
+        assert_eq!(mps.resources[0].replicas, 10);
+        assert_eq!(mps.resources[0].devices, DeviceSelection::All);
+        // Per-GPU replica counts and renames, as for time-slicing.
+        let c = PluginConfig::from_yaml(
+            "version: v1\nflags:\n  mpsRoot: /var/run/mps\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4}\n    - {name: nvidia.com/gpu, devices: [\"GPU-c\"], replicas: 2, rename: gpu.small}\n",
+            "c",
+        )
+        .unwrap();
+        let mps = c.sharing.mps.unwrap();
+        assert_eq!(mps.fail_requests_greater_than_one, Some(false));
+        assert!(mps.resources[1].devices.selects(2, "GPU-c", "2"));
+        assert_eq!(c.flags.mps_root.as_deref(), Some("/var/run/mps"));
+    }
+
+    /// An empty `mps` section shares nothing: time-slicing beside it stands
+    /// (only both with entries is refused).
+    #[test]
+    fn empty_mps_section_leaves_time_slicing() {
+        let c = PluginConfig::from_yaml(
+            "version: v1\nsharing:\n  mps: {}\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
+            "c",
+        )
+        .unwrap();
+        assert_eq!(c.sharing_strategy(), SharingStrategy::TimeSlicing);
+        let none = PluginConfig::from_yaml("version: v1\nsharing:\n  mps: {}\n", "c").unwrap();
+        assert_eq!(none.sharing_strategy(), SharingStrategy::None);
+    }
+
+    #[test]
+    fn both_strategies_at_once_are_refused_in_words() {
+        let err = PluginConfig::from_yaml(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
+            "c.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("sharing.timeSlicing: cannot be combined with sharing.mps"),
+            "{err}"
+        );
     }
 
     #[test]

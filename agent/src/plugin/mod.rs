@@ -78,6 +78,11 @@ pub fn settings(
             .shared_devices_allocation_policy
             .or(flags.shared_devices_allocation_policy)
             .unwrap_or(d.allocation_policy),
+        mps_root: config
+            .as_ref()
+            .and_then(|c| c.flags.mps_root.clone())
+            .unwrap_or(d.mps_root),
+        mps: config.as_ref().and_then(|c| c.sharing.mps.clone()),
         time_slicing: config.and_then(|c| c.sharing.time_slicing),
     })
 }
@@ -138,16 +143,36 @@ mod settings_tests {
     #[test]
     fn inline_config_errors_carry_the_policy_path() {
         let err = Policy::from_yaml(
-            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 2}\n",
+            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 1}\n",
             "p.yaml",
         )
         .unwrap_err()
         .to_string();
         assert!(
             err.starts_with(
-                "p.yaml: spec.devicePlugin.config.inline.sharing.mps: MPS sharing is not supported"
+                "p.yaml: spec.devicePlugin.config.inline.sharing.mps.resources[0].replicas: 1 replicas"
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn mps_settings_come_from_the_config() {
+        let p = Policy::from_yaml(
+            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        flags:\n          mpsRoot: /var/run/nvidia-mps\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 3}\n",
+            "p",
+        )
+        .unwrap();
+        let s = settings(&p.device_plugin, p.mig.strategy).unwrap();
+        assert!(s.time_slicing.is_none());
+        assert_eq!(s.mps.as_ref().unwrap().resources[0].replicas, 3);
+        assert_eq!(s.mps_root, "/var/run/nvidia-mps");
+        let (strategy, spec) = s.sharing().unwrap();
+        assert_eq!(strategy, crate::plugin::config::SharingStrategy::Mps);
+        assert_eq!(spec.resources.len(), 1);
+        // Without the flag, NVIDIA's operator default.
+        let d = settings(&Policy::default().device_plugin, MigStrategy::Single).unwrap();
+        assert_eq!(d.mps_root, crate::plugin::resources::DEFAULT_MPS_ROOT);
+        assert!(d.sharing().is_none());
     }
 }

@@ -1,6 +1,6 @@
 //! From the inventory to the resources the device plugin advertises:
-//! `nvidia.com/gpu` (whole GPUs or time-sliced replicas), renamed shared
-//! resources, MIG strategies.
+//! `nvidia.com/gpu` (whole GPUs, time-sliced replicas or MPS clients),
+//! renamed shared resources, MIG strategies.
 
 use std::collections::BTreeMap;
 
@@ -9,11 +9,23 @@ use serde::{Deserialize, Serialize};
 use super::config::MigStrategy;
 use super::config::{
     AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, ReplicatedResource, SharingSpec,
+    SharingStrategy,
 };
+use crate::backend::ComputeCapability;
 use crate::inventory::Inventory;
 
 /// The plain whole-GPU resource.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Where MPS pipe, log and shm directories live on the host, per resource
+/// (`<root>/<resource>/pipe`), unless `flags.mpsRoot` says otherwise: the
+/// GPU Operator's `MPS_ROOT`.
+pub const DEFAULT_MPS_ROOT: &str = "/run/nvidia/mps";
+/// The oldest GPUs MPS can share as gpu-agent shares them: the per-client
+/// thread percentage and pinned-memory limit are Volta MPS features.
+pub const MPS_MIN_COMPUTE_CAPABILITY: ComputeCapability = ComputeCapability { major: 7, minor: 0 };
+/// Clients one MPS server serves per GPU from Volta on (NVIDIA's MPS
+/// documentation; its device plugin refuses more replicas than this too).
+pub const MPS_MAX_CLIENTS: u32 = 48;
 
 /// Effective device-plugin settings (policy, then the config file's flags).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,7 +36,19 @@ pub struct PluginSettings {
     pub pass_device_specs: bool,
     pub cdi_annotation_prefix: String,
     pub allocation_policy: AllocationPolicy,
+    /// `sharing.timeSlicing`.
     pub time_slicing: Option<SharingSpec>,
+    /// `sharing.mps`: replicas served by one MPS control daemon per resource.
+    #[serde(default)]
+    pub mps: Option<SharingSpec>,
+    /// `flags.mpsRoot`: the host directory of the MPS daemons' pipe, log
+    /// and shm directories.
+    #[serde(default = "default_mps_root")]
+    pub mps_root: String,
+}
+
+fn default_mps_root() -> String {
+    DEFAULT_MPS_ROOT.to_string()
 }
 
 impl PluginSettings {
@@ -38,6 +62,17 @@ impl PluginSettings {
             )
         })
     }
+
+    /// The sharing in force and its entries: MPS when `sharing.mps` has
+    /// entries, else time-slicing when it has (the config check refuses
+    /// both at once), else none.
+    pub fn sharing(&self) -> Option<(SharingStrategy, &SharingSpec)> {
+        match (&self.mps, &self.time_slicing) {
+            (Some(m), _) if !m.resources.is_empty() => Some((SharingStrategy::Mps, m)),
+            (_, Some(t)) if !t.resources.is_empty() => Some((SharingStrategy::TimeSlicing, t)),
+            _ => None,
+        }
+    }
 }
 
 impl Default for PluginSettings {
@@ -50,6 +85,8 @@ impl Default for PluginSettings {
             cdi_annotation_prefix: "cdi.k8s.io/".into(),
             allocation_policy: AllocationPolicy::Distributed,
             time_slicing: None,
+            mps: None,
+            mps_root: default_mps_root(),
         }
     }
 }
@@ -80,8 +117,11 @@ pub struct Resource {
     /// `nvidia.com/gpu`, `nvidia.com/gpu.shared`, ...
     pub name: String,
     pub devices: Vec<PluginDevice>,
-    /// Devices are time-sliced replicas.
+    /// Devices are replicas (time-sliced, or MPS clients).
     pub shared: bool,
+    /// The replicas are clients of this resource's MPS control daemon.
+    #[serde(default)]
+    pub mps: bool,
     /// Requests for more than one replica are refused.
     pub fail_requests_greater_than_one: bool,
 }
@@ -111,7 +151,7 @@ pub enum ResourceError {
         second: usize,
     },
     #[error(
-        "resource {name} would mix whole devices and time-sliced replicas ({device} is not shared); give the shared devices a `rename` or select them all"
+        "resource {name} would mix whole devices and shared replicas ({device} is not shared); give the shared devices a `rename` or select them all"
     )]
     MixedSharing { name: String, device: String },
     #[error("mig.strategy single: {0}")]
@@ -120,6 +160,27 @@ pub enum ResourceError {
         "passDeviceSpecs is not supported for MIG devices yet (they also need /dev/nvidia-caps nodes gpu-agent cannot name yet); use the envvar or CDI device-list strategies, or mig.strategy none"
     )]
     PassDeviceSpecsMig,
+    #[error(
+        "sharing.mps.resources[{entry}] selects {device}, which is in MIG mode: MPS cannot share a MIG-enabled GPU or its MIG devices (MIG and MPS on one GPU); leave it out with `devices`, or disable MIG on it"
+    )]
+    MpsOnMig { entry: usize, device: String },
+    #[error(
+        "sharing.mps.resources[{entry}] selects {device}, which cannot be shared with MPS: {why}"
+    )]
+    MpsIncapable {
+        entry: usize,
+        device: String,
+        why: String,
+    },
+    #[error(
+        "sharing.mps.resources[{entry}].replicas: {replicas} replicas of {device}, but an MPS server serves at most {max} clients per GPU"
+    )]
+    MpsTooManyReplicas {
+        entry: usize,
+        device: String,
+        replicas: u32,
+        max: u32,
+    },
 }
 
 /// A device before sharing: which resource it belongs to.
@@ -131,6 +192,62 @@ struct Base {
     index_name: String,
     minor: Option<u32>,
     numa_node: Option<u32>,
+    /// The physical GPU has MIG enabled.
+    mig_on: bool,
+    model: Option<String>,
+    compute_capability: Option<ComputeCapability>,
+}
+
+impl Base {
+    /// `GPU 0 (GPU-…)`, or `MIG device 0:1 (MIG-…) on GPU 0 (GPU-…)`, for refusals.
+    fn describe(&self) -> String {
+        if self.uuid == self.gpu_uuid {
+            format!("GPU {} ({})", self.index_name, self.uuid)
+        } else {
+            format!(
+                "MIG device {} ({}) on GPU {} ({})",
+                self.index_name, self.uuid, self.index, self.gpu_uuid
+            )
+        }
+    }
+
+    /// Why MPS cannot share this device with `replicas` clients, if it cannot.
+    fn mps_refusal(&self, entry: usize, replicas: u32) -> Option<ResourceError> {
+        if self.mig_on {
+            return Some(ResourceError::MpsOnMig {
+                entry,
+                device: self.describe(),
+            });
+        }
+        let model = self.model.as_deref().unwrap_or("model unknown");
+        match self.compute_capability {
+            None => {
+                return Some(ResourceError::MpsIncapable {
+                    entry,
+                    device: self.describe(),
+                    why: format!(
+                        "NVML did not report the compute capability of this {model}; MPS as gpu-agent runs it needs {MPS_MIN_COMPUTE_CAPABILITY} (Volta) or newer"
+                    ),
+                });
+            }
+            Some(cc) if cc < MPS_MIN_COMPUTE_CAPABILITY => {
+                return Some(ResourceError::MpsIncapable {
+                    entry,
+                    device: self.describe(),
+                    why: format!(
+                        "a {model} has compute capability {cc}; the per-client thread and memory limits that divide it into replicas need {MPS_MIN_COMPUTE_CAPABILITY} (Volta) or newer"
+                    ),
+                });
+            }
+            Some(_) => {}
+        }
+        (replicas > MPS_MAX_CLIENTS).then(|| ResourceError::MpsTooManyReplicas {
+            entry,
+            device: self.describe(),
+            replicas,
+            max: MPS_MAX_CLIENTS,
+        })
+    }
 }
 
 /// `nvidia.com/mig-<profile>`, with `+` (e.g. `+me`) written as `.`.
@@ -185,6 +302,9 @@ fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, Res
                 index_name: index.to_string(),
                 minor: g.minor,
                 numa_node: g.numa_node,
+                mig_on: mig_on(g),
+                model: g.model.clone(),
+                compute_capability: g.compute_capability,
             });
             continue;
         }
@@ -205,6 +325,9 @@ fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, Res
                 index_name: format!("{index}:{}", m.index),
                 minor: g.minor,
                 numa_node: g.numa_node,
+                mig_on: true,
+                model: g.model.clone(),
+                compute_capability: g.compute_capability,
             });
         }
     }
@@ -223,9 +346,11 @@ fn shared_name(spec: &SharingSpec, r: &ReplicatedResource) -> String {
     }
 }
 
-/// How the device plugin time-slices one resource.
+/// How the device plugin shares one resource.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Replication {
+    /// Time-slicing or MPS.
+    pub strategy: SharingStrategy,
     /// Replicas of each device.
     pub replicas: u32,
     /// The resource the replicas are advertised as (`nvidia.com/gpu`, or
@@ -240,13 +365,14 @@ impl Replication {
     }
 }
 
-/// The time-slicing of `resource` (`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`):
-/// the first sharing entry naming it, as [`build`] applies it; `None` when
-/// the resource is not shared.
+/// The sharing of `resource` (`nvidia.com/gpu`, `nvidia.com/mig-1g.10gb`):
+/// the first entry of the sharing in force naming it, as [`build`] applies
+/// it; `None` when the resource is not shared.
 pub fn replication(settings: &PluginSettings, resource: &str) -> Option<Replication> {
-    let spec = settings.time_slicing.as_ref()?;
+    let (strategy, spec) = settings.sharing()?;
     let r = spec.resources.iter().find(|r| r.name == resource)?;
     Some(Replication {
+        strategy,
         replicas: r.replicas,
         advertised_as: shared_name(spec, r),
     })
@@ -256,17 +382,14 @@ pub fn replication(settings: &PluginSettings, resource: &str) -> Option<Replicat
 /// NVML did not describe (no UUID) cannot be allocated and are left out.
 pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>, ResourceError> {
     let mut by_name: BTreeMap<String, Resource> = BTreeMap::new();
-    let sharing = settings
-        .time_slicing
-        .as_ref()
-        .filter(|s| !s.resources.is_empty());
+    let sharing = settings.sharing();
     let bases = base_devices(inv, settings.mig_strategy)?;
     if settings.pass_device_specs && bases.iter().any(|b| b.uuid != b.gpu_uuid) {
         return Err(ResourceError::PassDeviceSpecsMig);
     }
     for b in bases {
         let mut entry = None;
-        if let Some(spec) = sharing {
+        if let Some((_, spec)) = sharing {
             for (i, r) in spec.resources.iter().enumerate() {
                 if r.name != b.resource || !r.devices.selects(b.index, &b.uuid, &b.index_name) {
                     continue;
@@ -292,19 +415,26 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
             numa_node: b.numa_node,
             healthy: true,
         };
-        let empty = |name: String, shared: bool, fail: bool| Resource {
+        let empty = |name: String, shared: bool, mps: bool, fail: bool| Resource {
             name,
             devices: Vec::new(),
             shared,
+            mps,
             fail_requests_greater_than_one: fail,
         };
         match (entry, sharing) {
-            (Some((_, r)), Some(spec)) => {
+            (Some((i, r)), Some((strategy, spec))) => {
+                let mps = strategy == SharingStrategy::Mps;
+                if mps && let Some(refusal) = b.mps_refusal(i, r.replicas) {
+                    return Err(refusal);
+                }
                 let name = shared_name(spec, r);
-                let fail = spec.fail_requests_greater_than_one.unwrap_or(false);
+                let fail = spec
+                    .fail_requests_greater_than_one
+                    .unwrap_or(strategy.fail_requests_greater_than_one_default());
                 let res = by_name
                     .entry(name.clone())
-                    .or_insert_with(|| empty(name, true, fail));
+                    .or_insert_with(|| empty(name, true, mps, fail));
                 for n in 0..r.replicas {
                     res.devices
                         .push(device(format!("{}::{n}", b.uuid), Some(n)));
@@ -313,7 +443,7 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
             _ => {
                 let res = by_name
                     .entry(b.resource.clone())
-                    .or_insert_with(|| empty(b.resource.clone(), false, false));
+                    .or_insert_with(|| empty(b.resource.clone(), false, false, false));
                 res.devices.push(device(b.uuid.clone(), None));
             }
         }
@@ -568,6 +698,137 @@ mod tests {
         assert!(r.shared);
         assert_eq!(r.devices.len(), 2);
         assert!(r.devices[1].id.ends_with("::1"));
+    }
+
+    fn with_mps(yaml: &str, mig_strategy: MigStrategy) -> PluginSettings {
+        let c = PluginConfig::from_yaml(yaml, "c").unwrap();
+        PluginSettings {
+            mig_strategy,
+            mps: c.sharing.mps,
+            ..PluginSettings::default()
+        }
+    }
+
+    #[test]
+    fn mps_replicas_per_gpu_refuse_more_than_one_by_default() {
+        let s = with_mps(
+            "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.mps4}\n    - {name: nvidia.com/gpu, devices: [2, 3], replicas: 2, rename: gpu.mps2}\n",
+            MigStrategy::Single,
+        );
+        let rs = build(&inventory_of("t4-4"), &s).unwrap();
+        let names: Vec<&str> = rs.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["nvidia.com/gpu.mps2", "nvidia.com/gpu.mps4"]);
+        assert!(
+            rs.iter()
+                .all(|r| r.mps && r.shared && r.fail_requests_greater_than_one)
+        );
+        assert_eq!(replicas_per_gpu(&rs[0]), BTreeMap::from([(2, 2), (3, 2)]));
+        assert_eq!(replicas_per_gpu(&rs[1]), BTreeMap::from([(0, 4), (1, 4)]));
+        assert_eq!(
+            rs[1].devices[1].id,
+            "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40::1"
+        );
+        // The labels read the same entry: MPS, 4 replicas, renamed.
+        let r = replication(&s, "nvidia.com/gpu").unwrap();
+        assert_eq!(r.strategy, SharingStrategy::Mps);
+        assert_eq!(
+            (r.replicas, r.advertised_as.as_str()),
+            (4, "nvidia.com/gpu.mps4")
+        );
+        // `failRequestsGreaterThanOne: false` lifts the limit.
+        let relaxed = with_mps(
+            "version: v1\nsharing:\n  mps:\n    failRequestsGreaterThanOne: false\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
+            MigStrategy::Single,
+        );
+        let rs = build(&inventory_of("t4-4"), &relaxed).unwrap();
+        assert_eq!(rs[0].name, "nvidia.com/gpu");
+        assert!(rs[0].mps && !rs[0].fail_requests_greater_than_one);
+        // Time-slicing still defaults to no limit, and is not MPS.
+        let ts = with_sharing(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n",
+        );
+        let rs = build(&inventory_of("t4-4"), &ts).unwrap();
+        assert!(!rs[0].mps && !rs[0].fail_requests_greater_than_one);
+    }
+
+    #[test]
+    fn mps_on_mig_is_refused_naming_the_gpu() {
+        let all = "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 2}\n";
+        // Strategy none: the MIG-enabled GPUs are advertised whole.
+        let err = build(
+            &inventory_of("h100-mig-2"),
+            &with_mps(all, MigStrategy::None),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sharing.mps.resources[0] selects GPU 0 (GPU-6a1f0c2e-5b3d-4e7f-8a9b-1c2d3e4f5a00), which is in MIG mode: MPS cannot share a MIG-enabled GPU or its MIG devices (MIG and MPS on one GPU); leave it out with `devices`, or disable MIG on it"
+        );
+        // Mixed: a MIG resource named for MPS.
+        let mig = with_mps(
+            "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/mig-3g.40gb, replicas: 2}\n",
+            MigStrategy::Mixed,
+        );
+        let err = build(&inventory_of("h100-mig-2"), &mig).unwrap_err();
+        assert!(
+            matches!(&err, ResourceError::MpsOnMig { entry: 0, device } if device.starts_with("MIG device 0:0 (MIG-")),
+            "{err}"
+        );
+        // Mixed, one GPU out of MIG mode: MPS shares that one; the MIG
+        // GPU's devices are their own resources, not shared.
+        let mut inv = inventory_of("h100-mig-2");
+        inv.gpus[1].mig = Some(crate::backend::MigMode {
+            current: false,
+            pending: false,
+        });
+        inv.gpus[1].mig_devices.clear();
+        let rs = build(&inv, &with_mps(all, MigStrategy::Mixed)).unwrap();
+        let gpu = rs.iter().find(|r| r.name == GPU_RESOURCE).unwrap();
+        assert!(gpu.mps);
+        assert_eq!(replicas_per_gpu(gpu), BTreeMap::from([(1, 2)]));
+        assert!(
+            rs.iter()
+                .filter(|r| r.name != GPU_RESOURCE)
+                .all(|r| !r.shared && !r.mps)
+        );
+    }
+
+    #[test]
+    fn mps_on_gpus_that_cannot_do_it_is_refused() {
+        let two = with_mps(
+            "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [1], replicas: 2, rename: gpu.mps}\n",
+            MigStrategy::Single,
+        );
+        let mut inv = inventory_of("t4-4");
+        inv.gpus[1].model = Some("Tesla P100-PCIE-16GB".into());
+        inv.gpus[1].compute_capability = Some(ComputeCapability { major: 6, minor: 0 });
+        let err = build(&inv, &two).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sharing.mps.resources[0] selects GPU 1 (GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41), which cannot be shared with MPS: a Tesla P100-PCIE-16GB has compute capability 6.0; the per-client thread and memory limits that divide it into replicas need 7.0 (Volta) or newer"
+        );
+        // The same GPU left out of the entry is fine.
+        let other = with_mps(
+            "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0], replicas: 2, rename: gpu.mps}\n",
+            MigStrategy::Single,
+        );
+        assert!(build(&inv, &other).is_ok());
+        inv.gpus[1].compute_capability = None;
+        assert!(
+            build(&inv, &two)
+                .unwrap_err()
+                .to_string()
+                .contains("NVML did not report the compute capability")
+        );
+        let many = with_mps(
+            "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 49}\n",
+            MigStrategy::Single,
+        );
+        let err = build(&inventory_of("t4-4"), &many).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "sharing.mps.resources[0].replicas: 49 replicas of GPU 0 (GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40), but an MPS server serves at most 48 clients per GPU"
+        );
     }
 
     #[test]
