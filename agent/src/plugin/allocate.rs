@@ -1,5 +1,6 @@
 //! `Allocate`: what the container runtime is told about the devices a
-//! container got, by the configured device-list strategies.
+//! container got, by the configured device-list strategies, and for MPS
+//! replicas how to reach the resource's MPS control daemon.
 
 use std::collections::BTreeSet;
 
@@ -33,7 +34,10 @@ pub enum AllocateError {
     Duplicate { resource: String, id: String },
     #[error("{resource}: empty request")]
     Empty { resource: String },
-    #[error("{resource}: maximum request size for shared resources is 1 (asked for {asked})")]
+    /// `failRequestsGreaterThanOne`: NVIDIA's words, and the key.
+    #[error(
+        "{resource}: maximum request size for shared resources is 1 (asked for {asked}; failRequestsGreaterThanOne)"
+    )]
     TooManyShared { resource: String, asked: usize },
 }
 
@@ -133,6 +137,20 @@ pub fn container_response(
                 container_path: format!("{VOLUME_MOUNT_DIR}/{id}"),
                 host_path: "/dev/null".into(),
                 read_only: true,
+            });
+        }
+    }
+    if resource.mps {
+        // What NVIDIA's plugin hands out, whatever the device-list strategy:
+        // the pipe directory where the client finds the daemon, and the
+        // shared memory its server uses. The thread and memory limits are
+        // the daemon's defaults, so no CUDA_MPS_* limit variable is set.
+        resp.envs.extend(super::mps::client_env(&resource.name));
+        for m in super::mps::client_mounts(&settings.mps_root, &resource.name) {
+            resp.mounts.push(Mount {
+                container_path: m.container_path,
+                host_path: m.host_path,
+                read_only: false,
             });
         }
     }
@@ -299,7 +317,7 @@ mod tests {
         let err = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1])).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "nvidia.com/gpu: maximum request size for shared resources is 1 (asked for 2)"
+            "nvidia.com/gpu: maximum request size for shared resources is 1 (asked for 2; failRequestsGreaterThanOne)"
         );
         r.fail_requests_greater_than_one = false;
         let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 1, 5])).unwrap();
@@ -307,5 +325,103 @@ mod tests {
             resp.envs["NVIDIA_VISIBLE_DEVICES"],
             "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40,GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41"
         );
+    }
+
+    fn mps(
+        yaml_resources: &str,
+        strategies: Vec<DeviceListStrategy>,
+    ) -> (Resource, PluginSettings) {
+        let config = crate::plugin::config::PluginConfig::from_yaml(
+            &format!("version: v1\nsharing:\n  mps:\n{yaml_resources}"),
+            "c",
+        )
+        .unwrap();
+        let s = PluginSettings {
+            mps: config.sharing.mps,
+            list_strategies: strategies,
+            ..PluginSettings::default()
+        };
+        let r = build(&inventory_of("t4-4"), &s).unwrap().remove(0);
+        (r, s)
+    }
+
+    #[test]
+    fn mps_replica_gets_the_pipe_directory_and_shm() {
+        let (r, s) = mps(
+            "    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+            vec![DeviceListStrategy::Envvar],
+        );
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[5])).unwrap();
+        assert_eq!(
+            resp.envs,
+            std::collections::HashMap::from([
+                (
+                    "NVIDIA_VISIBLE_DEVICES".to_string(),
+                    "GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a41".to_string()
+                ),
+                (
+                    "CUDA_MPS_PIPE_DIRECTORY".to_string(),
+                    "/mps/nvidia.com/gpu/pipe".to_string()
+                ),
+            ])
+        );
+        assert_eq!(
+            resp.mounts,
+            vec![
+                Mount {
+                    container_path: "/mps/nvidia.com/gpu/pipe".into(),
+                    host_path: "/run/nvidia/mps/nvidia.com/gpu/pipe".into(),
+                    read_only: false
+                },
+                Mount {
+                    container_path: "/dev/shm".into(),
+                    host_path: "/run/nvidia/mps/shm".into(),
+                    read_only: false
+                },
+            ]
+        );
+        assert!(resp.devices.is_empty());
+    }
+
+    /// With CDI only, the MPS facts still come (NVIDIA's plugin adds them
+    /// whatever the strategy); a renamed resource has its own directory.
+    #[test]
+    fn mps_with_cdi_and_a_rename() {
+        let (r, s) = mps(
+            "    resources:\n    - {name: nvidia.com/gpu, replicas: 2, rename: gpu.mps}\n",
+            vec![DeviceListStrategy::CdiCri],
+        );
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0])).unwrap();
+        assert_eq!(resp.envs.len(), 1);
+        assert_eq!(
+            resp.envs["CUDA_MPS_PIPE_DIRECTORY"],
+            "/mps/nvidia.com/gpu.mps/pipe"
+        );
+        assert_eq!(resp.cdi_devices.len(), 1);
+        assert_eq!(
+            resp.mounts[0].host_path,
+            "/run/nvidia/mps/nvidia.com/gpu.mps/pipe"
+        );
+    }
+
+    /// MPS refuses two replicas in one request unless the config allows it.
+    #[test]
+    fn mps_fail_requests_greater_than_one() {
+        let (r, s) = mps(
+            "    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+            vec![DeviceListStrategy::Envvar],
+        );
+        let err = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 4])).unwrap_err();
+        assert!(
+            matches!(err, AllocateError::TooManyShared { asked: 2, .. }),
+            "{err}"
+        );
+        let (r, s) = mps(
+            "    failRequestsGreaterThanOne: false\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
+            vec![DeviceListStrategy::Envvar],
+        );
+        let resp = container_response(&r, &s, &HostRoot::system(), &ids(&r, &[0, 4])).unwrap();
+        assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"].split(',').count(), 2);
+        assert_eq!(resp.mounts.len(), 2);
     }
 }

@@ -6,6 +6,7 @@ pub mod allocate;
 pub mod config;
 pub mod kubelet;
 pub mod manager;
+pub mod mps;
 pub mod preferred;
 pub mod resources;
 pub mod server;

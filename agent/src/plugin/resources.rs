@@ -181,6 +181,16 @@ pub enum ResourceError {
         replicas: u32,
         max: u32,
     },
+    #[error(
+        "MPS resource {name} would divide GPU {first} into {first_replicas} replicas and GPU {second} into {second_replicas}: one MPS control daemon serves a resource with one thread share per client; give the entries different names (`rename`) so that each replica count has its own resource"
+    )]
+    MpsMixedReplicas {
+        name: String,
+        first: String,
+        first_replicas: u32,
+        second: String,
+        second_replicas: u32,
+    },
 }
 
 /// A device before sharing: which resource it belongs to.
@@ -455,6 +465,25 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
             return Err(ResourceError::MixedSharing {
                 name: res.name.clone(),
                 device: whole.index_name.clone(),
+            });
+        }
+    }
+    for res in by_name.values().filter(|r| r.mps) {
+        // MPS shares whole GPUs only: the NVML index names each one.
+        let mut per_gpu: BTreeMap<u32, (u32, &str)> = BTreeMap::new();
+        for d in &res.devices {
+            per_gpu.entry(d.index).or_insert((0, &d.index_name)).0 += 1;
+        }
+        let mut counts = per_gpu.values();
+        if let Some(&(n, first)) = counts.next()
+            && let Some(&(m, second)) = counts.find(|(m, _)| *m != n)
+        {
+            return Err(ResourceError::MpsMixedReplicas {
+                name: res.name.clone(),
+                first: first.to_string(),
+                first_replicas: n,
+                second: second.to_string(),
+                second_replicas: m,
             });
         }
     }
@@ -829,6 +858,22 @@ mod tests {
             err.to_string(),
             "sharing.mps.resources[0].replicas: 49 replicas of GPU 0 (GPU-5f0cf4a3-6a1c-5c37-a7a5-5e54ae0c9a40), but an MPS server serves at most 48 clients per GPU"
         );
+    }
+
+    /// Time-slicing may give one resource's GPUs different replica counts;
+    /// MPS may not (one daemon, one thread share): it says to rename.
+    #[test]
+    fn one_mps_resource_has_one_replica_count() {
+        let mixed = "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4}\n    - {name: nvidia.com/gpu, devices: [2, 3], replicas: 2}\n";
+        let err = build(&inventory_of("t4-4"), &with_mps(mixed, MigStrategy::Single)).unwrap_err();
+        assert!(
+            err.to_string().starts_with(
+                "MPS resource nvidia.com/gpu would divide GPU 0 into 4 replicas and GPU 2 into 2"
+            ),
+            "{err}"
+        );
+        let ts = with_sharing(&mixed.replace("mps:", "timeSlicing:"));
+        assert!(build(&inventory_of("t4-4"), &ts).is_ok());
     }
 
     #[test]
