@@ -55,6 +55,36 @@ impl std::fmt::Display for CudaVersion {
     }
 }
 
+/// A GPU's compute mode (NVML's `nvmlComputeMode_t`): how many CUDA
+/// contexts it takes. MPS wants `ExclusiveProcess` (one process, the MPS
+/// server, holds the GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ComputeMode {
+    Default,
+    ExclusiveThread,
+    Prohibited,
+    ExclusiveProcess,
+}
+
+impl ComputeMode {
+    /// NVML's and nvidia-smi's name: `DEFAULT`, `EXCLUSIVE_PROCESS`, ...
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ComputeMode::Default => "DEFAULT",
+            ComputeMode::ExclusiveThread => "EXCLUSIVE_THREAD",
+            ComputeMode::Prohibited => "PROHIBITED",
+            ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
+        }
+    }
+}
+
+impl std::fmt::Display for ComputeMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// MIG mode of a MIG-capable GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigMode {
@@ -240,6 +270,13 @@ pub enum BackendError {
         #[source]
         source: nvml_wrapper::error::NvmlError,
     },
+    #[error("GPU {uuid}: NVML {call}: {source}")]
+    Gpu {
+        uuid: String,
+        call: &'static str,
+        #[source]
+        source: nvml_wrapper::error::NvmlError,
+    },
 }
 
 #[cfg(test)]
@@ -335,6 +372,22 @@ pub trait GpuBackend: std::fmt::Debug + Send + Sync {
         drop(events);
         Err(BackendError::Unavailable(format!(
             "the {} backend reports no health events",
+            self.name()
+        )))
+    }
+    /// Sets the compute mode of the GPU with this UUID (MPS sharing).
+    fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
+        let _ = (uuid, mode);
+        Err(BackendError::Unavailable(format!(
+            "the {} backend cannot set compute modes",
+            self.name()
+        )))
+    }
+    /// The compute mode of the GPU with this UUID.
+    fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
+        let _ = uuid;
+        Err(BackendError::Unavailable(format!(
+            "the {} backend does not report compute modes",
             self.name()
         )))
     }

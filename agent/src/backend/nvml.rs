@@ -11,13 +11,15 @@ use std::time::Duration;
 use hostlib::PciAddress;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{TemperatureSensor, TemperatureThreshold, TopologyLevel};
+use nvml_wrapper::enum_wrappers::device::{
+    ComputeMode as NvmlComputeMode, TemperatureSensor, TemperatureThreshold, TopologyLevel,
+};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, ComputeMode, CudaVersion,
+    GpuBackend, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
     mig_profile_name,
 };
 
@@ -74,6 +76,15 @@ impl NvmlBackend {
             nvml: Arc::new(nvml),
             lib,
         })
+    }
+}
+
+fn nvml_compute_mode(mode: ComputeMode) -> NvmlComputeMode {
+    match mode {
+        ComputeMode::Default => NvmlComputeMode::Default,
+        ComputeMode::ExclusiveThread => NvmlComputeMode::ExclusiveThread,
+        ComputeMode::Prohibited => NvmlComputeMode::Prohibited,
+        ComputeMode::ExclusiveProcess => NvmlComputeMode::ExclusiveProcess,
     }
 }
 
@@ -412,6 +423,42 @@ impl GpuBackend for NvmlBackend {
                 BackendError::Unavailable(format!("cannot start the NVML event thread: {e}"))
             })?;
         Ok(())
+    }
+
+    fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
+        let err = |call| {
+            let uuid = uuid.to_string();
+            move |source| BackendError::Gpu { uuid, call, source }
+        };
+        let mut device = self
+            .nvml
+            .device_by_uuid(uuid)
+            .map_err(err("nvmlDeviceGetHandleByUUID"))?;
+        device
+            .set_compute_mode(nvml_compute_mode(mode))
+            .map_err(err("nvmlDeviceSetComputeMode"))?;
+        tracing::info!(gpu = %uuid, mode = %mode, "compute mode set");
+        Ok(())
+    }
+
+    fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
+        let err = |call| {
+            let uuid = uuid.to_string();
+            move |source| BackendError::Gpu { uuid, call, source }
+        };
+        let device = self
+            .nvml
+            .device_by_uuid(uuid)
+            .map_err(err("nvmlDeviceGetHandleByUUID"))?;
+        let mode = device
+            .compute_mode()
+            .map_err(err("nvmlDeviceGetComputeMode"))?;
+        Ok(match mode {
+            NvmlComputeMode::Default => ComputeMode::Default,
+            NvmlComputeMode::ExclusiveThread => ComputeMode::ExclusiveThread,
+            NvmlComputeMode::Prohibited => ComputeMode::Prohibited,
+            NvmlComputeMode::ExclusiveProcess => ComputeMode::ExclusiveProcess,
+        })
     }
 
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {

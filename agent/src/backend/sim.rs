@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use simnode::NodeDescription;
 
 use super::{
-    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend,
-    HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
+    BackendError, BackendGpu, BackendSnapshot, ComputeCapability, ComputeMode, CudaVersion,
+    GpuBackend, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
     mig_profile_name,
 };
 
@@ -16,6 +16,8 @@ use super::{
 pub struct SimulatedBackend {
     node: NodeDescription,
     watchers: Arc<Mutex<Vec<HealthSender>>>,
+    /// Compute modes set, by UUID (every GPU starts in `Default`).
+    compute_modes: Arc<Mutex<std::collections::BTreeMap<String, ComputeMode>>>,
 }
 
 impl SimulatedBackend {
@@ -23,6 +25,17 @@ impl SimulatedBackend {
         SimulatedBackend {
             node,
             watchers: Arc::default(),
+            compute_modes: Arc::default(),
+        }
+    }
+
+    fn known(&self, uuid: &str) -> Result<(), BackendError> {
+        if self.node.gpus.iter().any(|g| g.uuid == uuid) {
+            Ok(())
+        } else {
+            Err(BackendError::Unavailable(format!(
+                "the simulated node has no GPU {uuid}"
+            )))
         }
     }
 
@@ -46,6 +59,26 @@ impl GpuBackend for SimulatedBackend {
     fn watch_health(&self, events: HealthSender) -> Result<(), BackendError> {
         self.watchers.lock().unwrap().push(events);
         Ok(())
+    }
+
+    fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
+        self.known(uuid)?;
+        self.compute_modes
+            .lock()
+            .unwrap()
+            .insert(uuid.to_string(), mode);
+        Ok(())
+    }
+
+    fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
+        self.known(uuid)?;
+        Ok(self
+            .compute_modes
+            .lock()
+            .unwrap()
+            .get(uuid)
+            .copied()
+            .unwrap_or(ComputeMode::Default))
     }
 
     fn sampler(&self) -> Result<Box<dyn super::Sampler>, BackendError> {
@@ -264,5 +297,29 @@ impl super::Sampler for SimSampler {
             })
             .collect();
         Ok(super::Sample { gpus })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_modes_are_kept_per_gpu() {
+        let b = SimulatedBackend::new(simnode::NodeDescription::load("t4-4").unwrap());
+        let uuid = b.node().gpus[1].uuid.clone();
+        assert_eq!(b.compute_mode(&uuid).unwrap(), ComputeMode::Default);
+        b.set_compute_mode(&uuid, ComputeMode::ExclusiveProcess)
+            .unwrap();
+        assert_eq!(
+            b.compute_mode(&uuid).unwrap(),
+            ComputeMode::ExclusiveProcess
+        );
+        let first = b.node().gpus[0].uuid.clone();
+        assert_eq!(b.compute_mode(&first).unwrap(), ComputeMode::Default);
+        assert!(
+            b.set_compute_mode("GPU-nope", ComputeMode::Default)
+                .is_err()
+        );
     }
 }

@@ -48,6 +48,7 @@
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
+mod compute_mode;
 mod metrics;
 mod mig;
 
