@@ -125,6 +125,19 @@ enum Command {
         #[command(subcommand)]
         command: PolicyCommand,
     },
+    /// Runs a host program as the agent runs it (the MPS control daemon):
+    /// with --shm, in a mount namespace of its own with that host directory
+    /// as /dev/shm; chrooted into the host root when it is not /. The
+    /// environment is passed through as is.
+    #[command(hide = true)]
+    HostExec {
+        /// A host directory to bind over /dev/shm.
+        #[arg(long, value_name = "HOST_DIR")]
+        shm: Option<String>,
+        /// The program (a host path) and its arguments.
+        #[arg(last = true, required = true, value_name = "PROGRAM")]
+        argv: Vec<String>,
+    },
     /// A simulated 8x H100 node in a sandbox: runs the agent's stages over it
     /// and shows what it did. Changes nothing outside a temp dir.
     Demo {
@@ -279,6 +292,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
             command: CdiCommand::Generate { write, no_wait },
         } => cdi_generate(&cli, *write, *no_wait),
         Command::CdiHook { command } => cdi_hook(command),
+        Command::HostExec { shm, argv } => host_exec(&cli, shm.as_deref(), argv),
         Command::Driver { command } => driver_cli::command(&cli, command),
         Command::Demo { node, keep } => {
             demo::run(node, *keep, &mut std::io::stdout().lock())
@@ -477,6 +491,14 @@ fn cdi_hook(command: &HookCommand) -> Result<ExitCode, Failure> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `host-exec`: enters the host (see hostlib::process) and becomes the
+/// program; returns only when that fails.
+fn host_exec(cli: &Cli, shm: Option<&str>, argv: &[String]) -> Result<ExitCode, Failure> {
+    let root = host_root(cli)?;
+    hostlib::process::enter(&root, shm, &hostlib::LinuxSyscalls)?;
+    Err(hostlib::process::exec(argv).into())
 }
 
 fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {

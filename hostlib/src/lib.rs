@@ -10,6 +10,7 @@ pub mod driver;
 pub mod fsutil;
 pub mod managed;
 pub mod pci;
+pub mod process;
 pub mod root;
 pub mod strict;
 pub mod syscalls;

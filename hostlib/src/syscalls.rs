@@ -71,6 +71,10 @@ pub trait Syscalls: Send + Sync + fmt::Debug {
     fn chown(&self, path: &Path, uid: Option<u32>, gid: Option<u32>) -> Result<(), SyscallError>;
     /// `chmod(path, mode)`.
     fn chmod(&self, path: &Path, mode: u32) -> Result<(), SyscallError>;
+    /// `unshare(CLONE_NEWNS)`: this process gets a mount namespace of its own.
+    fn unshare_mount_namespace(&self) -> Result<(), SyscallError>;
+    /// `chroot(path)`, then `chdir("/")` inside it.
+    fn chroot(&self, path: &Path) -> Result<(), SyscallError>;
 }
 
 /// The real calls, through `nix`.
@@ -153,6 +157,16 @@ impl Syscalls for LinuxSyscalls {
             )
         })
     }
+
+    fn unshare_mount_namespace(&self) -> Result<(), SyscallError> {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+            .map_err(|e| SyscallError::new("unshare", "CLONE_NEWNS", e))
+    }
+
+    fn chroot(&self, path: &Path) -> Result<(), SyscallError> {
+        nix::unistd::chroot(path).map_err(|e| SyscallError::new("chroot", path.display(), e))?;
+        nix::unistd::chdir("/").map_err(|e| SyscallError::new("chdir", "/", e))
+    }
 }
 
 /// One recorded call.
@@ -191,6 +205,11 @@ pub enum Call {
         path: PathBuf,
         mode: u32,
     },
+    /// `unshare(CLONE_NEWNS)`.
+    Unshare,
+    Chroot {
+        path: PathBuf,
+    },
 }
 
 impl Call {
@@ -204,6 +223,8 @@ impl Call {
             Call::Umount { .. } => "umount",
             Call::Chown { .. } => "chown",
             Call::Chmod { .. } => "chmod",
+            Call::Unshare => "unshare",
+            Call::Chroot { .. } => "chroot",
         }
     }
 
@@ -212,7 +233,9 @@ impl Call {
             Call::MknodChar { path, .. }
             | Call::FinitModule { path, .. }
             | Call::Chown { path, .. }
-            | Call::Chmod { path, .. } => path.display().to_string(),
+            | Call::Chmod { path, .. }
+            | Call::Chroot { path } => path.display().to_string(),
+            Call::Unshare => "CLONE_NEWNS".to_string(),
             Call::DeleteModule { name } => name.clone(),
             Call::Mount { target, .. } | Call::Umount { target, .. } => {
                 target.display().to_string()
@@ -329,6 +352,16 @@ impl Syscalls for RecordingSyscalls {
         self.record(Call::Chmod {
             path: path.to_path_buf(),
             mode,
+        })
+    }
+
+    fn unshare_mount_namespace(&self) -> Result<(), SyscallError> {
+        self.record(Call::Unshare)
+    }
+
+    fn chroot(&self, path: &Path) -> Result<(), SyscallError> {
+        self.record(Call::Chroot {
+            path: path.to_path_buf(),
         })
     }
 }
