@@ -413,6 +413,15 @@ impl FakeSpawner {
             .count()
     }
 
+    /// Whether the `n`th program started (from 0) still runs.
+    pub fn is_running(&self, n: usize) -> bool {
+        self.spawned
+            .lock()
+            .unwrap()
+            .get(n)
+            .is_some_and(|r| r.exit.borrow().is_none())
+    }
+
     /// Process ids of the children started, in order.
     pub fn pids(&self) -> Vec<u32> {
         self.spawned.lock().unwrap().iter().map(|r| r.pid).collect()

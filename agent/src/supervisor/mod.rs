@@ -11,6 +11,7 @@
 //! Passes run on the thread that called [`run`]; the tasks run on one
 //! runtime worker, so the device plugin serves while a pass runs.
 
+mod mps;
 mod policy_watch;
 
 use std::collections::BTreeMap;
@@ -157,6 +158,8 @@ struct Supervisor {
     metrics_config: Option<ExporterConfig>,
     /// The serving exporter's stage detail (with the port it got).
     metrics_detail: String,
+    /// One MPS control daemon per MPS-shared resource (task `mps`).
+    mps: mps::MpsDaemons,
 }
 
 #[derive(Default)]
@@ -178,7 +181,14 @@ impl Supervisor {
         st.simulated = opts.view.simulated.clone();
         st.reconcile_interval_secs = opts.policy.reconcile_interval_seconds;
         let health_policy = watch::Sender::new(opts.policy.health.to_policy());
+        // MPS daemons run through this binary's `host-exec`.
+        let exe = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
+        let mps = mps::MpsDaemons::new(
+            opts.host.clone(),
+            Arc::new(hostlib::process::HostSpawner::new(exe, opts.host.clone())),
+        );
         Supervisor {
+            mps,
             opts,
             st,
             file: state::StateFile::default(),
@@ -241,6 +251,8 @@ impl Supervisor {
         }
         self.plugin_plan = pass.plugin.clone();
         self.start_health();
+        // MPS replicas are advertised once their daemons serve.
+        self.reconcile_mps().await;
         self.start_plugin();
         self.start_metrics();
         // What the pass found, for `status`, before anything waits.
@@ -322,6 +334,7 @@ impl Supervisor {
                     None => std::future::pending().await,
                 }
             };
+            let mps_ended = self.mps.ended();
             tokio::select! {
                 _ = beat => {
                     if let Err(e) = self.file.stamp(&self.opts.host) {
@@ -332,6 +345,10 @@ impl Supervisor {
                 _ = self.changed.notified() => {}
                 outcome = plugin_ended => self.task_ended("plugin", outcome),
                 r = kmsg_ended => self.kernel_log_ended(r),
+                (resource, why) = mps_ended => {
+                    tracing::error!(task = mps::TASK, resource = %resource, "MPS control daemon stopped");
+                    self.task_ended(mps::TASK, Err(why));
+                }
                 r = metrics_ended => {
                     self.metrics = None;
                     let outcome = match r {
@@ -379,6 +396,8 @@ impl Supervisor {
         if let Some(p) = self.plugin.take() {
             p.stop().await;
         }
+        // No more replicas are handed out: the MPS daemons may quit.
+        self.mps.stop_all(self.opts.view.backend.as_ref()).await;
         // The device plugin is gone with us: scripts waiting on it must not
         // think it serves.
         validation_file(&self.opts.host, PLUGIN_READY, None);
@@ -568,6 +587,7 @@ impl Supervisor {
                 }
             }
         }
+        self.reconcile_mps().await;
         if self.health.is_none() {
             self.start_health();
         } else if let (Some(h), Some(c)) = (&self.health, conditions) {
@@ -816,6 +836,35 @@ impl Supervisor {
         self.plugin_plan = None;
     }
 
+    /// The MPS daemons follow the device plugin's plan: one per MPS-shared
+    /// resource (none on a simulated node, which has no MPS to run).
+    async fn reconcile_mps(&mut self) {
+        let mut plans = match (&self.plugin_plan, &self.inventory) {
+            (Some(plan), Some(inv)) => {
+                crate::plugin::mps::plans(&plan.settings, &plan.resources, &inv.borrow())
+            }
+            _ => Vec::new(),
+        };
+        if self.opts.view.simulated.is_some() && !plans.is_empty() {
+            tracing::debug!(
+                task = mps::TASK,
+                "a simulated node runs no MPS control daemon; MPS replicas are advertised only"
+            );
+            plans.clear();
+        }
+        if plans.is_empty() && self.mps.is_empty() {
+            return;
+        }
+        let backend = self.opts.view.backend.as_ref();
+        if self.mps.update(plans, backend).await {
+            self.task_started(mps::TASK);
+            self.mps.wait_started().await;
+        }
+        if self.mps.is_empty() {
+            self.tasks.remove(mps::TASK);
+        }
+    }
+
     fn start_plugin(&mut self) {
         let Some(plan) = self.plugin_plan.clone() else {
             return;
@@ -975,6 +1024,11 @@ impl Supervisor {
                 "plugin" => self.start_plugin(),
                 KERNEL_LOG => self.start_kernel_log(),
                 METRICS => self.start_metrics(),
+                mps::TASK => {
+                    if self.mps.start_missing(self.opts.view.backend.as_ref()) {
+                        self.task_started(mps::TASK);
+                    }
+                }
                 _ => {}
             }
         }
