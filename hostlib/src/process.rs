@@ -313,7 +313,7 @@ pub fn enter(root: &HostRoot, shm: Option<&str>, sys: &dyn Syscalls) -> Result<(
 }
 
 /// Becomes `argv[0]` (a path in the root entered), with this process's
-/// environment; returns only when that fails.
+/// environment, in a session of its own; returns only when that fails.
 pub fn exec(argv: &[String]) -> ProcessError {
     use std::os::unix::process::CommandExt;
     let Some((program, args)) = argv.split_first() else {
@@ -322,6 +322,11 @@ pub fn exec(argv: &[String]) -> ProcessError {
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no program given"),
         };
     };
+    // A session of its own: a signal to the agent's process group (a
+    // terminal's Ctrl-C, `timeout`) is not the program's; the agent tells
+    // it to stop its own way. Fails only for a group leader, which this
+    // process (a child just started) is not.
+    let _ = nix::unistd::setsid();
     let source = std::process::Command::new(program).args(args).exec();
     ProcessError::Exec {
         program: program.clone(),
