@@ -865,6 +865,13 @@ impl Supervisor {
         }
     }
 
+    /// After the backoff: the daemons that stopped start again.
+    fn restart_mps(&mut self) {
+        if self.mps.start_missing(self.opts.view.backend.as_ref()) {
+            self.task_started(mps::TASK);
+        }
+    }
+
     fn start_plugin(&mut self) {
         let Some(plan) = self.plugin_plan.clone() else {
             return;
@@ -1024,11 +1031,7 @@ impl Supervisor {
                 "plugin" => self.start_plugin(),
                 KERNEL_LOG => self.start_kernel_log(),
                 METRICS => self.start_metrics(),
-                mps::TASK => {
-                    if self.mps.start_missing(self.opts.view.backend.as_ref()) {
-                        self.task_started(mps::TASK);
-                    }
-                }
+                mps::TASK => self.restart_mps(),
                 _ => {}
             }
         }
