@@ -440,3 +440,69 @@ fn mps_daemons_are_run_configured_restarted_and_quit() {
         a.modes()
     );
 }
+
+/// What cannot be honoured is refused in `status`, naming the key and the
+/// GPU, and labelled as not MPS-capable; what can is labelled as GFD
+/// labels it. On simulated nodes (no MPS to run), no daemon is started.
+#[test]
+fn refusals_and_labels_through_the_cli() {
+    let work = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = work.path().join(name);
+        fs::write(&p, text).unwrap();
+        p
+    };
+    let plugin_stage = |node: &str, policy: &Path| {
+        let (code, out, err) = run(bin()
+            .args(["--simulate", node, "--policy"])
+            .arg(policy)
+            .args(["status", "-o", "json"]));
+        assert_eq!(code, 0, "{err}");
+        let st = json(&out);
+        st["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["stage"] == "plugin")
+            .unwrap()
+            .clone()
+    };
+    let labels = |node: &str, policy: &Path| {
+        let (code, out, err) = run(bin()
+            .args(["--simulate", node, "--policy"])
+            .arg(policy)
+            .arg("labels"));
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    // MPS on MIG-enabled GPUs (mig.strategy none advertises them whole).
+    let on_mig = write(
+        "on-mig.yaml",
+        "spec:\n  mig:\n    strategy: none\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 2}\n",
+    );
+    let st = plugin_stage("h100-mig-2", &on_mig);
+    assert_eq!(st["state"], "failed", "{st}");
+    assert_eq!(
+        st["detail"],
+        "sharing.mps.resources[0] selects GPU 0 (GPU-6a1f0c2e-5b3d-4e7f-8a9b-1c2d3e4f5a00), which is in MIG mode: MPS cannot share a MIG-enabled GPU or its MIG devices (MIG and MPS on one GPU); leave it out with `devices`, or disable MIG on it"
+    );
+    let l = labels("h100-mig-2", &on_mig);
+    assert!(l.contains("nvidia.com/mps.capable=false\n"), "{l}");
+    // MPS on the H100s: four replicas each, labelled as GFD would.
+    let ok = write(
+        "ok.yaml",
+        "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n",
+    );
+    let st = plugin_stage("h100-sxm-8", &ok);
+    assert_eq!(st["state"], "ready", "{st}");
+    assert_eq!(st["detail"], "nvidia.com/gpu: 32 device(s)");
+    let l = labels("h100-sxm-8", &ok);
+    for want in [
+        "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3-SHARED\n",
+        "nvidia.com/gpu.replicas=4\n",
+        "nvidia.com/gpu.sharing-strategy=mps\n",
+        "nvidia.com/mps.capable=true\n",
+    ] {
+        assert!(l.contains(want), "{want} not in\n{l}");
+    }
+}
