@@ -24,6 +24,10 @@
 //!   value may not hold are dropped too, so the label is always valid.
 //! - Version labels are left out when NVML did not give the version (GFD
 //!   fails the whole relabel).
+//! - `mps.capable`: GFD says `true` for MPS sharing unless a GPU is in MIG
+//!   mode (and then fails the relabel); here it is `true` when MPS is the
+//!   sharing and the device plugin serves it, which it does on the GPUs out
+//!   of MIG mode.
 
 use std::collections::BTreeMap;
 

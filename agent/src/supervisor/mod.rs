@@ -541,6 +541,8 @@ impl Supervisor {
                     .as_ref()
                     .is_none_or(|old| old.resources != plan.resources);
                 self.plugin_plan = Some(plan);
+                // New MPS resources have their daemons before they are served.
+                self.reconcile_mps().await;
                 match &self.plugin {
                     Some(_) if settings_changed => {
                         // New allocation settings: served by a new plugin.

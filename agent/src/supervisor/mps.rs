@@ -321,8 +321,12 @@ fn prepare_dirs(host: &HostRoot, plan: &DaemonPlan) -> Result<(), String> {
     make(&plan.shm_dir(), SHM_MODE)
 }
 
+/// Puts the plan's GPUs in `mode`, changing only those in another one.
 fn set_modes(backend: &dyn GpuBackend, plan: &DaemonPlan, mode: ComputeMode) -> Result<(), String> {
     for g in &plan.gpus {
+        if backend.compute_mode(&g.uuid).is_ok_and(|m| m == mode) {
+            continue;
+        }
         backend
             .set_compute_mode(&g.uuid, mode)
             .map_err(|e| format!("compute mode {mode} on GPU {} ({}): {e}", g.index, g.uuid))?;
