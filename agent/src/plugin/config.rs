@@ -370,13 +370,17 @@ impl PluginConfig {
     }
 }
 
-/// `nvidia.com/<name>` with a name of letters, digits, `-`, `_`, `.`.
+/// `nvidia.com/<name>` with a name of letters, digits, `-`, `_`, `.`,
+/// starting and ending with a letter or digit (a Kubernetes qualified
+/// name's rule; it also keeps `..` out of the MPS directories named after it).
 pub fn valid_resource_name(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("nvidia.com/") else {
         return false;
     };
-    !rest.is_empty()
-        && rest.len() <= 63
+    let edge_ok = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    rest.len() <= 63
+        && edge_ok(rest.chars().next())
+        && edge_ok(rest.chars().last())
         && rest
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
@@ -520,6 +524,33 @@ sharing:
                 .contains("sharing.timeSlicing: cannot be combined with sharing.mps"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn resource_names_are_qualified_names() {
+        for ok in [
+            "nvidia.com/gpu",
+            "nvidia.com/gpu.shared",
+            "nvidia.com/mig-1g.10gb",
+            "nvidia.com/a",
+        ] {
+            assert!(valid_resource_name(ok), "{ok}");
+        }
+        for bad in [
+            "gpu",
+            "nvidia.com/",
+            "nvidia.com/..",
+            "nvidia.com/.gpu",
+            "nvidia.com/gpu-",
+            "nvidia.com/a b",
+            "nvidia.com/a/b",
+        ] {
+            assert!(!valid_resource_name(bad), "{bad}");
+        }
+        assert!(!valid_resource_name(&format!(
+            "nvidia.com/{}",
+            "g".repeat(64)
+        )));
     }
 
     #[test]

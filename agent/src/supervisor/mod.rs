@@ -186,7 +186,8 @@ impl Supervisor {
         let mps = mps::MpsDaemons::new(
             opts.host.clone(),
             Arc::new(hostlib::process::HostSpawner::new(exe, opts.host.clone())),
-        );
+        )
+        .with_missing_caps(opts.caps.missing(mps::NEEDS));
         Supervisor {
             mps,
             opts,

@@ -21,10 +21,14 @@ use hostlib::process::{Child, Launch, Spawner};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::backend::{ComputeMode, GpuBackend};
+use crate::caps::Capability;
 use crate::plugin::mps::{CONTROL_PROGRAM, DaemonPlan, HEALTH_COMMAND};
 
 /// The task's name in `status`.
 pub const TASK: &str = "mps";
+/// What `host-exec` needs to run a daemon: a mount namespace of its own
+/// (for its `/dev/shm`) and `chroot` into the host root.
+pub const NEEDS: &[Capability] = &[Capability::CAP_SYS_ADMIN, Capability::CAP_SYS_CHROOT];
 
 /// Modes of the directories: the pipe directory is where clients (any
 /// user, in any container) reach the daemon's sockets, so others may
@@ -91,6 +95,8 @@ pub struct MpsDaemons {
     next_generation: u64,
     ended_tx: mpsc::UnboundedSender<Ended>,
     ended_rx: mpsc::UnboundedReceiver<Ended>,
+    /// Capabilities of [`NEEDS`] this process lacks, by name.
+    missing_caps: Vec<String>,
 }
 
 impl std::fmt::Debug for MpsDaemons {
@@ -132,7 +138,15 @@ impl MpsDaemons {
             next_generation: 1,
             ended_tx,
             ended_rx,
+            missing_caps: Vec::new(),
         }
+    }
+
+    /// The capabilities of [`NEEDS`] this process lacks: every run fails
+    /// at once, naming them.
+    pub fn with_missing_caps(mut self, missing: Vec<String>) -> Self {
+        self.missing_caps = missing;
+        self
     }
 
     #[cfg(test)]
@@ -213,7 +227,9 @@ impl MpsDaemons {
         let (stop, stopped) = oneshot::channel();
         let ended = self.ended_tx.clone();
         let resource = plan.resource.clone();
-        let prepared = prepare_dirs(&self.host, &plan)
+        let prepared = self
+            .can_run()
+            .and_then(|()| prepare_dirs(&self.host, &plan))
             .and_then(|()| set_modes(backend, &plan, ComputeMode::ExclusiveProcess));
         let spawner = self.spawner.clone();
         let timing = self.timing;
@@ -234,6 +250,22 @@ impl MpsDaemons {
             phase,
             task,
         }
+    }
+
+    /// Why no daemon can run here, if none can.
+    fn can_run(&self) -> Result<(), String> {
+        if !self.missing_caps.is_empty() {
+            return Err(format!(
+                "the MPS control daemon needs {} (a mount namespace for its /dev/shm, chroot into the host root)",
+                self.missing_caps.join(", ")
+            ));
+        }
+        if !self.host.exists(CONTROL_PROGRAM) {
+            return Err(format!(
+                "the host has no {CONTROL_PROGRAM} (the NVIDIA driver's MPS control program)"
+            ));
+        }
+        Ok(())
     }
 
     /// Resolves when a daemon's run fails: its resource and why. The
@@ -517,6 +549,8 @@ mod tests {
 
     fn fixture() -> (tempfile::TempDir, HostRoot, SimulatedBackend) {
         let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("usr/bin")).unwrap();
+        std::fs::write(dir.path().join("usr/bin/nvidia-cuda-mps-control"), "").unwrap();
         let host = HostRoot::new(dir.path()).unwrap();
         let backend = SimulatedBackend::new(simnode::NodeDescription::load("t4-4").unwrap());
         (dir, host, backend)
@@ -720,5 +754,34 @@ mod tests {
         );
         d.stop_all(&backend).await;
         assert_eq!(f.running(), 0, "the refused daemon is killed");
+    }
+
+    #[tokio::test]
+    async fn no_control_program_or_no_capabilities_is_said_in_words() {
+        let (dir, host, backend) = fixture();
+        let f = fake_mps();
+        let mut d = MpsDaemons::new(host.clone(), f.clone())
+            .with_timing(fast())
+            .with_missing_caps(vec!["CAP_SYS_CHROOT".into()]);
+        d.update(plans(TWO_RESOURCES), &backend).await;
+        let (_, why) = d.ended().await;
+        assert_eq!(
+            why,
+            "the MPS control daemon needs CAP_SYS_CHROOT (a mount namespace for its /dev/shm, chroot into the host root)"
+        );
+        d.stop_all(&backend).await;
+        std::fs::remove_file(dir.path().join("usr/bin/nvidia-cuda-mps-control")).unwrap();
+        let mut d = MpsDaemons::new(host, f.clone()).with_timing(fast());
+        d.update(plans(TWO_RESOURCES), &backend).await;
+        let (_, why) = d.ended().await;
+        assert_eq!(
+            why,
+            "the host has no /usr/bin/nvidia-cuda-mps-control (the NVIDIA driver's MPS control program)"
+        );
+        d.stop_all(&backend).await;
+        // Nothing was started, no GPU left in EXCLUSIVE_PROCESS.
+        assert!(f.spawned().is_empty());
+        let uuid = backend.node().gpus[0].uuid.clone();
+        assert_eq!(backend.compute_mode(&uuid).unwrap(), ComputeMode::Default);
     }
 }
