@@ -207,23 +207,9 @@ impl MigManagerSpec {
     }
 }
 
-/// `spec.migManager.config`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct MigManagerConfig {
-    /// The ConfigMap name (in Kubernetes) holding the layouts.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// ClusterPolicy's name for the selected layout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub default: Option<String>,
-    /// A mig-parted config file (`version: v1`, `mig-configs`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<std::path::PathBuf>,
-    /// The same, inline.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inline: Option<crate::mig::config::MigPartedConfig>,
-}
+/// `spec.migManager.config`: mig-parted's layouts.
+pub type MigManagerConfig =
+    crate::plugin::config::ConfigSource<crate::mig::config::MigPartedConfig>;
 
 /// `{enabled: bool}`, default enabled.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

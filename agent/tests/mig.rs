@@ -81,16 +81,6 @@ fn policy(layout: &str, extra: &str) -> String {
     )
 }
 
-fn stage(st: &serde_json::Value, name: &str) -> serde_json::Value {
-    st["stages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["stage"] == name)
-        .unwrap()
-        .clone()
-}
-
 /// The kubelet stand-in's view: resource → (devices, stream open).
 type Capacity = BTreeMap<String, (Vec<String>, bool)>;
 

@@ -159,13 +159,7 @@ impl Agent {
     }
 
     fn stage(&self, st: &serde_json::Value, name: &str) -> serde_json::Value {
-        st["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["stage"] == name)
-            .unwrap()
-            .clone()
+        common::stage(st, name)
     }
 
     /// Waits (up to `secs`) until `f` holds for the status.

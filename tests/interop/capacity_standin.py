@@ -16,29 +16,15 @@ After every change, <out> (JSON, replaced atomically) holds the node's view:
 Usage: capacity_standin.py --proto PROTO --dir DIR --out FILE
 """
 import argparse
-import importlib
 import json
 import os
 import sys
-import tempfile
 import threading
 from concurrent import futures
 
 import grpc
-from grpc_tools import protoc
 
-
-def load_stubs(proto):
-    out = tempfile.mkdtemp(prefix="cap-stubs-")
-    inc = os.path.dirname(os.path.abspath(proto))
-    grpc_inc = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{inc}", f"-I{grpc_inc}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", os.path.abspath(proto)])
-    if rc != 0:
-        sys.exit(f"protoc failed on {proto}")
-    sys.path.insert(0, out)
-    base = os.path.splitext(os.path.basename(proto))[0]
-    return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+from kubelet_standin import load_stubs
 
 
 def main():

@@ -358,7 +358,7 @@ pub fn plan(
             }
             if let Some((j, _)) = chosen.get(&index) {
                 return Err(node_err(
-                    format!("{at}"),
+                    at.to_string(),
                     format!(
                         "GPU {index} is also selected by mig-configs.{layout}[{j}]; each GPU may be selected once"
                     ),
@@ -416,7 +416,7 @@ pub fn plan(
             uuid,
             model: model(g),
             minor: g.minor,
-            bus_id: g.bus_id.clone(),
+            bus_id: g.bus_id,
             mode,
             instances,
             current,
@@ -440,26 +440,28 @@ fn cap_minor(gpu_minor: u32, gi: u32, ci: Option<u32>) -> u32 {
 /// The model's GPU-instance profiles from NVIDIA's published table.
 fn facts(g: &Gpu) -> Option<Vec<GiProfile>> {
     let f = simnode::mig::gi_profiles(g.pci.as_ref()?.device)?;
-    Some(
-        f.profiles
-            .iter()
-            .map(|p| GiProfile {
-                id: p.id,
-                name: p.name.to_string(),
-                slices: p.slices,
-                instances: p.instances,
-                memory_mib: p.memory_mib,
-                placements: p
-                    .placements
-                    .iter()
-                    .map(|&start| Placement {
-                        start,
-                        size: p.placement_size,
-                    })
-                    .collect(),
-            })
-            .collect(),
-    )
+    Some(f.profiles.iter().map(GiProfile::from_table).collect())
+}
+
+impl GiProfile {
+    /// A profile as NVIDIA's published table (simnode's) gives it.
+    pub fn from_table(p: &simnode::mig::GiProfile) -> Self {
+        GiProfile {
+            id: p.id,
+            name: p.name.to_string(),
+            slices: p.slices,
+            instances: p.instances,
+            memory_mib: p.memory_mib,
+            placements: p
+                .placements
+                .iter()
+                .map(|&start| Placement {
+                    start,
+                    size: p.placement_size,
+                })
+                .collect(),
+        }
+    }
 }
 
 fn model(g: &Gpu) -> String {

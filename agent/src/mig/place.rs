@@ -140,8 +140,8 @@ mod tests {
         }
         assert!(solutions(&[&three, &three, &one], &[], 1).is_empty());
         assert!(solutions(&[&seven, &one], &[], 1).is_empty());
-        assert_eq!(solutions(&vec![one.as_slice(); 7], &[], 5).len(), 1);
-        assert!(solutions(&vec![one.as_slice(); 8], &[], 1).is_empty());
+        assert_eq!(solutions(&[one.as_slice(); 7], &[], 5).len(), 1);
+        assert!(solutions(&[one.as_slice(); 8], &[], 1).is_empty());
         // 4g + 2g + 1g: only with the 2g at 4 and the 1g at 6.
         let four = starts(4, &[0]);
         assert_eq!(

@@ -82,28 +82,13 @@ impl MigControl for SimControl {
             .map_err(|e| sim_err(gpu, "set_mode", e))
     }
     fn gi_profiles(&self, gpu: &str) -> Result<Vec<GiProfile>, MigError> {
-        self.with(gpu, |m, _| -> Vec<GiProfile> {
+        Ok(self.with(gpu, |m, _| {
             m.facts()
                 .profiles
                 .iter()
-                .map(|p| GiProfile {
-                    id: p.id,
-                    name: p.name.to_string(),
-                    slices: p.slices,
-                    instances: p.instances,
-                    memory_mib: p.memory_mib,
-                    placements: p
-                        .placements
-                        .iter()
-                        .map(|&start| Placement {
-                            start,
-                            size: p.placement_size,
-                        })
-                        .collect(),
-                })
+                .map(GiProfile::from_table)
                 .collect()
-        })
-        .pipe(Ok)
+        }))
     }
     fn ci_profiles(&self, gpu: &str, gi: u32) -> Result<Vec<CiProfile>, MigError> {
         self.with(gpu, |m, _| m.ci_profiles(gi))
@@ -162,13 +147,6 @@ impl MigControl for SimControl {
         Ok(Vec::new())
     }
 }
-
-trait Pipe: Sized {
-    fn pipe<T>(self, f: impl FnOnce(Self) -> T) -> T {
-        f(self)
-    }
-}
-impl<T> Pipe for T {}
 
 fn layouts(text: &str) -> MigPartedConfig {
     MigPartedConfig::from_yaml(text, "mig.yaml").unwrap()

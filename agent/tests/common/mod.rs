@@ -159,3 +159,14 @@ pub fn install_containerd_2(host: &Path) {
     let _ = std::fs::remove_file(&dest);
     std::fs::copy(containerd_2(), &dest).unwrap();
 }
+
+/// One stage's entry in `status -o json`.
+pub fn stage(st: &serde_json::Value, name: &str) -> serde_json::Value {
+    st["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == name)
+        .unwrap_or_else(|| panic!("no stage {name} in {st:#}"))
+        .clone()
+}
