@@ -444,7 +444,7 @@ fn an_a100_waits_for_a_reset_and_a_refused_reset_rolls_back() {
     assert_eq!(mig["state"], "ready", "{mig:#}");
     assert!(
         mig["detail"].as_str().unwrap().starts_with(
-            "layout \"all-balanced\" would change GPU 0: MIG off → 3g.20gb, 2g.10gb, 1g.5gb x2"
+            "layout \"all-balanced\" would change GPUs 0-1: MIG off → 3g.20gb, 2g.10gb, 1g.5gb x2"
         ),
         "{mig:#}"
     );

@@ -85,7 +85,7 @@ fn write_entries(out: &mut String, entries: &[Entry]) {
 fn generate() -> String {
     let mut out = String::from(
         "# gpu-agent's default MIG layouts, in mig-parted's format (version v1).\n\
-         # Select one with the node label nvidia.com/mig.config=<name>.\n\
+         # Select one with spec.migManager.default (README, MIG layouts).\n\
          #\n\
          # Generated from simnode's MIG facts table (simnode/src/mig.rs); do not\n\
          # edit by hand: `UPDATE_GOLDEN=1 cargo test -p simnode --test mig_parted_config`.\n\

@@ -237,16 +237,14 @@ impl Plan {
         self.changing().next().is_none()
     }
 
-    /// `GPU 0: MIG off → 3g.40gb, …; GPU 1: …`
+    /// `GPUs 0-7: MIG off → 3g.40gb, …` (GPUs with the same change together).
     pub fn summary(&self) -> String {
-        let parts: Vec<String> = self
+        let parts: Vec<(u32, String)> = self
             .changing()
             .map(|g| {
-                format!(
-                    "GPU {}: {} → {}",
+                (
                     g.index,
-                    g.current.describe(),
-                    g.wanted.describe()
+                    format!("{} → {}", g.current.describe(), g.wanted.describe()),
                 )
             })
             .collect();
@@ -257,8 +255,51 @@ impl Plan {
                 self.gpus.len()
             )
         } else {
-            parts.join("; ")
+            grouped(&parts)
         }
+    }
+}
+
+/// `GPUs 0-3, 6: what; GPU 5: other`: GPUs that say the same, together,
+/// in the order each saying first comes.
+pub fn grouped(items: &[(u32, String)]) -> String {
+    let mut groups: Vec<(&str, Vec<u32>)> = Vec::new();
+    for (gpu, what) in items {
+        match groups.iter_mut().find(|(w, _)| w == what) {
+            Some((_, g)) => g.push(*gpu),
+            None => groups.push((what, vec![*gpu])),
+        }
+    }
+    groups
+        .iter()
+        .map(|(what, gpus)| format!("{}: {what}", gpu_list(gpus)))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// `GPU 3`, `GPUs 0-7`, `GPUs 0, 2-4`.
+fn gpu_list(gpus: &[u32]) -> String {
+    let mut sorted = gpus.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        runs.push(if j == i {
+            sorted[i].to_string()
+        } else {
+            format!("{}-{}", sorted[i], sorted[j])
+        });
+        i = j + 1;
+    }
+    if sorted.len() == 1 {
+        format!("GPU {}", runs[0])
+    } else {
+        format!("GPUs {}", runs.join(", "))
     }
 }
 
@@ -756,8 +797,8 @@ pub fn holders_message(h: &[Holder], timeout: Duration) -> String {
 /// How an apply ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Applied {
-    /// Every GPU has its wanted layout; what changed.
-    Done(Vec<String>),
+    /// Every GPU has its wanted layout; what changed, by GPU index.
+    Done(Vec<(u32, String)>),
     /// A GPU's mode change waits for a reboot, which was asked for.
     Rebooting(String),
 }
@@ -845,12 +886,12 @@ pub fn apply(
                     "{why}; reboot the node, or let gpu-agent do it with spec.migManager.reboot: true"
                 ));
             }
-            done.push(format!("GPU {}: reset to apply MIG mode", g.index));
+            done.push((g.index, "reset to apply MIG mode".to_string()));
         }
         // 3. Instances.
         for g in &changing {
             if !g.wanted.enabled {
-                done.push(format!("GPU {}: MIG off", g.index));
+                done.push((g.index, "MIG off".to_string()));
                 continue;
             }
             clear(control, &g.uuid).map_err(|e| e.to_string())?;
@@ -869,7 +910,7 @@ pub fn apply(
                     g.wanted.describe()
                 ));
             }
-            done.push(format!("GPU {}: {}", g.index, g.wanted.describe()));
+            done.push((g.index, g.wanted.describe()));
         }
         Ok(None)
     })();

@@ -220,8 +220,18 @@ fn the_built_in_balanced_layout_applies_once_and_then_changes_nothing() {
     let p = n.plan(&builtin, "all-balanced").unwrap();
     assert_eq!(p.changing().count(), 8);
     assert_eq!(
-        p.summary().split("; ").next().unwrap(),
-        "GPU 0: MIG off → 3g.40gb, 2g.20gb, 1g.10gb x2"
+        p.summary(),
+        "GPUs 0-7: MIG off → 3g.40gb, 2g.20gb, 1g.10gb x2"
+    );
+    assert_eq!(
+        grouped(&[
+            (0, "a".into()),
+            (2, "b".into()),
+            (1, "a".into()),
+            (3, "a".into()),
+            (5, "a".into())
+        ]),
+        "GPUs 0-1, 3, 5: a; GPU 2: b"
     );
     match n.apply(&builtin, "all-balanced", &runner, false).unwrap() {
         Applied::Done(what) => assert_eq!(what.len(), 8, "{what:?}"),

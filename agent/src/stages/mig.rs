@@ -88,8 +88,9 @@ pub(super) fn mig_stage(ctx: &Context<'_>, inv: &Inventory) -> MigOutcome {
     tracing::info!(layout = %layout, plan = %plan.summary(), "applying the MIG layout");
     match mig::apply(control, &env, &plan) {
         Ok(Applied::Done(what)) => {
-            let detail = format!("layout {layout:?} applied: {}", what.join("; "));
-            ctx.changed(format!("MIG layout {layout:?}: {}", what.join("; ")));
+            let what = mig::grouped(&what);
+            let detail = format!("layout {layout:?} applied: {what}");
+            ctx.changed(format!("MIG layout {layout:?}: {what}"));
             MigOutcome {
                 status: status(&layout, MigConfigState::Success, &detail),
                 outcome: (StageState::Done, detail),
