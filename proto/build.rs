@@ -5,6 +5,7 @@ fn main() {
         "proto/deviceplugin_v1beta1.proto",
         "proto/podresources_v1.proto",
         "proto/cri_runtime_v1.proto",
+        "proto/report_v1.proto",
     ];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");

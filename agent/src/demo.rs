@@ -179,6 +179,7 @@ async fn serve_plugin(
         inventories.subscribe(),
         health_policy.subscribe(),
         Default::default(),
+        tokio::sync::broadcast::Sender::new(1),
     )
     .ok();
     let plugin = RunningPlugin::start(

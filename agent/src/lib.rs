@@ -16,6 +16,7 @@ pub mod mig;
 pub mod plugin;
 pub mod policy;
 pub mod render;
+pub mod report;
 pub mod runtime;
 pub mod source;
 pub mod stages;

@@ -82,6 +82,8 @@ enum Command {
         /// its lock).
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
         heartbeat: u64,
+        #[command(flatten)]
+        controller: ControllerArgs,
     },
     /// Show each stage's state: from the running agent, or by inspecting the host.
     Status {
@@ -280,7 +282,11 @@ fn error_text(error: &anyhow::Error) -> String {
 
 fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
     match &cli.command {
-        Command::Run { once, heartbeat } => run(&cli, *once, *heartbeat),
+        Command::Run {
+            once,
+            heartbeat,
+            controller,
+        } => run(&cli, *once, *heartbeat, controller),
         Command::Status { output } => status(&cli, *output),
         Command::Inventory { output } => inventory(&cli, *output),
         Command::Labels { output } => labels(&cli, *output),
@@ -550,10 +556,75 @@ fn context<'a>(
     }
 }
 
-fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
+/// Where the cluster controller is (`run`); without `--controller` the
+/// agent works on its own.
+#[derive(Debug, clap::Args)]
+struct ControllerArgs {
+    /// Report to this gpu-controller (`https://host:port`).
+    #[arg(long = "controller", env = "GPU_AGENT_CONTROLLER", value_name = "URL")]
+    endpoint: Option<String>,
+    /// PEM file of the CA that signed the controller's certificate.
+    #[arg(
+        long = "controller-ca",
+        env = "GPU_AGENT_CONTROLLER_CA",
+        value_name = "FILE",
+        default_value = "/var/run/secrets/gpu-controller/ca.crt"
+    )]
+    ca: PathBuf,
+    /// The name the controller's certificate must carry (default: the URL's host).
+    #[arg(
+        long = "controller-server-name",
+        env = "GPU_AGENT_CONTROLLER_SERVER_NAME",
+        value_name = "NAME"
+    )]
+    server_name: Option<String>,
+    /// The projected service-account token (audience `gpu-controller`).
+    #[arg(
+        long = "token-file",
+        env = "GPU_AGENT_TOKEN_FILE",
+        value_name = "FILE",
+        default_value = "/var/run/secrets/tokens/gpu-controller"
+    )]
+    token_file: PathBuf,
+    /// This node's Kubernetes name (default: the hostname).
+    #[arg(long = "node-name", env = "NODE_NAME", value_name = "NAME")]
+    node_name: Option<String>,
+}
+
+impl ControllerArgs {
+    fn config(&self, host: &HostRoot) -> Option<gpu_agent::report::ReportConfig> {
+        let endpoint = self.endpoint.clone().filter(|e| !e.is_empty())?;
+        Some(gpu_agent::report::ReportConfig {
+            endpoint,
+            ca_file: self.ca.clone(),
+            server_name: self.server_name.clone(),
+            token_file: self.token_file.clone(),
+            node_name: self
+                .node_name
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(gpu_agent::report::node_name),
+            boot_id: host
+                .read_optional("/proc/sys/kernel/random/boot_id")
+                .ok()
+                .flatten()
+                .map(|b| b.trim().to_string())
+                .unwrap_or_default(),
+            started_at: gpu_agent::state::now(),
+        })
+    }
+}
+
+fn run(
+    cli: &Cli,
+    once: bool,
+    heartbeat: u64,
+    controller: &ControllerArgs,
+) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
+    let report = controller.config(&host);
     let ok = gpu_agent::supervisor::run(gpu_agent::supervisor::Options {
         host,
         policy_path: cli.policy.clone(),
@@ -562,6 +633,7 @@ fn run(cli: &Cli, once: bool, heartbeat: u64) -> Result<ExitCode, Failure> {
         caps: HeldCaps::read(),
         heartbeat,
         once,
+        report,
     })?;
     Ok(if ok {
         ExitCode::SUCCESS
@@ -596,6 +668,10 @@ pub(crate) struct StatusReport {
     policy_error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     mig: Option<gpu_agent::mig::MigStatus>,
+    /// The report stream to gpu-controller (running agent only; none when
+    /// the agent works on its own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    controller: Option<gpu_agent::report::ControllerLink>,
 }
 
 impl StatusReport {
@@ -622,6 +698,7 @@ impl StatusReport {
             reconcile_interval_secs: Some(st.reconcile_interval_secs),
             policy_error: st.policy_error,
             mig: st.mig,
+            controller: st.controller,
         }
     }
 }
@@ -676,6 +753,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         reconcile_interval_secs: None,
         policy_error: None,
         mig: pass.mig,
+        controller: None,
     };
     print_status(&report, output)
 }
@@ -718,6 +796,18 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     }
     if let Some(e) = &report.policy_error {
         out.push_str(&format!("policy: the file on disk is not applied: {e}\n"));
+    }
+    match (&report.controller, report.ready) {
+        (Some(link), _) => {
+            out.push_str(&format!("controller: {}\n", link.summary()));
+            if let Some(d) = &link.desired {
+                out.push_str(&format!("controller asks: {d}\n"));
+            }
+        }
+        (None, Some(_)) => out.push_str(
+            "controller: none configured; the agent works on its own (`run --controller URL` reports to gpu-controller)\n",
+        ),
+        (None, None) => {}
     }
     if let Some(m) = &report.mig {
         out.push_str(&format!(

@@ -73,6 +73,9 @@ pub struct AgentState {
     /// The MIG layout (`nvidia.com/mig.config.state`), when one is selected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<crate::mig::MigStatus>,
+    /// The report stream to the cluster controller, when one is configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<crate::report::ControllerLink>,
 }
 
 /// A state file that cannot be used.
@@ -216,6 +219,7 @@ impl AgentState {
             workload: None,
             policy_error: None,
             mig: None,
+            controller: None,
         }
     }
 
@@ -338,6 +342,7 @@ mod tests {
             workload: None,
             policy_error: None,
             mig: None,
+            controller: None,
         }
     }
 

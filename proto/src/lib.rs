@@ -8,6 +8,8 @@
 //!   configuration as it reports it), and the pod sandbox, container and
 //!   image calls of the validator's workload check (one short-lived
 //!   container with a GPU injected by CDI).
+//! - [`report::v1`]: gpu-agent's own report API: each agent's stream to the
+//!   cluster controller (`gpu-controller`).
 
 #![allow(missing_debug_implementations, clippy::all, clippy::pedantic)]
 
@@ -32,5 +34,15 @@ pub mod podresources {
 pub mod cri {
     pub mod v1 {
         tonic::include_proto!("runtime.v1");
+    }
+}
+
+pub mod report {
+    pub mod v1 {
+        tonic::include_proto!("gpuagent.report.v1");
+
+        /// The audience of the projected service-account token an agent
+        /// proves itself with.
+        pub const TOKEN_AUDIENCE: &str = "gpu-controller";
     }
 }

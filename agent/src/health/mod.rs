@@ -261,6 +261,24 @@ pub struct HealthMonitor {
     board: HealthBoard,
     /// Told whenever the board changes.
     changed: Arc<Notify>,
+    /// Where events that were not ignored are told (the report upward).
+    events: Option<tokio::sync::broadcast::Sender<EventRecord>>,
+}
+
+/// A health event that was not ignored, as the report to the controller
+/// tells it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EventRecord {
+    pub uuid: String,
+    pub xid: Option<u64>,
+    /// What happened, in words.
+    pub reason: String,
+    /// The XID catalogue's advice, if any.
+    pub advice: Option<String>,
+    /// Whether it made the GPU unhealthy (else it was only logged).
+    pub unhealthy: bool,
+    /// Unix milliseconds.
+    pub at_unix_ms: u64,
 }
 
 impl std::fmt::Debug for HealthMonitor {
@@ -347,6 +365,7 @@ impl HealthMonitor {
             view: watch::Sender::new(HealthView::default()),
             board: Arc::default(),
             changed: Arc::new(Notify::new()),
+            events: None,
         };
         m.publish();
         m
@@ -355,6 +374,13 @@ impl HealthMonitor {
     /// Notifies `changed` whenever a GPU's health changes.
     pub fn with_change_signal(mut self, changed: Arc<Notify>) -> Self {
         self.changed = changed;
+        self
+    }
+
+    /// Tells every event that is not ignored on `events` (a receiver that
+    /// lags loses the oldest, and is told how many).
+    pub fn with_events(mut self, events: tokio::sync::broadcast::Sender<EventRecord>) -> Self {
+        self.events = Some(events);
         self
     }
 
@@ -497,7 +523,7 @@ impl HealthMonitor {
             }
             HealthEvent::DoubleBitEcc { uuid } => {
                 let sev = self.policy.on.double_bit_ecc;
-                self.event(&uuid, sev, "double-bit ECC error".into(), None, now)
+                self.event(&uuid, sev, None, "double-bit ECC error".into(), None, now)
             }
             HealthEvent::WaitFailed(e) => {
                 tracing::error!(stage = "health", error = %e, "cannot watch GPU events: every GPU is unhealthy until NVML answers again");
@@ -542,13 +568,14 @@ impl HealthMonitor {
             Some(m) => format!("XID {xid}, from the {from}: {m}"),
             None => format!("XID {xid}, from {from}"),
         };
-        self.event(uuid, sev, reason, Some(advice), now);
+        self.event(uuid, sev, Some(xid), reason, Some(advice), now);
     }
 
     fn event(
         &mut self,
         uuid: &str,
         sev: Severity,
+        xid: Option<u64>,
         reason: String,
         advice: Option<String>,
         now: Instant,
@@ -558,6 +585,22 @@ impl HealthMonitor {
             return;
         };
         let advice_text = advice.as_deref().unwrap_or("");
+        if sev != Severity::Ignore
+            && let Some(events) = &self.events
+        {
+            // No receiver (no controller): nothing is kept.
+            let _ = events.send(EventRecord {
+                uuid: uuid.to_string(),
+                xid,
+                reason: reason.clone(),
+                advice: advice.clone(),
+                unhealthy: sev == Severity::Unhealthy,
+                at_unix_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            });
+        }
         match sev {
             Severity::Ignore => {}
             Severity::Log => {
@@ -598,7 +641,7 @@ impl HealthMonitor {
             }
             for c in new {
                 let sev = c.severity(&self.policy);
-                self.event(&uuid, sev, c.text().to_string(), None, now);
+                self.event(&uuid, sev, None, c.text().to_string(), None, now);
             }
         }
     }

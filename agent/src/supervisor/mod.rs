@@ -48,6 +48,8 @@ const POLICY_SETTLE: Duration = Duration::from_millis(150);
 const KERNEL_LOG: &str = "kernel-log";
 /// The metrics exporter's task name.
 const METRICS: &str = "metrics";
+/// The report stream's task name.
+const REPORT: &str = "report";
 
 /// What `gpu-agent run` was asked for.
 #[derive(Debug)]
@@ -63,6 +65,8 @@ pub struct Options {
     pub heartbeat: u64,
     /// Run the stages once and exit.
     pub once: bool,
+    /// Report to the cluster controller (`None`: the agent works alone).
+    pub report: Option<crate::report::ReportConfig>,
 }
 
 /// The agent could not run.
@@ -160,6 +164,14 @@ struct Supervisor {
     metrics_detail: String,
     /// One MPS control daemon per MPS-shared resource (task `mps`).
     mps: mps::MpsDaemons,
+    /// Health events, told upward by the report task.
+    events: tokio::sync::broadcast::Sender<crate::health::EventRecord>,
+    /// The node as the report tells it, and the report task.
+    report: Option<watch::Sender<Arc<gpu_agent_proto::report::v1::NodeReport>>>,
+    report_task: Option<tokio::task::JoinHandle<()>>,
+    link: Arc<std::sync::Mutex<crate::report::ControllerLink>>,
+    /// The labels last worked out (kept when they cannot be worked out).
+    report_labels: crate::labels::Labels,
 }
 
 #[derive(Default)]
@@ -205,6 +217,11 @@ impl Supervisor {
             metrics: None,
             metrics_config: None,
             metrics_detail: String::new(),
+            events: tokio::sync::broadcast::Sender::new(crate::report::client::EVENT_BUFFER),
+            report: None,
+            report_task: None,
+            link: Arc::default(),
+            report_labels: Default::default(),
         }
     }
 
@@ -256,6 +273,7 @@ impl Supervisor {
         self.reconcile_mps().await;
         self.start_plugin();
         self.start_metrics();
+        self.start_report();
         // What the pass found, for `status`, before anything waits.
         self.refresh();
         self.sync_state();
@@ -336,6 +354,12 @@ impl Supervisor {
                 }
             };
             let mps_ended = self.mps.ended();
+            let report_ended = async {
+                match self.report_task.as_mut() {
+                    Some(h) => h.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = beat => {
                     if let Err(e) = self.file.stamp(&self.opts.host) {
@@ -357,6 +381,16 @@ impl Supervisor {
                         Err(e) => Err(format!("the task panicked or was cancelled: {e}")),
                     };
                     self.task_ended(METRICS, outcome);
+                }
+                r = report_ended => {
+                    // It only ends by panicking: it reconnects on its own.
+                    self.report_task = None;
+                    self.report = None;
+                    let why = match r {
+                        Ok(()) => "stopped on its own".to_string(),
+                        Err(e) => format!("the task panicked or was cancelled: {e}"),
+                    };
+                    self.task_ended(REPORT, Err(why));
                 }
                 _ = at(restart_due) => self.restart_due_tasks(),
                 relevant = policy_event => {
@@ -390,6 +424,9 @@ impl Supervisor {
         }
         if let Some(m) = self.metrics.take() {
             m.abort();
+        }
+        if let Some(r) = self.report_task.take() {
+            r.abort();
         }
         if let Some(h) = self.health.take() {
             h.stop();
@@ -910,6 +947,7 @@ impl Supervisor {
             inv.subscribe(),
             self.health_policy.subscribe(),
             self.changed.clone(),
+            self.events.clone(),
         ) {
             Ok(h) => {
                 self.st.health = h.board.lock().unwrap().clone();
@@ -1034,6 +1072,7 @@ impl Supervisor {
                 "plugin" => self.start_plugin(),
                 KERNEL_LOG => self.start_kernel_log(),
                 METRICS => self.start_metrics(),
+                REPORT => self.start_report(),
                 mps::TASK => self.restart_mps(),
                 _ => {}
             }
@@ -1104,6 +1143,67 @@ impl Supervisor {
             || self.st.workload.as_ref().is_some_and(|w| w.ok);
         let toolkit_ok = ok(Stage::Runtime) && ok(Stage::Cdi) && workload_ok;
         validation_file(&self.opts.host, TOOLKIT_READY, toolkit_ok.then_some(""));
+    }
+
+    /// Starts the report stream to the controller, when one is configured.
+    /// It runs for the agent's life: it reconnects on its own.
+    fn start_report(&mut self) {
+        let Some(cfg) = self.opts.report.clone() else {
+            return;
+        };
+        *self.link.lock().unwrap() = crate::report::ControllerLink {
+            endpoint: cfg.endpoint.clone(),
+            node_name: cfg.node_name.clone(),
+            since: state::now(),
+            ..Default::default()
+        };
+        let tx = watch::Sender::new(Arc::new(self.node_report()));
+        let inputs = crate::report::client::Inputs {
+            report: tx.subscribe(),
+            events: self.events.subscribe(),
+            link: self.link.clone(),
+            changed: self.changed.clone(),
+        };
+        self.report = Some(tx);
+        self.report_task = Some(tokio::spawn(crate::report::client::run(cfg, inputs)));
+        self.task_started(REPORT);
+    }
+
+    /// The node as the report tells it now.
+    fn node_report(&mut self) -> gpu_agent_proto::report::v1::NodeReport {
+        let labels = match &self.st.inventory {
+            Some(inv) if self.opts.policy.gfd.enabled => {
+                crate::labels::node_labels(inv, &self.opts.policy).ok()
+            }
+            _ => Some(Default::default()),
+        };
+        if let Some(l) = labels {
+            self.report_labels = l;
+        }
+        crate::report::node_report(&self.st, &self.report_labels)
+    }
+
+    /// Hands the report task the node as it is now, if that changed; and
+    /// the link's state to `status`.
+    fn publish_report(&mut self) {
+        if self.opts.report.is_none() {
+            return;
+        }
+        self.st.controller = Some(self.link.lock().unwrap().clone());
+        if self.report.is_none() {
+            return;
+        }
+        let now = self.node_report();
+        if let Some(tx) = &self.report {
+            tx.send_if_modified(|r| {
+                if **r == now {
+                    false
+                } else {
+                    *r = Arc::new(now);
+                    true
+                }
+            });
+        }
     }
 
     /// Starts the metrics exporter when its stage planned it.
@@ -1224,6 +1324,7 @@ impl Supervisor {
     }
 
     fn sync_state(&mut self) {
+        self.publish_report();
         crate::metrics::agent::state(&self.st);
         if let Err(e) = self.file.sync(&mut self.st, &self.opts.host) {
             tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
@@ -1458,14 +1559,16 @@ impl RunningHealth {
         inventory: watch::Receiver<Arc<Inventory>>,
         health_policy: watch::Receiver<HealthPolicy>,
         changed: Arc<Notify>,
+        events: tokio::sync::broadcast::Sender<crate::health::EventRecord>,
     ) -> Result<Self, String> {
         let (tx, rx) = mpsc::unbounded_channel();
         backend
             .watch_health(tx.clone())
             .map_err(|e| e.to_string())?;
         let uuids = crate::health::watched_uuids(&inventory.borrow());
-        let monitor =
-            HealthMonitor::new(policy.health.to_policy(), uuids).with_change_signal(changed);
+        let monitor = HealthMonitor::new(policy.health.to_policy(), uuids)
+            .with_change_signal(changed)
+            .with_events(events);
         let board = monitor.board();
         let view = monitor.subscribe();
         let conditions = watch::Sender::new(crate::health::conditions(&inventory.borrow(), None));

@@ -1,0 +1,277 @@
+//! The report upward: what this node's agent tells the cluster controller
+//! (`gpu-controller`) over one long-lived gRPC stream (proto/report_v1.proto).
+//!
+//! The supervisor publishes the node as a [`NodeReport`] whenever what the
+//! agent knows changes; the report task ([`client`]) sends the whole of it
+//! after every (re)connect and then only the sections that changed, plus
+//! health events and repairs as they happen. The agent works fully without
+//! a controller: the report is one more front end of the same state.
+
+pub mod client;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use gpu_agent_proto::report::v1 as pb;
+use serde::{Deserialize, Serialize};
+
+use crate::state::AgentState;
+
+/// Where the controller is and how the agent proves who it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReportConfig {
+    /// `https://host:port`.
+    pub endpoint: String,
+    /// PEM file with the CA that signed the controller's certificate.
+    pub ca_file: PathBuf,
+    /// The name the controller's certificate must carry (default: the
+    /// endpoint's host).
+    pub server_name: Option<String>,
+    /// The projected service-account token (audience `gpu-controller`),
+    /// read again at every connect: the kubelet rotates it.
+    pub token_file: PathBuf,
+    /// The Kubernetes node this agent runs on.
+    pub node_name: String,
+    /// /proc/sys/kernel/random/boot_id, as read at start.
+    pub boot_id: String,
+    /// Unix seconds when the agent started.
+    pub started_at: u64,
+}
+
+/// The report link, for `status` and the state file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerLink {
+    pub endpoint: String,
+    pub node_name: String,
+    pub connected: bool,
+    /// Unix seconds since which `connected` holds.
+    pub since: u64,
+    /// Why the last stream ended or could not start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Health events dropped while disconnected, since the agent started.
+    #[serde(default)]
+    pub dropped_events: u64,
+    /// Streams opened since the agent started.
+    #[serde(default)]
+    pub connects: u64,
+    /// What the controller last asked of this node (not acted on yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired: Option<String>,
+}
+
+impl ControllerLink {
+    /// One line for `status`.
+    pub fn summary(&self) -> String {
+        let mut line = if self.connected {
+            format!(
+                "{}: connected as node {} (since {})",
+                self.endpoint, self.node_name, self.since
+            )
+        } else {
+            format!("{}: not connected", self.endpoint)
+        };
+        if let Some(e) = &self.last_error
+            && !self.connected
+        {
+            line.push_str(&format!(": {e}"));
+        }
+        if self.dropped_events > 0 {
+            line.push_str(&format!(
+                "; {} health events dropped while disconnected",
+                self.dropped_events
+            ));
+        }
+        line
+    }
+}
+
+/// The node as the report tells it, from the agent's state and labels.
+pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::NodeReport {
+    let inventory = st.inventory.as_ref().map(|inv| pb::Inventory {
+        driver_version: inv
+            .backend
+            .driver_version
+            .clone()
+            .or_else(|| inv.driver.version.clone())
+            .unwrap_or_default(),
+        cuda_version: inv.cuda_version.map(|v| v.to_string()).unwrap_or_default(),
+        gpus: inv
+            .gpus
+            .iter()
+            .map(|g| pb::Gpu {
+                index: g.index.unwrap_or(u32::MAX),
+                uuid: g.uuid.clone().unwrap_or_default(),
+                model: g.model.clone().unwrap_or_default(),
+                pci_bus_id: g.bus_id.nvml_bus_id(),
+                memory_mib: g.memory_mib.unwrap_or(0),
+                mig_enabled: g.mig.is_some_and(|m| m.current),
+                mig_devices: g
+                    .mig_devices
+                    .iter()
+                    .map(|m| pb::MigDevice {
+                        uuid: m.uuid.clone(),
+                        profile: m.profile.clone(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+        simulated: st.simulated.clone().unwrap_or_default(),
+    });
+    let stages = pb::Stages {
+        stages: st
+            .stages
+            .iter()
+            .map(|s| pb::Stage {
+                name: s.stage.name().to_string(),
+                state: s.state.label().to_string(),
+                detail: s.detail.clone(),
+                validated: s.validation.as_ref().map(|v| v.ok),
+                validation_message: s
+                    .validation
+                    .as_ref()
+                    .map(|v| v.detail.clone())
+                    .unwrap_or_default(),
+                repairs: s.repairs,
+                last_repair: s
+                    .last_repair
+                    .as_ref()
+                    .map(|r| r.what.clone())
+                    .unwrap_or_default(),
+                last_repair_at: s.last_repair.as_ref().map(|r| r.at).unwrap_or(0),
+            })
+            .collect(),
+        ready: st.ready,
+    };
+    let health = pb::Health {
+        gpus: st
+            .health
+            .iter()
+            .map(|h| pb::GpuHealth {
+                uuid: h.uuid.clone(),
+                healthy: h.healthy,
+                reason: h.reason.clone().unwrap_or_default(),
+                advice: h.advice.clone().unwrap_or_default(),
+            })
+            .collect(),
+    };
+    let mig = st.mig.as_ref().map(|m| pb::MigState {
+        layout: m.layout.clone(),
+        state: m.state.as_str().to_string(),
+        detail: m.detail.clone(),
+    });
+    pb::NodeReport {
+        inventory,
+        stages: Some(stages),
+        labels: Some(pb::Labels {
+            labels: labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }),
+        health: Some(health),
+        // An unset section in a Change means "unchanged": a snapshot sends
+        // every section, empty where the agent has nothing.
+        mig: Some(mig.unwrap_or_default()),
+        // Driver upgrades from the controller are not carried out yet.
+        upgrade: Some(pb::UpgradeState::default()),
+    }
+}
+
+/// The sections of `new` that differ from `old` (`None`: nothing changed).
+pub fn changes(old: &pb::NodeReport, new: &pb::NodeReport) -> Option<pb::NodeReport> {
+    fn part<T: Clone + PartialEq>(old: &Option<T>, new: &Option<T>) -> Option<T> {
+        (old != new).then(|| new.clone()).flatten()
+    }
+    let c = pb::NodeReport {
+        inventory: part(&old.inventory, &new.inventory),
+        stages: part(&old.stages, &new.stages),
+        labels: part(&old.labels, &new.labels),
+        health: part(&old.health, &new.health),
+        mig: part(&old.mig, &new.mig),
+        upgrade: part(&old.upgrade, &new.upgrade),
+    };
+    (c != pb::NodeReport::default()).then_some(c)
+}
+
+/// Repairs made between `old` and `new` (a stage whose repair count grew).
+pub fn repairs(old: &pb::NodeReport, new: &pb::NodeReport) -> Vec<pb::Repair> {
+    let before: BTreeMap<&str, u64> = old
+        .stages
+        .iter()
+        .flat_map(|s| &s.stages)
+        .map(|s| (s.name.as_str(), s.repairs))
+        .collect();
+    new.stages
+        .iter()
+        .flat_map(|s| &s.stages)
+        .filter(|s| s.repairs > before.get(s.name.as_str()).copied().unwrap_or(0))
+        .map(|s| pb::Repair {
+            stage: s.name.clone(),
+            what: s.last_repair.clone(),
+            at_unix: s.last_repair_at,
+        })
+        .collect()
+}
+
+/// This node's name as Kubernetes knows it: `NODE_NAME` (the DaemonSet sets
+/// it from `spec.nodeName`), else the kernel's hostname.
+pub fn node_name() -> String {
+    std::env::var("NODE_NAME")
+        .ok()
+        .filter(|n| !n.is_empty())
+        .or_else(|| {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(ready: bool, repairs: u64) -> pb::NodeReport {
+        pb::NodeReport {
+            stages: Some(pb::Stages {
+                stages: vec![pb::Stage {
+                    name: "devnodes".into(),
+                    state: "done".into(),
+                    repairs,
+                    last_repair: "created /dev/nvidia5".into(),
+                    last_repair_at: 7,
+                    ..Default::default()
+                }],
+                ready,
+            }),
+            labels: Some(pb::Labels {
+                labels: [("nvidia.com/gpu.count".to_string(), "8".to_string())].into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_change_carries_only_the_sections_that_differ() {
+        let a = report(false, 0);
+        assert_eq!(changes(&a, &a), None);
+        let b = report(true, 0);
+        let c = changes(&a, &b).expect("stages changed");
+        assert_eq!(c.stages, b.stages);
+        assert_eq!(c.labels, None, "labels did not change");
+        assert_eq!(c.inventory, None);
+    }
+
+    #[test]
+    fn a_grown_repair_count_is_a_repair() {
+        let a = report(true, 0);
+        let b = report(true, 1);
+        assert_eq!(
+            repairs(&a, &b),
+            vec![pb::Repair {
+                stage: "devnodes".into(),
+                what: "created /dev/nvidia5".into(),
+                at_unix: 7
+            }]
+        );
+        assert!(repairs(&b, &b).is_empty());
+    }
+}
