@@ -1,0 +1,219 @@
+//! What the controller knows of the fleet: each node's latest report as its
+//! agent told it, whether a stream is live, and the node's write state. The
+//! controller keeps nothing on disk: after a restart the agents reconnect and
+//! send their snapshots, and the writer reads each node once from the API.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use gpu_agent_proto::report::v1 as pb;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::node::{self, Desired, TaintPolicy};
+
+/// Recent health events and repairs kept per node.
+const RECENT: usize = 32;
+
+/// One node, as its agent reported it.
+#[derive(Debug, Default)]
+pub struct NodeEntry {
+    pub hello: Option<pb::Hello>,
+    pub report: pb::NodeReport,
+    /// The live stream's id, while one is connected.
+    pub stream: Option<u64>,
+    /// Closes the live stream (a newer one for the same node replaces it).
+    kick: Option<oneshot::Sender<()>>,
+    /// Why the last stream ended, while none is live.
+    pub gone: Option<String>,
+    pub events: VecDeque<pb::HealthEvent>,
+    pub repairs: VecDeque<pb::Repair>,
+    /// When the first change not yet written arrived.
+    pub pending_since: Option<Instant>,
+    pub write: WriteState,
+}
+
+/// The writer's bookkeeping for one node.
+#[derive(Debug, Default)]
+pub struct WriteState {
+    /// A change waits to be written.
+    pub queued: bool,
+    /// The node's name is in the writer's queue.
+    pub in_queue: bool,
+    /// A write is under way.
+    pub writing: bool,
+    pub last_write: Option<Instant>,
+    /// What the API has, as far as this controller knows (`None`: not read
+    /// since the controller started).
+    pub applied: Option<crate::writer::Applied>,
+    pub last_error: Option<String>,
+}
+
+/// The fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    nodes: Mutex<HashMap<String, NodeEntry>>,
+    queue: mpsc::UnboundedSender<String>,
+    next_stream: AtomicU64,
+    pub taint: TaintPolicy,
+    /// How long a node's conditions stay as they were after its agent's
+    /// stream ends (an agent restarting is not news).
+    pub grace: Duration,
+}
+
+impl Fleet {
+    /// A fleet and the writer's end of its queue.
+    pub fn new(taint: TaintPolicy, grace: Duration) -> (Self, mpsc::UnboundedReceiver<String>) {
+        let (queue, rx) = mpsc::unbounded_channel();
+        (
+            Fleet {
+                nodes: Mutex::default(),
+                queue,
+                next_stream: AtomicU64::new(1),
+                taint,
+                grace,
+            },
+            rx,
+        )
+    }
+
+    /// Runs `f` on a node's entry (made if new).
+    pub fn with<T>(&self, node: &str, f: impl FnOnce(&mut NodeEntry) -> T) -> T {
+        let mut nodes = self.nodes.lock().unwrap();
+        f(nodes.entry(node.to_string()).or_default())
+    }
+
+    /// Every node's name, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.nodes.lock().unwrap().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// A new stream for `hello.node_name`: an older one for the same node
+    /// is closed. Returns the stream's id and what closes it.
+    pub fn connect(&self, hello: pb::Hello) -> (u64, oneshot::Receiver<()>) {
+        let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let name = hello.node_name.clone();
+        self.with(&name, |e| {
+            if let Some(old) = e.kick.take() {
+                let _ = old.send(());
+            }
+            e.hello = Some(hello);
+            e.stream = Some(id);
+            e.kick = Some(tx);
+            e.gone = None;
+        });
+        (id, rx)
+    }
+
+    /// The stream `id` of `node` ended (a replaced stream changes nothing).
+    /// Returns whether the node is now without a stream.
+    pub fn disconnect(&self, node: &str, id: u64, why: &str) -> bool {
+        self.with(node, |e| {
+            if e.stream != Some(id) {
+                return false;
+            }
+            e.stream = None;
+            e.kick = None;
+            tracing::info!(node, why, "agent stream ended");
+            true
+        })
+    }
+
+    /// The grace after a stream ended ran out: if no stream came back, the
+    /// node's conditions say its agent is not reporting.
+    pub fn expire(&self, node: &str, why: &str) {
+        let gone = self.with(node, |e| {
+            if e.stream.is_some() {
+                return false;
+            }
+            e.gone = Some(why.to_string());
+            true
+        });
+        if gone {
+            tracing::warn!(node, why, "agent not reporting");
+            self.mark_dirty(node);
+        }
+    }
+
+    /// Takes one message of a live stream.
+    pub fn apply(&self, node: &str, body: pb::agent_message::Body) {
+        use pb::agent_message::Body;
+        let dirty = self.with(node, |e| match body {
+            Body::Snapshot(r) => {
+                e.report = r;
+                true
+            }
+            Body::Change(c) => {
+                let r = &mut e.report;
+                macro_rules! take {
+                    ($($f:ident),*) => {$( if c.$f.is_some() { r.$f = c.$f; } )*};
+                }
+                take!(inventory, stages, labels, health, mig, upgrade);
+                true
+            }
+            Body::HealthEvent(ev) => {
+                if e.events.len() == RECENT {
+                    e.events.pop_front();
+                }
+                e.events.push_back(ev);
+                false
+            }
+            Body::Repair(r) => {
+                if e.repairs.len() == RECENT {
+                    e.repairs.pop_front();
+                }
+                e.repairs.push_back(r);
+                false
+            }
+            Body::Hello(_) => false,
+        });
+        if dirty {
+            self.mark_dirty(node);
+        }
+    }
+
+    /// The node needs writing: queued for the writer unless it is already.
+    pub fn mark_dirty(&self, node: &str) {
+        let send = self.with(node, |e| {
+            e.write.queued = true;
+            e.pending_since.get_or_insert_with(Instant::now);
+            if e.write.writing || e.write.in_queue {
+                false
+            } else {
+                e.write.in_queue = true;
+                true
+            }
+        });
+        if send {
+            let _ = self.queue.send(node.to_string());
+        }
+    }
+
+    /// What the node should carry now: from its report while its agent
+    /// reports (or within the grace after), else every condition Unknown.
+    pub fn desired(&self, node: &str) -> Desired {
+        self.with(node, |e| {
+            let (mut d, _) = node::desired(&e.report, self.taint);
+            if let Some(why) = &e.gone {
+                d.conditions = node::unreported(why);
+                // Nothing is known: the health taint stays as it was.
+                d.taint = e
+                    .write
+                    .applied
+                    .as_ref()
+                    .and_then(|a| a.taint)
+                    .unwrap_or(false);
+            }
+            d
+        })
+    }
+
+    /// Requeues a node whose write finished while another change came in.
+    pub(crate) fn requeue(&self, node: &str) {
+        let _ = self.queue.send(node.to_string());
+    }
+}

@@ -1,0 +1,124 @@
+//! gpu-controller: the cluster half of gpu-agent. Agents stream their
+//! node's state to it ([`server`]); it keeps the fleet in memory ([`fleet`])
+//! and writes what follows into Kubernetes ([`writer`]): GPU feature
+//! discovery's labels, the GPU node conditions and the health taint
+//! ([`node`]). It is the only part of gpu-agent that holds API credentials.
+
+pub mod auth;
+pub mod fleet;
+pub mod node;
+pub mod server;
+pub mod writer;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What `gpu-controller` was asked for.
+#[derive(Debug)]
+pub struct Options {
+    pub listen: SocketAddr,
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
+    /// The agents' service account (`namespace`, `name`).
+    pub agent_account: (String, String),
+    pub taint: node::TaintPolicy,
+    pub grace: Duration,
+}
+
+/// The controller could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {0}")]
+    Kube(String),
+    #[error("cannot serve on {addr}: {message}")]
+    Serve { addr: SocketAddr, message: String },
+}
+
+fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
+    std::fs::read(path).map_err(|source| ControllerError::Read {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Serves agents until SIGTERM/SIGINT.
+pub async fn run(opts: Options) -> Result<(), ControllerError> {
+    let cert = read(&opts.tls_cert)?;
+    let key = read(&opts.tls_key)?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| ControllerError::Kube(e.to_string()))?;
+    let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
+    let fleet = Arc::new(fleet);
+    let writer = Arc::new(writer::Writer::new(client.clone()));
+    tokio::spawn(writer.run(fleet.clone(), queue));
+    let auth = Arc::new(auth::TokenReviewer::new(
+        client,
+        gpu_agent_proto::report::v1::TOKEN_AUDIENCE,
+        &opts.agent_account.0,
+        &opts.agent_account.1,
+    ));
+    let service = server::ReportService::new(fleet, auth).server();
+    let tls = tonic::transport::ServerTlsConfig::new()
+        .identity(tonic::transport::Identity::from_pem(cert, key));
+    let serve_err = |e: tonic::transport::Error| ControllerError::Serve {
+        addr: opts.listen,
+        message: error_chain(&e),
+    };
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .map_err(|e| ControllerError::Serve {
+            addr: opts.listen,
+            message: e.to_string(),
+        })?;
+    let local = listener.local_addr().unwrap_or(opts.listen);
+    tracing::info!(listen = %local, "gpu-controller serving agents");
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .tls_config(tls)
+        .map_err(serve_err)?
+        .tcp_keepalive(Some(Duration::from_secs(60)))
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown())
+        .await
+        .map_err(serve_err)?;
+    tracing::info!("gpu-controller stopping");
+    Ok(())
+}
+
+async fn shutdown() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+/// An error and its causes in words.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let words = c.to_string();
+        if !text.contains(&words) {
+            text.push_str(": ");
+            text.push_str(&words);
+        }
+        cause = c.source();
+    }
+    text
+}

@@ -1,0 +1,86 @@
+//! `gpu-controller`: reads the command line and runs the controller.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use gpu_controller::node::TaintPolicy;
+
+/// The cluster half of gpu-agent: takes the agents' reports and writes node
+/// labels, conditions and taints.
+#[derive(Debug, Parser)]
+#[command(name = "gpu-controller", version)]
+struct Cli {
+    /// Where agents connect (TLS).
+    #[arg(long, env = "GPU_CONTROLLER_LISTEN", default_value = "0.0.0.0:8443")]
+    listen: SocketAddr,
+    /// The serving certificate (PEM).
+    #[arg(
+        long,
+        env = "GPU_CONTROLLER_TLS_CERT",
+        default_value = "/etc/gpu-controller/tls/tls.crt"
+    )]
+    tls_cert: PathBuf,
+    /// Its key (PEM).
+    #[arg(
+        long,
+        env = "GPU_CONTROLLER_TLS_KEY",
+        default_value = "/etc/gpu-controller/tls/tls.key"
+    )]
+    tls_key: PathBuf,
+    /// The agents' service account, NAMESPACE:NAME: only its tokens are let in.
+    #[arg(long, env = "GPU_CONTROLLER_AGENT_ACCOUNT", default_value = "gpu-agent:gpu-agent", value_parser = account)]
+    agent_service_account: (String, String),
+    /// When the nvidia.com/gpu.health=unhealthy:NoSchedule taint goes on.
+    #[arg(long, value_enum, default_value = "none-healthy")]
+    taint: TaintPolicy,
+    /// Seconds a node's conditions stay as they were after its agent's stream ends.
+    #[arg(long, default_value_t = 60)]
+    agent_grace_seconds: u64,
+}
+
+fn account(s: &str) -> Result<(String, String), String> {
+    match s.split_once(':') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() => Ok((ns.into(), name.into())),
+        _ => Err(format!("{s:?}: expected NAMESPACE:NAME")),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let opts = gpu_controller::Options {
+        listen: cli.listen,
+        tls_cert: cli.tls_cert,
+        tls_key: cli.tls_key,
+        agent_account: cli.agent_service_account,
+        taint: cli.taint,
+        grace: Duration::from_secs(cli.agent_grace_seconds),
+    };
+    match rt.block_on(gpu_controller::run(opts)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", gpu_controller::error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! What the controller wants a node to carry, worked out from its agent's
+//! report: labels, conditions and the health taint. Pure: no API calls.
+
+use std::collections::BTreeMap;
+
+use gpu_agent_proto::report::v1 as pb;
+
+/// The field manager of every write (server-side apply and patches).
+pub const FIELD_MANAGER: &str = "gpu-controller";
+/// The taint put on a node whose GPUs are unhealthy (by policy).
+pub const HEALTH_TAINT_KEY: &str = "nvidia.com/gpu.health";
+pub const HEALTH_TAINT_VALUE: &str = "unhealthy";
+pub const HEALTH_TAINT_EFFECT: &str = "NoSchedule";
+/// The MIG state label (mig-parted's protocol).
+pub const MIG_STATE_LABEL: &str = "nvidia.com/mig.config.state";
+/// NVIDIA's driver upgrade state label.
+pub const UPGRADE_STATE_LABEL: &str = "nvidia.com/gpu-driver-upgrade-state";
+/// Only labels under this prefix are taken from an agent: an agent must not
+/// be able to set `node-role.kubernetes.io/...` or any other label.
+pub const LABEL_PREFIX: &str = "nvidia.com/";
+/// A condition's message is cut to this many bytes.
+const MAX_MESSAGE: usize = 1024;
+
+/// The node conditions the controller owns.
+pub const CONDITIONS: [&str; 4] = [
+    "GPUDriverReady",
+    "GPUContainerRuntimeReady",
+    "GPUDevicePluginReady",
+    "GPUHealthy",
+];
+
+/// When the health taint goes on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TaintPolicy {
+    /// Never.
+    Never,
+    /// When the node has GPUs and none of them is healthy.
+    #[default]
+    NoneHealthy,
+    /// When any GPU is unhealthy.
+    AnyUnhealthy,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Condition {
+    pub kind: &'static str,
+    /// `True`, `False` or `Unknown`.
+    pub status: &'static str,
+    pub reason: String,
+    pub message: String,
+}
+
+/// What the node should carry.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub labels: BTreeMap<String, String>,
+    pub conditions: Vec<Condition>,
+    pub taint: bool,
+}
+
+/// A label key Kubernetes takes (`prefix/name`, the name ≤ 63 characters of
+/// alphanumerics, `-`, `_`, `.`, starting and ending alphanumeric).
+pub fn valid_label_key(key: &str) -> bool {
+    let Some((prefix, name)) = key.split_once('/') else {
+        return false;
+    };
+    valid_dns_subdomain(prefix) && valid_label_value(name) && !name.is_empty()
+}
+
+fn valid_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !part.starts_with('-')
+                && !part.ends_with('-')
+        })
+}
+
+/// A label value Kubernetes takes (empty, or ≤ 63 characters of
+/// alphanumerics, `-`, `_`, `.`, starting and ending alphanumeric).
+pub fn valid_label_value(v: &str) -> bool {
+    if v.is_empty() {
+        return true;
+    }
+    v.len() <= 63
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && v.as_bytes()[0].is_ascii_alphanumeric()
+        && v.as_bytes()[v.len() - 1].is_ascii_alphanumeric()
+}
+
+fn cut(mut s: String) -> String {
+    if s.len() > MAX_MESSAGE {
+        let mut at = MAX_MESSAGE;
+        while !s.is_char_boundary(at) {
+            at -= 1;
+        }
+        s.truncate(at);
+    }
+    s
+}
+
+fn stage<'a>(r: &'a pb::NodeReport, name: &str) -> Option<&'a pb::Stage> {
+    r.stages.as_ref()?.stages.iter().find(|s| s.name == name)
+}
+
+/// A condition from the stages that make it up: True when each is done (or
+/// turned off by policy) and passed its validation.
+fn stages_condition(r: &pb::NodeReport, kind: &'static str, names: &[&str]) -> Condition {
+    let mut off = Vec::new();
+    for name in names {
+        let Some(s) = stage(r, name) else {
+            return Condition {
+                kind,
+                status: "Unknown",
+                reason: "NotReported".into(),
+                message: format!("the agent did not report its {name} stage"),
+            };
+        };
+        let bad = |reason: &str, message: String| Condition {
+            kind,
+            status: "False",
+            reason: reason.into(),
+            message: cut(format!("{name}: {message}")),
+        };
+        match s.state.as_str() {
+            "disabled" => off.push(*name),
+            "failed" => return bad("StageFailed", s.detail.clone()),
+            "blocked" => return bad("StageBlocked", s.detail.clone()),
+            "waiting" => return bad("StageWaiting", s.detail.clone()),
+            "not implemented" => return bad("NotImplemented", s.detail.clone()),
+            _ => {
+                if s.validated == Some(false) {
+                    return bad("ValidationFailed", s.validation_message.clone());
+                }
+                if s.validated.is_none() {
+                    return Condition {
+                        kind,
+                        status: "False",
+                        reason: "NotValidated".into(),
+                        message: cut(format!("{name}: not validated yet: {}", s.detail)),
+                    };
+                }
+            }
+        }
+    }
+    if off.len() == names.len() {
+        return Condition {
+            kind,
+            status: "True",
+            reason: "DisabledByPolicy".into(),
+            message: format!("{} turned off by the agent's policy", off.join(", ")),
+        };
+    }
+    let checked: Vec<&str> = names.iter().copied().filter(|n| !off.contains(n)).collect();
+    Condition {
+        kind,
+        status: "True",
+        reason: "Validated".into(),
+        message: cut(checked
+            .iter()
+            .filter_map(|n| stage(r, n))
+            .map(|s| format!("{}: {}", s.name, s.validation_message))
+            .collect::<Vec<_>>()
+            .join("; ")),
+    }
+}
+
+fn health_condition(r: &pb::NodeReport) -> (Condition, usize, usize) {
+    let gpus = r.health.as_ref().map(|h| h.gpus.as_slice()).unwrap_or(&[]);
+    let unhealthy: Vec<&pb::GpuHealth> = gpus.iter().filter(|g| !g.healthy).collect();
+    let cond = if r.health.is_none() {
+        Condition {
+            kind: "GPUHealthy",
+            status: "Unknown",
+            reason: "NotReported".into(),
+            message: "the agent did not report GPU health".into(),
+        }
+    } else if unhealthy.is_empty() {
+        Condition {
+            kind: "GPUHealthy",
+            status: "True",
+            reason: "AllHealthy".into(),
+            message: format!("{} of {} GPUs healthy", gpus.len(), gpus.len()),
+        }
+    } else {
+        let said: Vec<String> = unhealthy
+            .iter()
+            .map(|g| {
+                let mut s = format!("{} on {}", g.reason, g.uuid);
+                if !g.advice.is_empty() {
+                    s.push_str(&format!(": {}", g.advice));
+                }
+                s
+            })
+            .collect();
+        Condition {
+            kind: "GPUHealthy",
+            status: "False",
+            reason: "Unhealthy".into(),
+            message: cut(format!(
+                "{} of {} GPUs unhealthy: {}",
+                unhealthy.len(),
+                gpus.len(),
+                said.join("; ")
+            )),
+        }
+    };
+    (cond, gpus.len(), unhealthy.len())
+}
+
+/// What the node should carry while its agent reports `r`. Labels that are
+/// not under `nvidia.com/` or that Kubernetes would refuse are left out
+/// (and named in the returned list).
+pub fn desired(r: &pb::NodeReport, taint: TaintPolicy) -> (Desired, Vec<String>) {
+    let mut refused = Vec::new();
+    let mut labels = BTreeMap::new();
+    for (k, v) in r.labels.iter().flat_map(|l| &l.labels) {
+        if !k.starts_with(LABEL_PREFIX) {
+            refused.push(format!("{k}: not under {LABEL_PREFIX}"));
+        } else if !valid_label_key(k) {
+            refused.push(format!("{k}: not a valid label key"));
+        } else if !valid_label_value(v) {
+            refused.push(format!("{k}={v}: not a valid label value"));
+        } else {
+            labels.insert(k.clone(), v.clone());
+        }
+    }
+    if let Some(m) = &r.mig
+        && !m.layout.is_empty()
+        && valid_label_value(&m.state)
+    {
+        labels.insert(MIG_STATE_LABEL.into(), m.state.clone());
+    }
+    if let Some(u) = &r.upgrade
+        && !u.state.is_empty()
+        && valid_label_value(&u.state)
+    {
+        labels.insert(UPGRADE_STATE_LABEL.into(), u.state.clone());
+    }
+    let (health, gpus, unhealthy) = health_condition(r);
+    let conditions = vec![
+        stages_condition(r, "GPUDriverReady", &["driver", "devnodes"]),
+        stages_condition(r, "GPUContainerRuntimeReady", &["runtime", "cdi"]),
+        stages_condition(r, "GPUDevicePluginReady", &["plugin"]),
+        health,
+    ];
+    let taint = match taint {
+        TaintPolicy::Never => false,
+        TaintPolicy::NoneHealthy => gpus > 0 && unhealthy == gpus,
+        TaintPolicy::AnyUnhealthy => unhealthy > 0,
+    };
+    (
+        Desired {
+            labels,
+            conditions,
+            taint,
+        },
+        refused,
+    )
+}
+
+/// The conditions while no agent reports (it stopped, or its node lost it):
+/// every one `Unknown`, saying so.
+pub fn unreported(why: &str) -> Vec<Condition> {
+    CONDITIONS
+        .iter()
+        .map(|kind| Condition {
+            kind,
+            status: "Unknown",
+            reason: "AgentNotReporting".into(),
+            message: cut(format!("gpu-agent on this node is not reporting: {why}")),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(name: &str, state: &str, validated: Option<bool>, msg: &str) -> pb::Stage {
+        pb::Stage {
+            name: name.into(),
+            state: state.into(),
+            detail: format!("{name} detail"),
+            validated,
+            validation_message: msg.into(),
+            ..Default::default()
+        }
+    }
+
+    fn report() -> pb::NodeReport {
+        pb::NodeReport {
+            stages: Some(pb::Stages {
+                stages: vec![
+                    st("driver", "disabled", None, ""),
+                    st("devnodes", "done", Some(true), "8 nodes"),
+                    st("runtime", "done", Some(true), "containerd has nvidia"),
+                    st("cdi", "done", Some(true), "spec ok"),
+                    st("plugin", "done", Some(true), "registered"),
+                ],
+                ready: true,
+            }),
+            labels: Some(pb::Labels {
+                labels: [
+                    ("nvidia.com/gpu.count", "2"),
+                    ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
+                    ("node-role.kubernetes.io/control-plane", ""),
+                    ("nvidia.com/bad", "has space"),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            }),
+            health: Some(pb::Health {
+                gpus: vec![
+                    pb::GpuHealth {
+                        uuid: "GPU-a".into(),
+                        healthy: true,
+                        ..Default::default()
+                    },
+                    pb::GpuHealth {
+                        uuid: "GPU-b".into(),
+                        healthy: false,
+                        reason: "XID 79".into(),
+                        advice: "fallen off the bus; drain and reboot".into(),
+                    },
+                ],
+            }),
+            mig: Some(pb::MigState {
+                layout: "all-balanced".into(),
+                state: "success".into(),
+                detail: String::new(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn labels_are_only_nvidia_ones_that_kubernetes_takes() {
+        let (d, refused) = desired(&report(), TaintPolicy::NoneHealthy);
+        assert_eq!(
+            d.labels.keys().collect::<Vec<_>>(),
+            [
+                "nvidia.com/gpu.count",
+                "nvidia.com/gpu.product",
+                "nvidia.com/mig.config.state"
+            ]
+        );
+        assert_eq!(
+            refused,
+            [
+                "node-role.kubernetes.io/control-plane: not under nvidia.com/",
+                "nvidia.com/bad=has space: not a valid label value"
+            ]
+        );
+    }
+
+    #[test]
+    fn conditions_say_what_the_stages_say() {
+        let (d, _) = desired(&report(), TaintPolicy::NoneHealthy);
+        let c: Vec<(&str, &str, &str)> = d
+            .conditions
+            .iter()
+            .map(|c| (c.kind, c.status, c.reason.as_str()))
+            .collect();
+        assert_eq!(
+            c,
+            [
+                ("GPUDriverReady", "True", "Validated"),
+                ("GPUContainerRuntimeReady", "True", "Validated"),
+                ("GPUDevicePluginReady", "True", "Validated"),
+                ("GPUHealthy", "False", "Unhealthy"),
+            ]
+        );
+        assert_eq!(
+            d.conditions[3].message,
+            "1 of 2 GPUs unhealthy: XID 79 on GPU-b: fallen off the bus; drain and reboot"
+        );
+        assert_eq!(d.conditions[0].message, "devnodes: 8 nodes");
+        assert!(!d.taint, "one of two GPUs is still healthy");
+        assert!(desired(&report(), TaintPolicy::AnyUnhealthy).0.taint);
+    }
+
+    #[test]
+    fn a_failed_validation_is_false_with_its_words() {
+        let mut r = report();
+        r.stages.as_mut().unwrap().stages[2] = st(
+            "runtime",
+            "done",
+            Some(false),
+            "containerd has no nvidia runtime",
+        );
+        let (d, _) = desired(&r, TaintPolicy::Never);
+        assert_eq!(d.conditions[1].status, "False");
+        assert_eq!(d.conditions[1].reason, "ValidationFailed");
+        assert_eq!(
+            d.conditions[1].message,
+            "runtime: containerd has no nvidia runtime"
+        );
+    }
+
+    #[test]
+    fn no_healthy_gpu_taints_by_default() {
+        let mut r = report();
+        r.health.as_mut().unwrap().gpus[0].healthy = false;
+        assert!(desired(&r, TaintPolicy::NoneHealthy).0.taint);
+        assert!(!desired(&r, TaintPolicy::Never).0.taint);
+    }
+
+    #[test]
+    fn label_syntax() {
+        assert!(valid_label_key("nvidia.com/gpu.product"));
+        assert!(!valid_label_key("nvidia.com/"));
+        assert!(!valid_label_key("Nvidia.com/x"));
+        assert!(valid_label_value(""));
+        assert!(valid_label_value("NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"));
+        assert!(!valid_label_value("-x"));
+        assert!(!valid_label_value(&"a".repeat(64)));
+    }
+}

@@ -1,0 +1,193 @@
+//! The report service agents stream to. Each stream: a bearer token checked
+//! first (TokenReview), then a Hello for the node the token is bound to,
+//! then a snapshot, then changes, health events and repairs in sequence.
+//! A stream that breaks the rules (a message too large, out of sequence, a
+//! change before its snapshot, a flood) is cut off with a status saying
+//! why; the controller and every other stream go on.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpu_agent_proto::report::v1 as pb;
+use gpu_agent_proto::report::v1::report_server::{Report, ReportServer};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::{AuthError, Authenticator};
+use crate::fleet::Fleet;
+
+/// The largest message taken from an agent.
+pub const MAX_MESSAGE: usize = 4 << 20;
+/// The Hello must come within this time.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+/// A stream may send this many messages per second on average, with bursts
+/// up to [`BURST`].
+const RATE: f64 = 50.0;
+const BURST: f64 = 2000.0;
+
+/// The service.
+pub struct ReportService {
+    fleet: Arc<Fleet>,
+    auth: Arc<dyn Authenticator>,
+}
+
+impl std::fmt::Debug for ReportService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReportService").finish_non_exhaustive()
+    }
+}
+
+impl ReportService {
+    pub fn new(fleet: Arc<Fleet>, auth: Arc<dyn Authenticator>) -> Self {
+        ReportService { fleet, auth }
+    }
+
+    /// The tonic service, with the message size limits.
+    pub fn server(self) -> ReportServer<Self> {
+        ReportServer::new(self)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+}
+
+fn bearer<T>(req: &Request<T>) -> Result<String, AuthError> {
+    let value = req
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .ok_or(AuthError::NoToken)?;
+    value
+        .strip_prefix("Bearer ")
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .ok_or(AuthError::NoToken)
+}
+
+type Down = Pin<Box<dyn Stream<Item = Result<pb::ControllerMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Report for ReportService {
+    type AttachStream = Down;
+
+    async fn attach(
+        &self,
+        req: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Down>, Status> {
+        let peer = req
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "?".into());
+        let token = bearer(&req).map_err(|e| Status::unauthenticated(e.to_string()))?;
+        let who = self.auth.authenticate(&token).await.map_err(|e| {
+            tracing::warn!(peer, error = %e, "report stream refused");
+            match e {
+                AuthError::Review(_) => Status::unavailable(e.to_string()),
+                _ => Status::unauthenticated(e.to_string()),
+            }
+        })?;
+        let mut up = req.into_inner();
+        let first = tokio::time::timeout(HELLO_WITHIN, up.message())
+            .await
+            .map_err(|_| Status::invalid_argument("no Hello within 10 s"))??
+            .ok_or_else(|| Status::invalid_argument("the stream ended before its Hello"))?;
+        let hello = match first.body {
+            Some(pb::agent_message::Body::Hello(h)) if first.seq == 1 => h,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first message must be Hello, seq 1",
+                ));
+            }
+        };
+        if hello.node_name != who.node_name {
+            tracing::warn!(peer, claimed = %hello.node_name, bound = %who.node_name, "report stream refused: wrong node");
+            return Err(Status::permission_denied(format!(
+                "this token's pod runs on node {}, not on {}: an agent reports only for its own node",
+                who.node_name, hello.node_name
+            )));
+        }
+        let node = hello.node_name.clone();
+        tracing::info!(node, peer, version = %hello.agent_version, dropped_events = hello.dropped_events, "agent connected");
+        let (id, mut kicked) = self.fleet.connect(hello);
+        let (tx, rx) = mpsc::channel::<Result<pb::ControllerMessage, Status>>(4);
+        // Nothing is asked of the node yet: the agent keeps its own policy.
+        let _ = tx
+            .send(Ok(pb::ControllerMessage {
+                seq: 1,
+                body: Some(pb::controller_message::Body::Desired(pb::Desired::default())),
+            }))
+            .await;
+        let fleet = self.fleet.clone();
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                r = follow(&fleet, &node, &mut up) => match r {
+                    Ok(()) => "the agent closed the stream".to_string(),
+                    Err(status) => {
+                        tracing::warn!(node, error = %status.message(), "report stream cut off");
+                        let why = status.message().to_string();
+                        let _ = tx.send(Err(status)).await;
+                        why
+                    }
+                },
+                _ = &mut kicked => {
+                    let _ = tx.send(Err(Status::aborted("a newer stream from this node replaced this one"))).await;
+                    return;
+                }
+            };
+            if fleet.disconnect(&node, id, &why) {
+                let grace = fleet.grace;
+                tokio::time::sleep(grace).await;
+                fleet.expire(&node, &why);
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}
+
+/// Takes a stream's messages after its Hello until it ends or breaks a rule.
+async fn follow(
+    fleet: &Fleet,
+    node: &str,
+    up: &mut Streaming<pb::AgentMessage>,
+) -> Result<(), Status> {
+    let mut expect = 2u64;
+    let mut snapshot = false;
+    let mut tokens = BURST;
+    let mut refilled = Instant::now();
+    while let Some(msg) = up.message().await? {
+        let now = Instant::now();
+        tokens = (tokens + now.duration_since(refilled).as_secs_f64() * RATE).min(BURST);
+        refilled = now;
+        if tokens < 1.0 {
+            return Err(Status::resource_exhausted(format!(
+                "more than {RATE} messages a second: cut off"
+            )));
+        }
+        tokens -= 1.0;
+        if msg.seq != expect {
+            return Err(Status::invalid_argument(format!(
+                "message seq {} where {expect} was due",
+                msg.seq
+            )));
+        }
+        expect += 1;
+        let Some(body) = msg.body else {
+            return Err(Status::invalid_argument("a message with no body"));
+        };
+        match &body {
+            pb::agent_message::Body::Hello(_) => {
+                return Err(Status::invalid_argument("a second Hello on one stream"));
+            }
+            pb::agent_message::Body::Snapshot(_) => snapshot = true,
+            pb::agent_message::Body::Change(_) if !snapshot => {
+                return Err(Status::invalid_argument("a change before the snapshot"));
+            }
+            _ => {}
+        }
+        fleet.apply(node, body);
+    }
+    Ok(())
+}

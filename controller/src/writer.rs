@@ -1,0 +1,406 @@
+//! Writes what the fleet wants into the API server, and nothing else:
+//!
+//! - labels: server-side apply of `metadata.labels` under the field manager
+//!   `gpu-controller` (labels it applied before and no longer sends are
+//!   removed by the API server; labels of other managers are untouched);
+//! - conditions: server-side apply of `status.conditions` (a map keyed by
+//!   `type`: only our four types are ours), `lastTransitionTime` kept while
+//!   the status stays;
+//! - the health taint: `spec.taints` is an atomic list, so it is read,
+//!   changed and written back with a merge patch carrying the
+//!   `resourceVersion` it was read at (a conflict is read again).
+//!
+//! A node is written at most once per [`MIN_INTERVAL`]; changes meanwhile
+//! are merged. A write sends only the requests whose content changed: an
+//! unchanged node costs no request.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::json;
+
+use crate::fleet::Fleet;
+use crate::node::{
+    CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
+    HEALTH_TAINT_VALUE,
+};
+
+/// A node is written at most this often.
+pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
+/// Writes under way at once (over all nodes).
+const CONCURRENT: usize = 32;
+/// Tries of a taint change that meets a conflicting write.
+const TAINT_TRIES: usize = 4;
+
+/// What the API has for one node, as far as this controller knows.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Our labels as last applied (`None`: not applied since start).
+    pub labels: Option<BTreeMap<String, String>>,
+    /// Our conditions as the API has them, with their transition times.
+    pub conditions: Option<Vec<(Condition, String)>>,
+    /// Whether the node carries our taint.
+    pub taint: Option<bool>,
+}
+
+/// A write that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("node {node}: no such node in the cluster")]
+    NoNode { node: String },
+    #[error("node {node}: {what}: {source}")]
+    Api {
+        node: String,
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error(
+        "node {node}: the taint could not be written: the node kept changing ({TAINT_TRIES} conflicts)"
+    )]
+    Conflicts { node: String },
+}
+
+/// Counters, for `/metrics` and the scale benchmark.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub requests: AtomicU64,
+    pub writes: AtomicU64,
+    pub failures: AtomicU64,
+}
+
+/// The writer.
+#[derive(Debug)]
+pub struct Writer {
+    nodes: Api<Node>,
+    pub stats: Stats,
+    /// Called with each report's latency (arrival → its first request).
+    latency: Option<tokio::sync::mpsc::UnboundedSender<Duration>>,
+}
+
+fn now_rfc3339() -> String {
+    jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}
+
+impl Writer {
+    pub fn new(client: kube::Client) -> Self {
+        Writer {
+            nodes: Api::all(client),
+            stats: Stats::default(),
+            latency: None,
+        }
+    }
+
+    /// Tells each report's latency (arrival → its first API request) on `tx`.
+    pub fn with_latency(mut self, tx: tokio::sync::mpsc::UnboundedSender<Duration>) -> Self {
+        self.latency = Some(tx);
+        self
+    }
+
+    /// Writes the nodes the fleet queues, until the fleet is gone.
+    pub async fn run(
+        self: Arc<Self>,
+        fleet: Arc<Fleet>,
+        mut queue: tokio::sync::mpsc::UnboundedReceiver<String>,
+    ) {
+        let slots = Arc::new(tokio::sync::Semaphore::new(CONCURRENT));
+        while let Some(node) = queue.recv().await {
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let w = self.clone();
+            let f = fleet.clone();
+            tokio::spawn(async move {
+                w.write_node(&f, &node).await;
+                drop(slot);
+            });
+        }
+    }
+
+    /// One node: wait out its interval, then write what differs.
+    pub async fn write_node(&self, fleet: &Fleet, node: &str) {
+        let last = fleet.with(node, |e| {
+            e.write.in_queue = false;
+            if e.write.writing {
+                return None;
+            }
+            e.write.writing = true;
+            Some(e.write.last_write)
+        });
+        let Some(last) = last else {
+            return;
+        };
+        if let Some(at) = last {
+            tokio::time::sleep_until((at + MIN_INTERVAL).into()).await;
+        }
+        let (applied, since) = fleet.with(node, |e| {
+            e.write.queued = false;
+            (e.write.applied.clone(), e.pending_since.take())
+        });
+        let desired = fleet.desired(node);
+        let outcome = self.write(node, &desired, applied, since).await;
+        let again = fleet.with(node, |e| {
+            e.write.writing = false;
+            e.write.last_write = Some(Instant::now());
+            match outcome {
+                Ok(a) => {
+                    e.write.applied = Some(a);
+                    e.write.last_error = None;
+                }
+                Err(err) => {
+                    tracing::warn!(node, error = %err, "cannot write the node");
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    e.write.last_error = Some(err.to_string());
+                    // Read it afresh next time.
+                    e.write.applied = None;
+                }
+            }
+            if e.write.queued && !e.write.in_queue {
+                e.write.in_queue = true;
+                true
+            } else {
+                false
+            }
+        });
+        if again {
+            fleet.requeue(node);
+        }
+    }
+
+    fn first_request(&self, since: &mut Option<Instant>) {
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        if let (Some(at), Some(tx)) = (since.take(), &self.latency) {
+            let _ = tx.send(at.elapsed());
+        }
+    }
+
+    /// Sends the requests that make the node carry `desired`; returns what
+    /// it then carries.
+    async fn write(
+        &self,
+        node: &str,
+        desired: &Desired,
+        applied: Option<Applied>,
+        mut since: Option<Instant>,
+    ) -> Result<Applied, WriteError> {
+        let api_err = |what: &'static str| {
+            move |source: kube::Error| match &source {
+                kube::Error::Api(s) if s.code == 404 => WriteError::NoNode {
+                    node: node.to_string(),
+                },
+                _ => WriteError::Api {
+                    node: node.to_string(),
+                    what,
+                    source,
+                },
+            }
+        };
+        let mut applied = match applied {
+            Some(a) => a,
+            None => {
+                self.first_request(&mut since);
+                let n = self
+                    .nodes
+                    .get(node)
+                    .await
+                    .map_err(api_err("reading the node"))?;
+                read_applied(&n)
+            }
+        };
+        self.stats.writes.fetch_add(1, Ordering::Relaxed);
+        if applied.labels.as_ref() != Some(&desired.labels) {
+            let body = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": { "name": node, "labels": desired.labels },
+            });
+            self.first_request(&mut since);
+            self.nodes
+                .patch(
+                    node,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .map_err(api_err("applying the labels"))?;
+            tracing::info!(node, labels = desired.labels.len(), "labels applied");
+            applied.labels = Some(desired.labels.clone());
+        }
+        let now = now_rfc3339();
+        let conditions: Vec<(Condition, String)> = desired
+            .conditions
+            .iter()
+            .map(|c| {
+                let kept = applied
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .find(|(o, _)| o.kind == c.kind && o.status == c.status);
+                (
+                    c.clone(),
+                    kept.map(|(_, t)| t.clone()).unwrap_or_else(|| now.clone()),
+                )
+            })
+            .collect();
+        if applied.conditions.as_ref() != Some(&conditions) {
+            let list: Vec<serde_json::Value> = conditions
+                .iter()
+                .map(|(c, t)| {
+                    json!({
+                        "type": c.kind,
+                        "status": c.status,
+                        "reason": c.reason,
+                        "message": c.message,
+                        "lastTransitionTime": t,
+                    })
+                })
+                .collect();
+            let body = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": { "name": node },
+                "status": { "conditions": list },
+            });
+            self.first_request(&mut since);
+            self.nodes
+                .patch_status(
+                    node,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .map_err(api_err("applying the conditions"))?;
+            tracing::info!(node, "conditions applied");
+            applied.conditions = Some(conditions);
+        }
+        if applied.taint != Some(desired.taint) {
+            self.set_taint(node, desired.taint, &mut since).await?;
+            applied.taint = Some(desired.taint);
+        }
+        Ok(applied)
+    }
+
+    /// Puts on or takes off the health taint, keeping every other taint.
+    async fn set_taint(
+        &self,
+        node: &str,
+        on: bool,
+        since: &mut Option<Instant>,
+    ) -> Result<(), WriteError> {
+        for _ in 0..TAINT_TRIES {
+            self.first_request(since);
+            let n = self
+                .nodes
+                .get(node)
+                .await
+                .map_err(|source| WriteError::Api {
+                    node: node.to_string(),
+                    what: "reading the node's taints",
+                    source,
+                })?;
+            let taints = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.clone())
+                .unwrap_or_default();
+            let ours = |t: &k8s_openapi::api::core::v1::Taint| {
+                t.key == HEALTH_TAINT_KEY && t.effect == HEALTH_TAINT_EFFECT
+            };
+            let has = taints.iter().any(ours);
+            if has == on {
+                return Ok(());
+            }
+            let mut list: Vec<serde_json::Value> = taints
+                .iter()
+                .filter(|t| !ours(t))
+                .map(|t| serde_json::to_value(t).unwrap_or_default())
+                .collect();
+            if on {
+                list.push(json!({
+                    "key": HEALTH_TAINT_KEY,
+                    "value": HEALTH_TAINT_VALUE,
+                    "effect": HEALTH_TAINT_EFFECT,
+                    "timeAdded": now_rfc3339(),
+                }));
+            }
+            let body = json!({
+                "metadata": { "resourceVersion": n.metadata.resource_version },
+                "spec": { "taints": list },
+            });
+            self.stats.requests.fetch_add(1, Ordering::Relaxed);
+            let params = PatchParams {
+                field_manager: Some(FIELD_MANAGER.into()),
+                ..Default::default()
+            };
+            match self.nodes.patch(node, &params, &Patch::Merge(&body)).await {
+                Ok(_) => {
+                    tracing::warn!(node, taint = %format!("{HEALTH_TAINT_KEY}={HEALTH_TAINT_VALUE}:{HEALTH_TAINT_EFFECT}"), on, "health taint changed");
+                    return Ok(());
+                }
+                Err(kube::Error::Api(s)) if s.code == 409 => continue,
+                Err(source) => {
+                    return Err(WriteError::Api {
+                        node: node.to_string(),
+                        what: "writing the taints",
+                        source,
+                    });
+                }
+            }
+        }
+        Err(WriteError::Conflicts {
+            node: node.to_string(),
+        })
+    }
+}
+
+/// What a node read from the API carries of ours: the conditions of our
+/// types (with their transition times) and the taint. Labels are applied
+/// once after a start whatever they are (server-side apply is idempotent).
+pub fn read_applied(n: &Node) -> Applied {
+    let conditions = n
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .map(|cs| {
+            CONDITIONS
+                .iter()
+                .filter_map(|kind| {
+                    let c = cs.iter().find(|c| c.type_ == *kind)?;
+                    let status = match c.status.as_str() {
+                        "True" => "True",
+                        "False" => "False",
+                        _ => "Unknown",
+                    };
+                    Some((
+                        Condition {
+                            kind,
+                            status,
+                            reason: c.reason.clone().unwrap_or_default(),
+                            message: c.message.clone().unwrap_or_default(),
+                        },
+                        c.last_transition_time
+                            .as_ref()
+                            .map(|t| t.0.to_string())
+                            .unwrap_or_default(),
+                    ))
+                })
+                .collect()
+        });
+    let taint = n.spec.as_ref().map(|s| {
+        s.taints
+            .iter()
+            .flatten()
+            .any(|t| t.key == HEALTH_TAINT_KEY && t.effect == HEALTH_TAINT_EFFECT)
+    });
+    Applied {
+        labels: None,
+        conditions,
+        taint: Some(taint.unwrap_or(false)),
+    }
+}
