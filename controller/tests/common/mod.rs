@@ -1,0 +1,355 @@
+//! A scripted Kubernetes API server for the controller's tests: real HTTP
+//! on loopback (so kube-rs's whole client path runs), a few nodes in
+//! memory, TokenReview answers from a table, and a record of every request
+//! (method, path and query, content type, body) for the tests to assert.
+//! It answers the way the API server does where the controller depends on
+//! it: server-side apply of labels per field manager, status conditions as
+//! a map keyed by type, and 409 on a merge patch whose resourceVersion is
+//! stale. It is not the proof that a real API server takes our requests:
+//! [`schema`] checks each body against the real 1.36 schemas.
+#![allow(dead_code)]
+
+pub mod schema;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    pub method: String,
+    /// Path and query.
+    pub uri: String,
+    pub content_type: String,
+    pub body: Value,
+}
+
+#[derive(Default)]
+struct Inner {
+    requests: Vec<Recorded>,
+    nodes: BTreeMap<String, Value>,
+    /// Label keys each field manager applied.
+    owned: BTreeMap<String, BTreeSet<String>>,
+    /// token → (username, node name, audiences)
+    tokens: BTreeMap<String, (String, String)>,
+    version: u64,
+    /// Merge patches to answer with 409 (a write that raced another).
+    conflicts: u32,
+}
+
+#[derive(Clone)]
+pub struct MockApi {
+    pub addr: SocketAddr,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl MockApi {
+    /// Serves on a free loopback port, on the current tokio runtime.
+    pub async fn start() -> MockApi {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let api = MockApi {
+            addr,
+            inner: Arc::default(),
+        };
+        let served = api.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let api = served.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let api = api.clone();
+                        async move { Ok::<_, std::convert::Infallible>(api.handle(req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(conn), svc)
+                        .await;
+                });
+            }
+        });
+        api
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A kube client for it.
+    pub fn client(&self) -> kube::Client {
+        let config = kube::Config::new(self.url().parse().unwrap());
+        kube::Client::try_from(config).unwrap()
+    }
+
+    /// A kubeconfig file naming it, for a controller process.
+    pub fn kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        let path = dir.join("kubeconfig");
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: mock\n  cluster:\n    server: {}\nusers:\n- name: controller\n  user:\n    token: controller-token\ncontexts:\n- name: mock\n  context:\n    cluster: mock\n    user: controller\ncurrent-context: mock\n",
+                self.url()
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    pub fn add_node(&self, name: &str, node: Value) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let mut node = node;
+        node["metadata"]["name"] = json!(name);
+        node["metadata"]["resourceVersion"] = json!(i.version.to_string());
+        i.nodes.insert(name.into(), node);
+    }
+
+    pub fn node(&self, name: &str) -> Value {
+        self.inner.lock().unwrap().nodes[name].clone()
+    }
+
+    /// Changes a node as another writer would (its resourceVersion moves).
+    pub fn touch_node(&self, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let v = i.version.to_string();
+        let n = i.nodes.get_mut(name).unwrap();
+        f(n);
+        n["metadata"]["resourceVersion"] = json!(v);
+    }
+
+    /// A token the TokenReview accepts, for `username` on `node`.
+    pub fn add_token(&self, token: &str, username: &str, node: &str) {
+        self.inner
+            .lock()
+            .unwrap()
+            .tokens
+            .insert(token.into(), (username.into(), node.into()));
+    }
+
+    /// The next `n` merge patches meet a conflicting write.
+    pub fn conflict_next(&self, n: u32) {
+        self.inner.lock().unwrap().conflicts = n;
+    }
+
+    /// The requests so far (and forgets them).
+    pub fn take(&self) -> Vec<Recorded> {
+        std::mem::take(&mut self.inner.lock().unwrap().requests)
+    }
+
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.inner.lock().unwrap().requests.clone()
+    }
+
+    async fn handle(
+        &self,
+        req: hyper::Request<hyper::body::Incoming>,
+    ) -> hyper::Response<Full<Bytes>> {
+        let method = req.method().to_string();
+        let uri = req.uri().to_string();
+        let content_type = req
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let bytes = req.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+                // Apply patches may be YAML; ours are JSON (a YAML subset).
+                json!({ "unparsed": String::from_utf8_lossy(&bytes) })
+            })
+        };
+        let mut i = self.inner.lock().unwrap();
+        i.requests.push(Recorded {
+            method: method.clone(),
+            uri: uri.clone(),
+            content_type: content_type.clone(),
+            body: body.clone(),
+        });
+        let path = uri.split('?').next().unwrap().to_string();
+        let query: BTreeMap<String, String> = uri
+            .split_once('?')
+            .map(|(_, q)| {
+                q.split('&')
+                    .filter_map(|kv| kv.split_once('='))
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (code, answer) = match (method.as_str(), path.as_str()) {
+            ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => {
+                let token = body["spec"]["token"].as_str().unwrap_or("");
+                let audiences = body["spec"]["audiences"].clone();
+                let status = match i.tokens.get(token) {
+                    Some((user, node)) => json!({
+                        "authenticated": true,
+                        "audiences": audiences,
+                        "user": {
+                            "username": user,
+                            "uid": "u-1",
+                            "extra": {
+                                "authentication.kubernetes.io/node-name": [node],
+                                "authentication.kubernetes.io/pod-name": ["gpu-agent-x"],
+                            }
+                        }
+                    }),
+                    None => json!({ "authenticated": false, "error": "invalid bearer token" }),
+                };
+                let mut r = body.clone();
+                r["status"] = status;
+                (201, r)
+            }
+            (m, p) if p.starts_with("/api/v1/nodes/") => {
+                let rest = &p["/api/v1/nodes/".len()..];
+                let (name, sub) = match rest.split_once('/') {
+                    Some((n, s)) => (n.to_string(), Some(s.to_string())),
+                    None => (rest.to_string(), None),
+                };
+                if !i.nodes.contains_key(&name) {
+                    (404, not_found(&name))
+                } else {
+                    match m {
+                        "GET" => (200, i.nodes[&name].clone()),
+                        "PATCH" => {
+                            patch(&mut i, &name, sub.as_deref(), &content_type, &query, &body)
+                        }
+                        _ => (405, json!({})),
+                    }
+                }
+            }
+            _ => (
+                404,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound", "message": format!("mock API: no route {method} {path}")}),
+            ),
+        };
+        hyper::Response::builder()
+            .status(code)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(answer.to_string())))
+            .unwrap()
+    }
+}
+
+fn not_found(name: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": format!("nodes \"{name}\" not found"), "reason": "NotFound",
+           "details": {"name": name, "kind": "nodes"}, "code": 404})
+}
+
+fn patch(
+    i: &mut Inner,
+    name: &str,
+    sub: Option<&str>,
+    content_type: &str,
+    query: &BTreeMap<String, String>,
+    body: &Value,
+) -> (u16, Value) {
+    let manager = query.get("fieldManager").cloned().unwrap_or_default();
+    let mut node = i.nodes[name].clone();
+    match (content_type, sub) {
+        ("application/apply-patch+yaml", None) => {
+            if manager.is_empty() {
+                return (
+                    422,
+                    json!({"message": "fieldManager is required for apply"}),
+                );
+            }
+            let new: BTreeMap<String, String> =
+                serde_json::from_value(body["metadata"]["labels"].clone()).unwrap_or_default();
+            let old = i.owned.get(&manager).cloned().unwrap_or_default();
+            let labels = node["metadata"]["labels"]
+                .as_object_mut()
+                .cloned()
+                .unwrap_or_default();
+            let mut labels = labels;
+            for k in old.difference(&new.keys().cloned().collect()) {
+                labels.remove(k);
+            }
+            for (k, v) in &new {
+                labels.insert(k.clone(), json!(v));
+            }
+            node["metadata"]["labels"] = Value::Object(labels);
+            i.owned.insert(manager, new.keys().cloned().collect());
+        }
+        ("application/apply-patch+yaml", Some("status")) => {
+            let mut conds: Vec<Value> = node["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            for c in body["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+            {
+                conds.retain(|o| o["type"] != c["type"]);
+                conds.push(c);
+            }
+            node["status"]["conditions"] = Value::Array(conds);
+        }
+        ("application/merge-patch+json", None) => {
+            let want = body["metadata"]["resourceVersion"].as_str();
+            let raced = i.conflicts > 0;
+            if raced {
+                i.conflicts -= 1;
+                i.version += 1;
+                let v = i.version.to_string();
+                let n = i.nodes.get_mut(name).unwrap();
+                n["metadata"]["resourceVersion"] = json!(v);
+                node = n.clone();
+            }
+            if want.is_some() && want != node["metadata"]["resourceVersion"].as_str() {
+                return (
+                    409,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 409, "reason": "Conflict",
+                    "message": format!("Operation cannot be fulfilled on nodes \"{name}\": the object has been modified; please apply your changes to the latest version and try again")}),
+                );
+            }
+            if let Some(t) = body["spec"].get("taints") {
+                node["spec"]["taints"] = t.clone();
+            }
+        }
+        _ => {
+            return (
+                415,
+                json!({"message": format!("mock API: {content_type} not handled")}),
+            );
+        }
+    }
+    i.version += 1;
+    node["metadata"]["resourceVersion"] = json!(i.version.to_string());
+    i.nodes.insert(name.into(), node.clone());
+    (200, node)
+}
+
+/// A node as a kubelet would have made it, with labels and a taint of
+/// others.
+pub fn kubelet_node() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "labels": {
+                "kubernetes.io/hostname": "gpu-node-1",
+                "node.kubernetes.io/instance-type": "p5.48xlarge"
+            }
+        },
+        "spec": {
+            "taints": [{"key": "dedicated", "value": "ml", "effect": "NoSchedule"}]
+        },
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status",
+                 "lastHeartbeatTime": "2026-11-24T06:00:00Z", "lastTransitionTime": "2026-11-24T06:00:00Z"}
+            ]
+        }
+    })
+}
