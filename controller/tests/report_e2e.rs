@@ -1,0 +1,298 @@
+//! The agent and the controller as real processes, over TLS: gpu-agent on
+//! a simulated 8x H100 node reports to gpu-controller, which checks the
+//! agent's token with the (scripted) API server's TokenReview and writes
+//! the node's labels and conditions there. A token bound to another node is
+//! refused in words the agent's `status` shows; an agent that stops makes
+//! the conditions Unknown after the grace.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{MockApi, kubelet_node};
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// gpu-agent, built beside gpu-controller by `cargo test --workspace`.
+fn agent_bin() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (cargo build -p gpu-agent, or cargo test --workspace)",
+        p.display()
+    );
+    p
+}
+
+/// A CA, and a serving certificate for localhost signed by it.
+fn certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "gpu-controller test CA");
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let (ca_path, cert, key_path) = (dir.join("ca.crt"), dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    (ca_path, cert, key_path)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Proc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    fn term(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// gpu-agent on a copy of the 8x H100 fixture (simulated GPUs, driver and
+/// toolkit off as on EKS), reporting with `token` as `node`.
+fn agent(dir: &Path, port: u16, ca: &Path, token: &str, node: &str) -> (Proc, PathBuf) {
+    let host = dir.join(format!("host-{token}"));
+    std::fs::create_dir_all(&host).unwrap();
+    let ok = Command::new("cp")
+        .arg("-a")
+        .arg(format!(
+            "{}/.",
+            repo().join("tests/fixtures/hosts/h100-sxm-8").display()
+        ))
+        .arg(&host)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let token_file = dir.join(format!("{token}.jwt"));
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let log = dir.join(format!("agent-{token}.log"));
+    let child = Command::new(agent_bin())
+        .arg("--host-root")
+        .arg(&host)
+        .args(["--simulate", "h100-sxm-8", "--policy"])
+        .arg(repo().join("tests/fixtures/policies/valid/eks-al2023.yaml"))
+        .args(["--log-format", "text", "run", "--controller"])
+        .arg(format!("https://localhost:{port}"))
+        .arg("--controller-ca")
+        .arg(ca)
+        .arg("--token-file")
+        .arg(&token_file)
+        .args(["--node-name", node])
+        .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    (Proc { child, log }, host)
+}
+
+fn status(host: &Path) -> String {
+    let out = Command::new(agent_bin())
+        .arg("--host-root")
+        .arg(host)
+        .arg("status")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn wait_for(what: &str, timeout: Duration, logs: &[&Proc], mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        if Instant::now() > deadline {
+            let logs: Vec<String> = logs.iter().map(|p| p.log()).collect();
+            panic!(
+                "timed out waiting for {what}\nlogs:\n{}",
+                logs.join("\n----\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn condition(node: &Value, kind: &str) -> Option<Value> {
+    node["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)
+        .cloned()
+}
+
+#[test]
+fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.add_node("gpu-node-1", kubelet_node());
+    let account = "system:serviceaccount:gpu-agent:gpu-agent";
+    api.add_token("agent-token", account, "gpu-node-1");
+    api.add_token("neighbour-token", account, "gpu-node-2");
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = certs(dir.path());
+    let port = free_port();
+    let log = dir.path().join("controller.log");
+    let mut controller = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .args(["--agent-grace-seconds", "1"])
+            .env("KUBECONFIG", api.kubeconfig(dir.path()))
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    let (mut agent1, host1) = agent(dir.path(), port, &ca, "agent-token", "gpu-node-1");
+
+    // The node gets GFD's labels and the conditions.
+    wait_for(
+        "the node's labels and GPUHealthy",
+        Duration::from_secs(60),
+        &[&controller, &agent1],
+        || {
+            let n = api.node("gpu-node-1");
+            n["metadata"]["labels"]["nvidia.com/gpu.count"] == "8"
+                && condition(&n, "GPUHealthy").is_some()
+        },
+    );
+    let n = api.node("gpu-node-1");
+    let labels = &n["metadata"]["labels"];
+    assert_eq!(labels["nvidia.com/gpu.product"], "NVIDIA-H100-80GB-HBM3");
+    assert_eq!(labels["nvidia.com/gpu.present"], "true");
+    assert_eq!(
+        labels["kubernetes.io/hostname"], "gpu-node-1",
+        "others' labels stay"
+    );
+    let health = condition(&n, "GPUHealthy").unwrap();
+    assert_eq!(health["status"], "True");
+    assert_eq!(health["message"], "8 of 8 GPUs healthy");
+    // The CDI spec is written once the device plugin first serves: the
+    // change follows the snapshot.
+    wait_for(
+        "GPUContainerRuntimeReady True",
+        Duration::from_secs(30),
+        &[&controller, &agent1],
+        || {
+            condition(&api.node("gpu-node-1"), "GPUContainerRuntimeReady")
+                .is_some_and(|c| c["status"] == "True")
+        },
+    );
+    let runtime = condition(&api.node("gpu-node-1"), "GPUContainerRuntimeReady").unwrap();
+    assert_eq!(runtime["reason"], "Validated", "{runtime}");
+    assert!(
+        runtime["message"].as_str().unwrap().starts_with("cdi: "),
+        "the runtime stage is off on EKS; CDI is what was checked: {runtime}"
+    );
+    // The token was reviewed for the controller's audience.
+    let reviews: Vec<_> = api
+        .requests()
+        .into_iter()
+        .filter(|r| {
+            r.method == "POST"
+                && r.uri
+                    .starts_with("/apis/authentication.k8s.io/v1/tokenreviews")
+        })
+        .collect();
+    assert!(!reviews.is_empty());
+    assert_eq!(
+        reviews[0].body["spec"]["audiences"],
+        serde_json::json!(["gpu-controller"])
+    );
+    assert_eq!(reviews[0].body["spec"]["token"], "agent-token");
+    let schemas = common::schema::load();
+    let errs = common::schema::check(
+        &schemas,
+        "io.k8s.api.authentication.v1.TokenReview",
+        &reviews[0].body,
+        false,
+    );
+    assert!(errs.is_empty(), "{errs:?}");
+    // The agent says it is connected.
+    wait_for(
+        "status: connected",
+        Duration::from_secs(10),
+        &[&agent1],
+        || {
+            status(&host1).contains(&format!(
+                "controller: https://localhost:{port}: connected as node gpu-node-1"
+            ))
+        },
+    );
+
+    // A token bound to another node cannot report for this one.
+    let (agent2, host2) = agent(dir.path(), port, &ca, "neighbour-token", "gpu-node-1");
+    wait_for(
+        "the neighbour refused",
+        Duration::from_secs(30),
+        &[&controller, &agent2],
+        || {
+            status(&host2).contains(
+            "the controller refused the stream: PermissionDenied: this token's pod runs on node gpu-node-2, not on gpu-node-1: an agent reports only for its own node",
+        )
+        },
+    );
+    drop(agent2);
+
+    // The agent stops: after the grace, every condition is Unknown.
+    agent1.term();
+    wait_for(
+        "conditions Unknown",
+        Duration::from_secs(30),
+        &[&controller],
+        || {
+            condition(&api.node("gpu-node-1"), "GPUHealthy")
+                .is_some_and(|c| c["status"] == "Unknown" && c["reason"] == "AgentNotReporting")
+        },
+    );
+    controller.term();
+    assert!(
+        controller.log().contains("agent connected"),
+        "{}",
+        controller.log()
+    );
+}
