@@ -48,6 +48,9 @@ pub enum AuthError {
     Review(String),
 }
 
+/// A review's answer and when it was given, by the token's SHA-256.
+type Reviewed = (Instant, Result<Identity, AuthError>);
+
 pub type AuthFuture<'a> = Pin<Box<dyn Future<Output = Result<Identity, AuthError>> + Send + 'a>>;
 
 /// Checks a bearer token.
@@ -62,7 +65,7 @@ pub struct TokenReviewer {
     audience: String,
     /// `system:serviceaccount:<namespace>:<name>`.
     account: String,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Result<Identity, AuthError>)>>,
+    cache: Mutex<HashMap<[u8; 32], Reviewed>>,
 }
 
 impl std::fmt::Debug for TokenReviewer {

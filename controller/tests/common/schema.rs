@@ -137,21 +137,11 @@ fn walk(
                 errs.push(format!("{path}: not an RFC 3339 time"));
             }
         }
-        Some("integer") => {
-            if !(v.is_i64() || v.is_u64()) {
-                errs.push(format!("{path}: not an integer"));
-            }
+        Some("integer") if !(v.is_i64() || v.is_u64()) => {
+            errs.push(format!("{path}: not an integer"))
         }
-        Some("number") => {
-            if !v.is_number() {
-                errs.push(format!("{path}: not a number"));
-            }
-        }
-        Some("boolean") => {
-            if !v.is_boolean() {
-                errs.push(format!("{path}: not a boolean"));
-            }
-        }
+        Some("number") if !v.is_number() => errs.push(format!("{path}: not a number")),
+        Some("boolean") if !v.is_boolean() => errs.push(format!("{path}: not a boolean")),
         _ => {}
     }
 }
