@@ -160,6 +160,113 @@ fn condition(node: &Value, kind: &str) -> Option<Value> {
         .cloned()
 }
 
+/// gpu-controller on a free loopback port, talking to `api`.
+fn start_controller(api: &MockApi, dir: &Path) -> (Proc, u16, PathBuf) {
+    let (ca, cert, key) = certs(dir);
+    let port = free_port();
+    let log = dir.join("controller.log");
+    let controller = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .args(["--agent-grace-seconds", "1"])
+            .env("KUBECONFIG", api.kubeconfig(dir))
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    // Serving once the port answers.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "gpu-controller never listened:\n{}",
+            controller.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (controller, port, ca)
+}
+
+/// The Python interpreter with grpcio (scripts/test makes the venv;
+/// GPU_AGENT_PYTHON names another).
+fn python() -> PathBuf {
+    let py = std::env::var_os("GPU_AGENT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
+    assert!(
+        py.exists(),
+        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
+        py.display()
+    );
+    py
+}
+
+/// A client we did not write (Python grpcio over TLS) is refused without a
+/// token and for another node, gets the controller's Desired after Hello and
+/// a snapshot, is cut off for a message out of sequence; its labels land.
+#[test]
+fn a_grpcio_client_is_served_and_refused_by_the_same_rules() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.add_node("py-node", kubelet_node());
+    let account = "system:serviceaccount:gpu-agent:gpu-agent";
+    api.add_token("py-token", account, "py-node");
+    api.add_token("elsewhere-token", account, "gpu-node-9");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut controller, port, ca) = start_controller(&api, dir.path());
+    let out = Command::new(python())
+        .arg(repo().join("tests/interop/report_client.py"))
+        .arg("--proto")
+        .arg(repo().join("proto/proto/report_v1.proto"))
+        .arg("--ca")
+        .arg(&ca)
+        .args([
+            "--target",
+            &format!("localhost:{port}"),
+            "--node",
+            "py-node",
+        ])
+        .args(["--token", "py-token", "--other-token", "elsewhere-token"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "grpcio client: {stdout}\n{}\ncontroller:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        controller.log()
+    );
+    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        seen["no_token"],
+        serde_json::json!([
+            "UNAUTHENTICATED",
+            "no bearer token (the agent sends its projected service-account token)"
+        ])
+    );
+    assert_eq!(seen["other_node"][0], "PERMISSION_DENIED");
+    assert_eq!(
+        seen["out_of_sequence"],
+        serde_json::json!(["INVALID_ARGUMENT", "message seq 7 where 3 was due"])
+    );
+    wait_for(
+        "the grpcio client's labels",
+        Duration::from_secs(20),
+        &[&controller],
+        || {
+            api.node("py-node")["metadata"]["labels"]["nvidia.com/gpu.product"]
+                == "Python-Standin-GPU"
+        },
+    );
+    controller.term();
+}
+
 #[test]
 fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -169,24 +276,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
     api.add_token("agent-token", account, "gpu-node-1");
     api.add_token("neighbour-token", account, "gpu-node-2");
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = certs(dir.path());
-    let port = free_port();
-    let log = dir.path().join("controller.log");
-    let mut controller = Proc {
-        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--tls-cert")
-            .arg(&cert)
-            .arg("--tls-key")
-            .arg(&key)
-            .args(["--agent-grace-seconds", "1"])
-            .env("KUBECONFIG", api.kubeconfig(dir.path()))
-            .env("RUST_LOG", "info")
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-        log,
-    };
+    let (mut controller, port, ca) = start_controller(&api, dir.path());
     let (mut agent1, host1) = agent(dir.path(), port, &ca, "agent-token", "gpu-node-1");
 
     // The node gets GFD's labels and the conditions.
