@@ -242,6 +242,8 @@ pub fn desired(r: &pb::NodeReport, taint: TaintPolicy) -> (Desired, Vec<String>)
     {
         labels.insert(UPGRADE_STATE_LABEL.into(), u.state.clone());
     }
+    // The labels come as a map in no order.
+    refused.sort();
     let (health, gpus, unhealthy) = health_condition(r);
     let conditions = vec![
         stages_condition(r, "GPUDriverReady", &["driver", "devnodes"]),
