@@ -60,6 +60,10 @@ pub struct Fleet {
     /// How long a node's conditions stay as they were after its agent's
     /// stream ends (an agent restarting is not news).
     pub grace: Duration,
+    /// Where health events and repairs go to become Kubernetes Events.
+    events: Option<mpsc::Sender<crate::events::NodeEvent>>,
+    /// Events dropped because that queue was full.
+    pub events_dropped: AtomicU64,
 }
 
 impl Fleet {
@@ -73,9 +77,26 @@ impl Fleet {
                 next_stream: AtomicU64::new(1),
                 taint,
                 grace,
+                events: None,
+                events_dropped: AtomicU64::new(0),
             },
             rx,
         )
+    }
+
+    /// Health events and repairs are also sent to `tx` (for Kubernetes
+    /// Events); when it is full they are dropped and counted.
+    pub fn with_events(mut self, tx: mpsc::Sender<crate::events::NodeEvent>) -> Self {
+        self.events = Some(tx);
+        self
+    }
+
+    fn tell(&self, e: crate::events::NodeEvent) {
+        if let Some(tx) = &self.events
+            && tx.try_send(e).is_err()
+        {
+            self.events_dropped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Runs `f` on a node's entry (made if new).
@@ -142,6 +163,11 @@ impl Fleet {
     /// Takes one message of a live stream.
     pub fn apply(&self, node: &str, body: pb::agent_message::Body) {
         use pb::agent_message::Body;
+        match &body {
+            Body::HealthEvent(ev) => self.tell(crate::events::NodeEvent::health(node, ev)),
+            Body::Repair(r) => self.tell(crate::events::NodeEvent::repair(node, r)),
+            _ => {}
+        }
         let dirty = self.with(node, |e| match body {
             Body::Snapshot(r) => {
                 e.report = r;

@@ -5,6 +5,7 @@
 //! ([`node`]). It is the only part of gpu-agent that holds API credentials.
 
 pub mod auth;
+pub mod events;
 pub mod fleet;
 pub mod node;
 pub mod server;
@@ -57,7 +58,14 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         .await
         .map_err(|e| ControllerError::Kube(e.to_string()))?;
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
-    let fleet = Arc::new(fleet);
+    let (events_tx, events_rx) = tokio::sync::mpsc::channel(events::QUEUE);
+    let fleet = Arc::new(fleet.with_events(events_tx));
+    let events_written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    tokio::spawn(events::run(
+        client.clone(),
+        events_rx,
+        events_written.clone(),
+    ));
     let writer = Arc::new(writer::Writer::new(client.clone()));
     tokio::spawn(writer.run(fleet.clone(), queue));
     let auth = Arc::new(auth::TokenReviewer::new(

@@ -208,6 +208,11 @@ impl MockApi {
                 r["status"] = status;
                 (201, r)
             }
+            ("POST", "/api/v1/namespaces/default/events") => {
+                let mut r = body.clone();
+                r["metadata"]["resourceVersion"] = json!("1");
+                (201, r)
+            }
             (m, p) if p.starts_with("/api/v1/nodes/") => {
                 let rest = &p["/api/v1/nodes/".len()..];
                 let (name, sub) = match rest.split_once('/') {
