@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{MockApi, kubelet_node};
+use common::{MockApi, certs, kubelet_node};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -27,34 +27,6 @@ fn agent_bin() -> PathBuf {
         p.display()
     );
     p
-}
-
-/// A CA, and a serving certificate for localhost signed by it.
-fn certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
-        KeyUsagePurpose,
-    };
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(DnType::CommonName, "gpu-controller test CA");
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["localhost".to_string()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
-    let (ca_path, cert, key_path) = (dir.join("ca.crt"), dir.join("tls.crt"), dir.join("tls.key"));
-    std::fs::write(&ca_path, ca.pem()).unwrap();
-    std::fs::write(&cert, leaf.pem()).unwrap();
-    std::fs::write(&key_path, key.serialize_pem()).unwrap();
-    (ca_path, cert, key_path)
 }
 
 fn free_port() -> u16 {

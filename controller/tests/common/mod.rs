@@ -13,6 +13,7 @@ pub mod schema;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -39,6 +40,16 @@ struct Inner {
     version: u64,
     /// Merge patches to answer with 409 (a write that raced another).
     conflicts: u32,
+    /// Don't keep request bodies (the scale benchmark's millions).
+    forget_bodies: bool,
+    /// Milliseconds from the `nvidia.com/bench.sent-ms` label's value (an
+    /// agent's send time) to the label apply that carries it.
+    latencies: Vec<u64>,
+    /// The last patch of each node and subresource, and the shortest gap
+    /// seen between two of them.
+    last_patch: BTreeMap<String, std::time::Instant>,
+    min_gap: Option<std::time::Duration>,
+    counted: u64,
 }
 
 #[derive(Clone)]
@@ -133,6 +144,26 @@ impl MockApi {
             .insert(token.into(), (username.into(), node.into()));
     }
 
+    /// Keep counts, not request records (for the scale benchmark).
+    pub fn forget_bodies(&self) {
+        self.inner.lock().unwrap().forget_bodies = true;
+    }
+
+    /// Requests served so far.
+    pub fn count(&self) -> u64 {
+        self.inner.lock().unwrap().counted
+    }
+
+    /// The send-to-apply latencies seen (and forgets them), in ms.
+    pub fn take_latencies(&self) -> Vec<u64> {
+        std::mem::take(&mut self.inner.lock().unwrap().latencies)
+    }
+
+    /// The shortest time between two patches of one node's object.
+    pub fn min_gap(&self) -> Option<std::time::Duration> {
+        self.inner.lock().unwrap().min_gap
+    }
+
     /// The next `n` merge patches meet a conflicting write.
     pub fn conflict_next(&self, n: u32) {
         self.inner.lock().unwrap().conflicts = n;
@@ -169,13 +200,33 @@ impl MockApi {
             })
         };
         let mut i = self.inner.lock().unwrap();
-        i.requests.push(Recorded {
-            method: method.clone(),
-            uri: uri.clone(),
-            content_type: content_type.clone(),
-            body: body.clone(),
-        });
+        i.counted += 1;
         let path = uri.split('?').next().unwrap().to_string();
+        if method == "PATCH" {
+            let now = std::time::Instant::now();
+            if let Some(last) = i.last_patch.insert(path.clone(), now) {
+                let gap = now - last;
+                i.min_gap = Some(i.min_gap.map_or(gap, |g| g.min(gap)));
+            }
+            if let Some(sent) = body["metadata"]["labels"]["nvidia.com/bench.sent-ms"]
+                .as_str()
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as u64;
+                i.latencies.push(now_ms.saturating_sub(sent));
+            }
+        }
+        if !i.forget_bodies {
+            i.requests.push(Recorded {
+                method: method.clone(),
+                uri: uri.clone(),
+                content_type: content_type.clone(),
+                body: body.clone(),
+            });
+        }
         let query: BTreeMap<String, String> = uri
             .split_once('?')
             .map(|(_, q)| {
@@ -358,3 +409,32 @@ pub fn kubelet_node() -> Value {
         }
     })
 }
+
+/// A CA, and a serving certificate for localhost signed by it.
+pub fn certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "gpu-controller test CA");
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    let (ca_path, cert, key_path) = (dir.join("ca.crt"), dir.join("tls.crt"), dir.join("tls.key"));
+    std::fs::write(&ca_path, ca.pem()).unwrap();
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    (ca_path, cert, key_path)
+}
+
