@@ -69,8 +69,8 @@ fn snapshot() -> pb::NodeReport {
     .collect();
     labels.push(("nvidia.com/bench.sent-ms".into(), "0".into()));
     let stages = [
-        "discover", "driver", "mig", "devnodes", "runtime", "cdi", "validate", "plugin",
-        "health", "labels", "metrics",
+        "discover", "driver", "mig", "devnodes", "runtime", "cdi", "validate", "plugin", "health",
+        "labels", "metrics",
     ]
     .iter()
     .map(|n| pb::Stage {
@@ -286,7 +286,10 @@ async fn run(agents: usize, seconds: u64) {
         .spawn()
         .expect("taskset and gpu-controller");
     let pid = controller.id();
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (mode_tx, mode) = watch::channel(Mode::Changing);
@@ -321,7 +324,10 @@ async fn run(agents: usize, seconds: u64) {
     while shared.connected.load(Ordering::Relaxed) + shared.failed.load(Ordering::Relaxed) < agents
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(started.elapsed() < Duration::from_secs(600), "agents never connected");
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "agents never connected"
+        );
     }
     let connect = started.elapsed();
     println!(
@@ -356,7 +362,11 @@ async fn run(agents: usize, seconds: u64) {
         pct(&lat, 0.99),
         lat.last().copied().unwrap_or(0),
         lat.len(),
-        if pct(&lat, 0.99) <= 2000 && !lat.is_empty() { "met" } else { "NOT met" }
+        if pct(&lat, 0.99) <= 2000 && !lat.is_empty() {
+            "met"
+        } else {
+            "NOT met"
+        }
     );
     // Nothing changes: no request.
     mode_tx.send_replace(Mode::Same);
@@ -374,7 +384,11 @@ async fn run(agents: usize, seconds: u64) {
     println!(
         "shortest time between two patches of one node's object: {} ms (target >= 1000 ms: {})",
         gap.as_millis(),
-        if gap >= Duration::from_millis(1000) { "met" } else { "NOT met" }
+        if gap >= Duration::from_millis(1000) {
+            "met"
+        } else {
+            "NOT met"
+        }
     );
     let peak = peak.load(Ordering::Relaxed);
     println!(

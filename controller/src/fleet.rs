@@ -238,6 +238,94 @@ impl Fleet {
         })
     }
 
+    /// The fleet as the page and `/fleet.json` show it, nodes by name.
+    pub fn view(&self) -> serde_json::Value {
+        let nodes = self.nodes.lock().unwrap();
+        let mut names: Vec<&String> = nodes.keys().collect();
+        names.sort();
+        let (mut gpus, mut unhealthy, mut connected) = (0usize, 0usize, 0usize);
+        let list: Vec<serde_json::Value> = names
+            .into_iter()
+            .map(|name| {
+                let e = &nodes[name];
+                let r = &e.report;
+                let health: HashMap<&str, &pb::GpuHealth> = r
+                    .health
+                    .iter()
+                    .flat_map(|h| &h.gpus)
+                    .map(|g| (g.uuid.as_str(), g))
+                    .collect();
+                let inv = r.inventory.clone().unwrap_or_default();
+                let gpu_list: Vec<serde_json::Value> = inv
+                    .gpus
+                    .iter()
+                    .map(|g| {
+                        let h = health.get(g.uuid.as_str());
+                        let healthy = h.is_none_or(|h| h.healthy);
+                        gpus += 1;
+                        if !healthy {
+                            unhealthy += 1;
+                        }
+                        serde_json::json!({
+                            "index": g.index,
+                            "uuid": g.uuid,
+                            "model": g.model,
+                            "pciBusId": g.pci_bus_id,
+                            "memoryMiB": g.memory_mib,
+                            "healthy": healthy,
+                            "reason": h.map(|h| h.reason.as_str()).unwrap_or(""),
+                            "advice": h.map(|h| h.advice.as_str()).unwrap_or(""),
+                            "migDevices": g.mig_devices.iter().map(|m| &m.profile).collect::<Vec<_>>(),
+                        })
+                    })
+                    .collect();
+                if e.stream.is_some() {
+                    connected += 1;
+                }
+                let (desired, _) = node::desired(r, self.taint);
+                let conditions = if let Some(why) = &e.gone {
+                    node::unreported(why)
+                } else {
+                    desired.conditions
+                };
+                serde_json::json!({
+                    "name": name,
+                    "connected": e.stream.is_some(),
+                    "notReporting": e.gone,
+                    "agentVersion": e.hello.as_ref().map(|h| h.agent_version.as_str()).unwrap_or(""),
+                    "driverVersion": inv.driver_version,
+                    "cudaVersion": inv.cuda_version,
+                    "simulated": inv.simulated,
+                    "ready": r.stages.as_ref().is_some_and(|s| s.ready),
+                    "gpus": gpu_list,
+                    "conditions": conditions.iter().map(|c| serde_json::json!({
+                        "type": c.kind, "status": c.status, "reason": c.reason, "message": c.message,
+                    })).collect::<Vec<_>>(),
+                    "tainted": desired.taint,
+                    "mig": r.mig.as_ref().map(|m| serde_json::json!({"layout": m.layout, "state": m.state, "detail": m.detail})),
+                    "upgrade": r.upgrade.as_ref().map(|u| serde_json::json!({"state": u.state, "driverVersion": u.driver_version, "detail": u.detail})),
+                    "events": e.events.iter().rev().take(10).map(|ev| serde_json::json!({
+                        "gpu": ev.gpu_uuid, "xid": ev.xid, "reason": ev.reason, "advice": ev.advice,
+                        "unhealthy": ev.unhealthy, "atUnixMs": ev.at_unix_ms,
+                    })).collect::<Vec<_>>(),
+                    "repairs": e.repairs.iter().rev().take(10).map(|r| serde_json::json!({
+                        "stage": r.stage, "what": r.what, "atUnix": r.at_unix,
+                    })).collect::<Vec<_>>(),
+                    "writeError": e.write.last_error,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "summary": {
+                "nodes": list.len(),
+                "connected": connected,
+                "gpus": gpus,
+                "unhealthyGpus": unhealthy,
+            },
+            "nodes": list,
+        })
+    }
+
     /// Requeues a node whose write finished while another change came in.
     pub(crate) fn requeue(&self, node: &str) {
         let _ = self.queue.send(node.to_string());

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod events;
 pub mod fleet;
 pub mod node;
+pub mod page;
 pub mod server;
 pub mod writer;
 
@@ -15,6 +16,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// How long a stopping controller waits for agents' streams to close.
+const STOP_WITHIN: Duration = Duration::from_secs(5);
 
 /// What `gpu-controller` was asked for.
 #[derive(Debug)]
@@ -26,6 +30,8 @@ pub struct Options {
     pub agent_account: (String, String),
     pub taint: node::TaintPolicy,
     pub grace: Duration,
+    /// The fleet page and `/fleet.json` (plain HTTP), if any.
+    pub http_listen: Option<SocketAddr>,
 }
 
 /// The controller could not run.
@@ -68,6 +74,14 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     ));
     let writer = Arc::new(writer::Writer::new(client.clone()));
     tokio::spawn(writer.run(fleet.clone(), queue));
+    if let Some(addr) = opts.http_listen {
+        let listener = page::bind(addr).await.map_err(|e| ControllerError::Serve {
+            addr,
+            message: e.to_string(),
+        })?;
+        tracing::info!(listen = %listener.local_addr().unwrap_or(addr), "fleet page");
+        tokio::spawn(page::serve(listener, fleet.clone()));
+    }
     let auth = Arc::new(auth::TokenReviewer::new(
         client,
         gpu_agent_proto::report::v1::TOKEN_AUDIENCE,
@@ -90,15 +104,33 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let local = listener.local_addr().unwrap_or(opts.listen);
     tracing::info!(listen = %local, "gpu-controller serving agents");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serve = tonic::transport::Server::builder()
         .tls_config(tls)
         .map_err(serve_err)?
         .tcp_keepalive(Some(Duration::from_secs(60)))
         .add_service(service)
-        .serve_with_incoming_shutdown(incoming, shutdown())
-        .await
-        .map_err(serve_err)?;
-    tracing::info!("gpu-controller stopping");
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stopped.await;
+        });
+    tokio::pin!(serve);
+    tokio::select! {
+        r = &mut serve => r.map_err(serve_err)?,
+        _ = shutdown() => {
+            // Agents' streams never end on their own: they are told to go
+            // (GOAWAY) and given a moment, then the controller exits; each
+            // agent reconnects (to another replica, or to this one again).
+            tracing::info!("gpu-controller stopping");
+            let _ = stop.send(());
+            match tokio::time::timeout(STOP_WITHIN, &mut serve).await {
+                Ok(r) => r.map_err(serve_err)?,
+                Err(_) => tracing::info!(
+                    "agents still connected after {} s; closing their streams",
+                    STOP_WITHIN.as_secs()
+                ),
+            }
+        }
+    }
     Ok(())
 }
 

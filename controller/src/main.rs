@@ -39,6 +39,22 @@ struct Cli {
     /// Seconds a node's conditions stay as they were after its agent's stream ends.
     #[arg(long, default_value_t = 60)]
     agent_grace_seconds: u64,
+    /// The fleet page and /fleet.json (plain HTTP); "off" for none.
+    #[arg(long, env = "GPU_CONTROLLER_HTTP_LISTEN", default_value = "0.0.0.0:8080", value_parser = http_listen)]
+    http_listen: Listen,
+}
+
+/// An address, or `off`.
+#[derive(Clone, Copy, Debug)]
+struct Listen(Option<SocketAddr>);
+
+fn http_listen(s: &str) -> Result<Listen, String> {
+    if s == "off" {
+        return Ok(Listen(None));
+    }
+    s.parse()
+        .map(|a| Listen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e}"))
 }
 
 fn account(s: &str) -> Result<(String, String), String> {
@@ -75,6 +91,7 @@ fn main() -> ExitCode {
         agent_account: cli.agent_service_account,
         taint: cli.taint,
         grace: Duration::from_secs(cli.agent_grace_seconds),
+        http_listen: cli.http_listen.0,
     };
     match rt.block_on(gpu_controller::run(opts)) {
         Ok(()) => ExitCode::SUCCESS,
@@ -82,5 +99,36 @@ fn main() -> ExitCode {
             eprintln!("error: {}", gpu_controller::error_chain(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+        let cli = <super::Cli as clap::Parser>::try_parse_from([
+            "gpu-controller",
+            "--http-listen",
+            "off",
+            "--agent-service-account",
+            "ns:sa",
+        ])
+        .unwrap();
+        assert!(cli.http_listen.0.is_none());
+        assert_eq!(
+            cli.agent_service_account,
+            ("ns".to_string(), "sa".to_string())
+        );
+        let e = <super::Cli as clap::Parser>::try_parse_from([
+            "gpu-controller",
+            "--agent-service-account",
+            "nocolon",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("\"nocolon\": expected NAMESPACE:NAME"), "{e}");
     }
 }

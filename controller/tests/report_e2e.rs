@@ -8,15 +8,13 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use common::{MockApi, certs, kubelet_node};
+use common::{MockApi, Proc, kubelet_node, python, start_controller, wait_for};
 use serde_json::Value;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use common::repo;
 
 /// gpu-agent, built beside gpu-controller by `cargo test --workspace`.
 fn agent_bin() -> PathBuf {
@@ -27,38 +25,6 @@ fn agent_bin() -> PathBuf {
         p.display()
     );
     p
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Proc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-    fn term(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// gpu-agent on a copy of the 8x H100 fixture (simulated GPUs, driver and
@@ -110,73 +76,12 @@ fn status(host: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn wait_for(what: &str, timeout: Duration, logs: &[&Proc], mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !f() {
-        if Instant::now() > deadline {
-            let logs: Vec<String> = logs.iter().map(|p| p.log()).collect();
-            panic!(
-                "timed out waiting for {what}\nlogs:\n{}",
-                logs.join("\n----\n")
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn condition(node: &Value, kind: &str) -> Option<Value> {
     node["status"]["conditions"]
         .as_array()?
         .iter()
         .find(|c| c["type"] == kind)
         .cloned()
-}
-
-/// gpu-controller on a free loopback port, talking to `api`.
-fn start_controller(api: &MockApi, dir: &Path) -> (Proc, u16, PathBuf) {
-    let (ca, cert, key) = certs(dir);
-    let port = free_port();
-    let log = dir.join("controller.log");
-    let controller = Proc {
-        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--tls-cert")
-            .arg(&cert)
-            .arg("--tls-key")
-            .arg(&key)
-            .args(["--agent-grace-seconds", "1"])
-            .env("KUBECONFIG", api.kubeconfig(dir))
-            .env("RUST_LOG", "info")
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-        log,
-    };
-    // Serving once the port answers.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "gpu-controller never listened:\n{}",
-            controller.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (controller, port, ca)
-}
-
-/// The Python interpreter with grpcio (scripts/test makes the venv;
-/// GPU_AGENT_PYTHON names another).
-fn python() -> PathBuf {
-    let py = std::env::var_os("GPU_AGENT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
-    assert!(
-        py.exists(),
-        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
-        py.display()
-    );
-    py
 }
 
 /// A client we did not write (Python grpcio over TLS) is refused without a
@@ -191,7 +96,7 @@ fn a_grpcio_client_is_served_and_refused_by_the_same_rules() {
     api.add_token("py-token", account, "py-node");
     api.add_token("elsewhere-token", account, "gpu-node-9");
     let dir = tempfile::tempdir().unwrap();
-    let (mut controller, port, ca) = start_controller(&api, dir.path());
+    let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
     let out = Command::new(python())
         .arg(repo().join("tests/interop/report_client.py"))
         .arg("--proto")
@@ -248,7 +153,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
     api.add_token("agent-token", account, "gpu-node-1");
     api.add_token("neighbour-token", account, "gpu-node-2");
     let dir = tempfile::tempdir().unwrap();
-    let (mut controller, port, ca) = start_controller(&api, dir.path());
+    let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
     let (mut agent1, host1) = agent(dir.path(), port, &ca, "agent-token", "gpu-node-1");
 
     // The node gets GFD's labels and the conditions.

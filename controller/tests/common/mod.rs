@@ -14,7 +14,9 @@ pub mod schema;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -438,3 +440,165 @@ pub fn certs(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (ca_path, cert, key_path)
 }
 
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Proc {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+    pub fn term(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_for(what: &str, timeout: Duration, logs: &[&Proc], mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        if Instant::now() > deadline {
+            let logs: Vec<String> = logs.iter().map(|p| p.log()).collect();
+            panic!(
+                "timed out waiting for {what}\nlogs:\n{}",
+                logs.join("\n----\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// gpu-controller on a free loopback port, talking to `api`.
+pub fn start_controller(api: &MockApi, dir: &Path, http: Option<u16>) -> (Proc, u16, PathBuf) {
+    let (ca, cert, key) = certs(dir);
+    let port = free_port();
+    let log = dir.join("controller.log");
+    let controller = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .args(["--agent-grace-seconds", "1"])
+            .args([
+                "--http-listen",
+                &http
+                    .map(|p| format!("127.0.0.1:{p}"))
+                    .unwrap_or("off".into()),
+            ])
+            .env("KUBECONFIG", api.kubeconfig(dir))
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    // Serving once the port answers.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "gpu-controller never listened:\n{}",
+            controller.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (controller, port, ca)
+}
+
+/// The Python interpreter with grpcio (scripts/test makes the venv;
+/// GPU_AGENT_PYTHON names another).
+pub fn python() -> PathBuf {
+    let py = std::env::var_os("GPU_AGENT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/pyvenv/bin/python"));
+    assert!(
+        py.exists(),
+        "{} is missing: scripts/test makes it (python3 -m venv target/pyvenv && target/pyvenv/bin/pip install grpcio grpcio-tools)",
+        py.display()
+    );
+    py
+}
+
+/// A stand-in agent (our tonic client, not gpu-agent): Hello, `report` as
+/// its snapshot, then `events`; the stream stays open while this lives.
+pub struct FakeAgent {
+    _tx: tokio::sync::mpsc::Sender<gpu_agent_proto::report::v1::AgentMessage>,
+    _down: tonic::Streaming<gpu_agent_proto::report::v1::ControllerMessage>,
+}
+
+pub async fn fake_agent(
+    port: u16,
+    ca: &Path,
+    token: &str,
+    node: &str,
+    report: gpu_agent_proto::report::v1::NodeReport,
+    events: Vec<gpu_agent_proto::report::v1::HealthEvent>,
+) -> FakeAgent {
+    use gpu_agent_proto::report::v1 as pb;
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(
+            std::fs::read(ca).unwrap(),
+        ))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://localhost:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut msgs = vec![
+        pb::agent_message::Body::Hello(pb::Hello {
+            node_name: node.into(),
+            agent_version: "0.1.0".into(),
+            ..Default::default()
+        }),
+        pb::agent_message::Body::Snapshot(report),
+    ];
+    msgs.extend(events.into_iter().map(pb::agent_message::Body::HealthEvent));
+    for (n, body) in msgs.into_iter().enumerate() {
+        tx.send(pb::AgentMessage {
+            seq: n as u64 + 1,
+            body: Some(body),
+        })
+        .await
+        .unwrap();
+    }
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let down = gpu_agent_proto::report::v1::report_client::ReportClient::new(channel)
+        .attach(req)
+        .await
+        .unwrap()
+        .into_inner();
+    FakeAgent {
+        _tx: tx,
+        _down: down,
+    }
+}
