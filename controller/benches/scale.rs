@@ -272,8 +272,13 @@ async fn run(agents: usize, seconds: u64) {
         .local_addr()
         .unwrap()
         .port();
+    // GPU_BENCH_WRAP: a command to run the controller under (a profiler).
+    let wrap: Vec<String> = std::env::var("GPU_BENCH_WRAP")
+        .map(|w| w.split_whitespace().map(String::from).collect())
+        .unwrap_or_default();
     let mut controller = std::process::Command::new("taskset")
         .args(["-c", "1"])
+        .args(&wrap)
         .arg(env!("CARGO_BIN_EXE_gpu-controller"))
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--tls-cert")
@@ -302,7 +307,15 @@ async fn run(agents: usize, seconds: u64) {
         reports: AtomicU64::new(0),
         mode,
         burst,
-        base: snapshot(),
+        // GPU_BENCH_TINY=1: a near-empty report (the connections' own cost).
+        base: if std::env::var_os("GPU_BENCH_TINY").is_some() {
+            pb::NodeReport {
+                labels: snapshot().labels,
+                ..Default::default()
+            }
+        } else {
+            snapshot()
+        },
     });
     let peak = Arc::new(AtomicU64::new(0));
     {
@@ -396,6 +409,9 @@ async fn run(agents: usize, seconds: u64) {
         peak / 1024,
         if peak <= 256 * 1024 { "met" } else { "NOT met" }
     );
-    let _ = controller.kill();
+    // SIGTERM: a profiler wrapping it writes its report as it exits.
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
     let _ = controller.wait();
 }
