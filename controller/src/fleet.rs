@@ -326,6 +326,18 @@ impl Fleet {
         })
     }
 
+    /// This replica no longer leads: every stream is closed and the fleet
+    /// forgotten (the next leader rebuilds it from the agents' snapshots).
+    pub fn reset(&self) {
+        let mut nodes = self.nodes.lock().unwrap();
+        for e in nodes.values_mut() {
+            if let Some(k) = e.kick.take() {
+                let _ = k.send(());
+            }
+        }
+        nodes.clear();
+    }
+
     /// Requeues a node whose write finished while another change came in.
     pub(crate) fn requeue(&self, node: &str) {
         let _ = self.queue.send(node.to_string());

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod events;
 pub mod fleet;
+pub mod lease;
 pub mod node;
 pub mod page;
 pub mod server;
@@ -32,6 +33,8 @@ pub struct Options {
     pub grace: Duration,
     /// The fleet page and `/fleet.json` (plain HTTP), if any.
     pub http_listen: Option<SocketAddr>,
+    /// Leader election among replicas (`None`: this one always leads).
+    pub election: Option<lease::Election>,
 }
 
 /// The controller could not run.
@@ -63,6 +66,10 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let client = kube::Client::try_default()
         .await
         .map_err(|e| ControllerError::Kube(e.to_string()))?;
+    let (leader_tx, leader) = tokio::sync::watch::channel(opts.election.is_none());
+    if let Some(e) = opts.election.clone() {
+        tokio::spawn(lease::run(client.clone(), e, leader_tx));
+    }
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(events::QUEUE);
     let fleet = Arc::new(fleet.with_events(events_tx));
@@ -72,7 +79,20 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         events_rx,
         events_written.clone(),
     ));
-    let writer = Arc::new(writer::Writer::new(client.clone()));
+    let writer = Arc::new(writer::Writer::new(client.clone()).with_leader(leader.clone()));
+    {
+        // Leadership lost: every stream closed, the fleet forgotten.
+        let fleet = fleet.clone();
+        let mut leader = leader.clone();
+        tokio::spawn(async move {
+            while leader.changed().await.is_ok() {
+                if !*leader.borrow_and_update() {
+                    tracing::warn!("no longer leading: closing every agent's stream");
+                    fleet.reset();
+                }
+            }
+        });
+    }
     tokio::spawn(writer.run(fleet.clone(), queue));
     if let Some(addr) = opts.http_listen {
         let listener = page::bind(addr).await.map_err(|e| ControllerError::Serve {
@@ -80,7 +100,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             message: e.to_string(),
         })?;
         tracing::info!(listen = %listener.local_addr().unwrap_or(addr), "fleet page");
-        tokio::spawn(page::serve(listener, fleet.clone()));
+        tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
     }
     let auth = Arc::new(auth::TokenReviewer::new(
         client,
@@ -88,7 +108,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         &opts.agent_account.0,
         &opts.agent_account.1,
     ));
-    let service = server::ReportService::new(fleet, auth).server();
+    let service = server::ReportService::new(fleet, auth, leader).server();
     let tls = tonic::transport::ServerTlsConfig::new()
         .identity(tonic::transport::Identity::from_pem(cert, key));
     let serve_err = |e: tonic::transport::Error| ControllerError::Serve {

@@ -42,6 +42,13 @@ struct Cli {
     /// The fleet page and /fleet.json (plain HTTP); "off" for none.
     #[arg(long, env = "GPU_CONTROLLER_HTTP_LISTEN", default_value = "0.0.0.0:8080", value_parser = http_listen)]
     http_listen: Listen,
+    /// Elect one leader among replicas through a Lease in this namespace
+    /// (the pod's; unset: no election, this replica always leads).
+    #[arg(long, env = "POD_NAMESPACE")]
+    lease_namespace: Option<String>,
+    /// This replica's name in the Lease (default: the hostname).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
 }
 
 /// An address, or `off`.
@@ -92,6 +99,14 @@ fn main() -> ExitCode {
         taint: cli.taint,
         grace: Duration::from_secs(cli.agent_grace_seconds),
         http_listen: cli.http_listen.0,
+        election: cli.lease_namespace.as_deref().map(|ns| {
+            let identity = cli.identity.clone().unwrap_or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_string())
+                    .unwrap_or_else(|_| format!("gpu-controller-{}", std::process::id()))
+            });
+            gpu_controller::lease::Election::new(ns, &identity)
+        }),
     };
     match rt.block_on(gpu_controller::run(opts)) {
         Ok(()) => ExitCode::SUCCESS,

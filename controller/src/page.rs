@@ -30,7 +30,11 @@ fn answer(status: StatusCode, kind: &str, body: impl Into<Bytes>) -> Response<Fu
 }
 
 /// One request.
-pub fn handle(fleet: &Fleet, req: &Request<impl hyper::body::Body>) -> Response<Full<Bytes>> {
+pub fn handle(
+    fleet: &Fleet,
+    leader: bool,
+    req: &Request<impl hyper::body::Body>,
+) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = answer(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
         r.headers_mut()
@@ -41,20 +45,32 @@ pub fn handle(fleet: &Fleet, req: &Request<impl hyper::body::Body>) -> Response<
         "/" => answer(StatusCode::OK, "text/html; charset=utf-8", PAGE),
         "/fleet.json" => answer(StatusCode::OK, "application/json", fleet.view().to_string()),
         "/healthz" => answer(StatusCode::OK, "text/plain", "ok\n"),
+        // Ready = leading: the Service sends agents to the leader only.
+        "/readyz" if leader => answer(StatusCode::OK, "text/plain", "leading\n"),
+        "/readyz" => answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
+            "standing by: another replica holds the Lease\n",
+        ),
         _ => answer(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
 }
 
 /// Serves the page on `listener` until the task is dropped.
-pub async fn serve(listener: tokio::net::TcpListener, fleet: Arc<Fleet>) {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    fleet: Arc<Fleet>,
+    leader: tokio::sync::watch::Receiver<bool>,
+) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         let fleet = fleet.clone();
+        let leader = leader.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let r = handle(&fleet, &req);
+                let r = handle(&fleet, *leader.borrow(), &req);
                 async move { Ok::<_, Infallible>(r) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()

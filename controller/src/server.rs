@@ -31,6 +31,8 @@ const BURST: f64 = 2000.0;
 pub struct ReportService {
     fleet: Arc<Fleet>,
     auth: Arc<dyn Authenticator>,
+    /// Whether this replica leads (only the leader serves agents).
+    leader: tokio::sync::watch::Receiver<bool>,
 }
 
 impl std::fmt::Debug for ReportService {
@@ -40,8 +42,16 @@ impl std::fmt::Debug for ReportService {
 }
 
 impl ReportService {
-    pub fn new(fleet: Arc<Fleet>, auth: Arc<dyn Authenticator>) -> Self {
-        ReportService { fleet, auth }
+    pub fn new(
+        fleet: Arc<Fleet>,
+        auth: Arc<dyn Authenticator>,
+        leader: tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        ReportService {
+            fleet,
+            auth,
+            leader,
+        }
     }
 
     /// The tonic service, with the message size limits.
@@ -79,6 +89,11 @@ impl Report for ReportService {
             .remote_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|| "?".into());
+        if !*self.leader.borrow() {
+            return Err(Status::unavailable(
+                "this gpu-controller replica is standing by (another holds the Lease): connect again",
+            ));
+        }
         let token = bearer(&req).map_err(|e| Status::unauthenticated(e.to_string()))?;
         let who = self.auth.authenticate(&token).await.map_err(|e| {
             tracing::warn!(peer, error = %e, "report stream refused");

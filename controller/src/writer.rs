@@ -80,6 +80,8 @@ pub struct Writer {
     pub stats: Stats,
     /// Called with each report's latency (arrival → its first request).
     latency: Option<tokio::sync::mpsc::UnboundedSender<Duration>>,
+    /// Whether this replica leads: a stand-by writes nothing.
+    leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 fn now_rfc3339() -> String {
@@ -94,7 +96,14 @@ impl Writer {
             nodes: Api::all(client),
             stats: Stats::default(),
             latency: None,
+            leader: None,
         }
+    }
+
+    /// Writes only while `leader` says this replica leads.
+    pub fn with_leader(mut self, leader: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.leader = Some(leader);
+        self
     }
 
     /// Tells each report's latency (arrival → its first API request) on `tx`.
@@ -144,7 +153,12 @@ impl Writer {
             (e.write.applied.clone(), e.pending_since.take())
         });
         let desired = fleet.desired(node);
-        let outcome = self.write(node, &desired, applied, since).await;
+        let outcome = if self.leader.as_ref().is_some_and(|l| !*l.borrow()) {
+            tracing::debug!(node, "standing by: not written");
+            Ok(applied.unwrap_or_default())
+        } else {
+            self.write(node, &desired, applied, since).await
+        };
         let again = fleet.with(node, |e| {
             e.write.writing = false;
             e.write.last_write = Some(Instant::now());

@@ -35,6 +35,8 @@ pub struct Recorded {
 struct Inner {
     requests: Vec<Recorded>,
     nodes: BTreeMap<String, Value>,
+    /// Leases by path (`.../namespaces/NS/leases/NAME`).
+    leases: BTreeMap<String, Value>,
     /// Label keys each field manager applied.
     owned: BTreeMap<String, BTreeSet<String>>,
     /// token → (username, node name, audiences)
@@ -166,6 +168,18 @@ impl MockApi {
         self.inner.lock().unwrap().min_gap
     }
 
+    /// A Lease as another replica holds it.
+    pub fn add_lease(&self, namespace: &str, name: &str, lease: Value) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let mut l = lease;
+        l["metadata"]["resourceVersion"] = json!(i.version.to_string());
+        i.leases.insert(
+            format!("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"),
+            l,
+        );
+    }
+
     /// The next `n` merge patches meet a conflicting write.
     pub fn conflict_next(&self, n: u32) {
         self.inner.lock().unwrap().conflicts = n;
@@ -266,6 +280,9 @@ impl MockApi {
                 r["metadata"]["resourceVersion"] = json!("1");
                 (201, r)
             }
+            (m, p) if p.starts_with("/apis/coordination.k8s.io/v1/namespaces/") => {
+                lease(&mut i, m, p, &body)
+            }
             (m, p) if p.starts_with("/api/v1/nodes/") => {
                 let rest = &p["/api/v1/nodes/".len()..];
                 let (name, sub) = match rest.split_once('/') {
@@ -294,6 +311,57 @@ impl MockApi {
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(answer.to_string())))
             .unwrap()
+    }
+}
+
+/// Leases as the API server keeps them: create once (409 AlreadyExists),
+/// replace only at the resourceVersion read (409 Conflict).
+fn lease(i: &mut Inner, method: &str, path: &str, body: &Value) -> (u16, Value) {
+    let status = |code: u16, reason: &str, message: String| json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason, "message": message});
+    match method {
+        "GET" => match i.leases.get(path) {
+            Some(l) => (200, l.clone()),
+            None => (
+                404,
+                status(404, "NotFound", format!("leases {path:?} not found")),
+            ),
+        },
+        "POST" => {
+            let name = body["metadata"]["name"].as_str().unwrap_or_default();
+            let key = format!("{path}/{name}");
+            if i.leases.contains_key(&key) {
+                return (
+                    409,
+                    status(
+                        409,
+                        "AlreadyExists",
+                        format!("leases {name:?} already exists"),
+                    ),
+                );
+            }
+            i.version += 1;
+            let mut l = body.clone();
+            l["metadata"]["resourceVersion"] = json!(i.version.to_string());
+            i.leases.insert(key, l.clone());
+            (201, l)
+        }
+        "PUT" => {
+            let Some(cur) = i.leases.get(path) else {
+                return (
+                    404,
+                    status(404, "NotFound", format!("leases {path:?} not found")),
+                );
+            };
+            if body["metadata"]["resourceVersion"] != cur["metadata"]["resourceVersion"] {
+                return (409, status(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again".into()));
+            }
+            i.version += 1;
+            let mut l = body.clone();
+            l["metadata"]["resourceVersion"] = json!(i.version.to_string());
+            i.leases.insert(path.to_string(), l.clone());
+            (200, l)
+        }
+        _ => (405, json!({})),
     }
 }
 
@@ -492,6 +560,16 @@ pub fn wait_for(what: &str, timeout: Duration, logs: &[&Proc], mut f: impl FnMut
 
 /// gpu-controller on a free loopback port, talking to `api`.
 pub fn start_controller(api: &MockApi, dir: &Path, http: Option<u16>) -> (Proc, u16, PathBuf) {
+    start_controller_with(api, dir, http, &[])
+}
+
+/// The same, with more environment.
+pub fn start_controller_with(
+    api: &MockApi,
+    dir: &Path,
+    http: Option<u16>,
+    env: &[(&str, &str)],
+) -> (Proc, u16, PathBuf) {
     let (ca, cert, key) = certs(dir);
     let port = free_port();
     let log = dir.join("controller.log");
@@ -511,6 +589,7 @@ pub fn start_controller(api: &MockApi, dir: &Path, http: Option<u16>) -> (Proc, 
             ])
             .env("KUBECONFIG", api.kubeconfig(dir))
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap(),
@@ -557,7 +636,7 @@ pub async fn fake_agent(
     node: &str,
     report: gpu_agent_proto::report::v1::NodeReport,
     events: Vec<gpu_agent_proto::report::v1::HealthEvent>,
-) -> FakeAgent {
+) -> Result<FakeAgent, tonic::Status> {
     use gpu_agent_proto::report::v1 as pb;
     let tls = tonic::transport::ClientTlsConfig::new()
         .ca_certificate(tonic::transport::Certificate::from_pem(
@@ -594,11 +673,10 @@ pub async fn fake_agent(
         .insert("authorization", format!("Bearer {token}").parse().unwrap());
     let down = gpu_agent_proto::report::v1::report_client::ReportClient::new(channel)
         .attach(req)
-        .await
-        .unwrap()
+        .await?
         .into_inner();
-    FakeAgent {
+    Ok(FakeAgent {
         _tx: tx,
         _down: down,
-    }
+    })
 }
