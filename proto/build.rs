@@ -5,9 +5,8 @@ fn main() {
         "proto/deviceplugin_v1beta1.proto",
         "proto/podresources_v1.proto",
         "proto/cri_runtime_v1.proto",
-        "proto/report_v1.proto",
     ];
-    for p in protos {
+    for p in protos.iter().chain(&[REPORT]) {
         println!("cargo:rerun-if-changed={p}");
     }
     let fds = protox::compile(protos, ["proto"]).expect("the .proto files compile");
@@ -16,4 +15,15 @@ fn main() {
         .build_client(true)
         .compile_fds(fds)
         .expect("tonic code generation");
+    // The report API: one stream per node held open for days, thousands on
+    // one controller: its codec keeps small buffers (see lean::LeanCodec).
+    let fds = protox::compile([REPORT], ["proto"]).expect("report_v1.proto compiles");
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .codec_path("crate::lean::LeanCodec")
+        .compile_fds(fds)
+        .expect("tonic code generation (report)");
 }
+
+const REPORT: &str = "proto/report_v1.proto";

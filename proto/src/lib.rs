@@ -37,6 +37,41 @@ pub mod cri {
     }
 }
 
+/// The report API's codec: prost with 1 KiB starting buffers instead of
+/// tonic's 8 KiB, one encoder and one decoder per stream. A controller holds
+/// one stream per node open, and those two buffers were a quarter of each
+/// connection's memory; the buffers grow for a large message as before.
+pub mod lean {
+    use tonic::codec::{BufferSettings, Codec};
+    use tonic_prost::{ProstCodec, ProstDecoder, ProstEncoder};
+
+    fn settings() -> BufferSettings {
+        BufferSettings::new(1024, 32 * 1024)
+    }
+
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct LeanCodec<T, U>(std::marker::PhantomData<(T, U)>);
+
+    impl<T, U> Codec for LeanCodec<T, U>
+    where
+        T: prost::Message + Send + 'static,
+        U: prost::Message + Default + Send + 'static,
+    {
+        type Encode = T;
+        type Decode = U;
+        type Encoder = ProstEncoder<T>;
+        type Decoder = ProstDecoder<U>;
+
+        fn encoder(&mut self) -> Self::Encoder {
+            ProstCodec::<T, U>::raw_encoder(settings())
+        }
+
+        fn decoder(&mut self) -> Self::Decoder {
+            ProstCodec::<T, U>::raw_decoder(settings())
+        }
+    }
+}
+
 pub mod report {
     pub mod v1 {
         tonic::include_proto!("gpuagent.report.v1");
