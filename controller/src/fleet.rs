@@ -29,10 +29,18 @@ pub struct NodeEntry {
     pub gone: Option<String>,
     pub events: VecDeque<pb::HealthEvent>,
     pub repairs: VecDeque<pb::Repair>,
+    /// The live stream's way down, and the last Desired sent on it.
+    down: Option<Down>,
+    sent: Option<pb::Desired>,
+    /// The node's `nvidia.com/mig.config` label, as the API has it.
+    pub mig_label: Option<String>,
     /// When the first change not yet written arrived.
     pub pending_since: Option<Instant>,
     pub write: WriteState,
 }
+
+/// A stream's way down to its agent.
+pub type Down = mpsc::Sender<Result<pb::ControllerMessage, tonic::Status>>;
 
 /// The writer's bookkeeping for one node.
 #[derive(Debug, Default)]
@@ -114,7 +122,7 @@ impl Fleet {
 
     /// A new stream for `hello.node_name`: an older one for the same node
     /// is closed. Returns the stream's id and what closes it.
-    pub fn connect(&self, hello: pb::Hello) -> (u64, oneshot::Receiver<()>) {
+    pub fn connect(&self, hello: pb::Hello, down: Down) -> (u64, oneshot::Receiver<()>) {
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let name = hello.node_name.clone();
@@ -126,7 +134,10 @@ impl Fleet {
             e.stream = Some(id);
             e.kick = Some(tx);
             e.gone = None;
+            e.down = Some(down);
+            e.sent = None;
         });
+        self.send_desired(&name);
         (id, rx)
     }
 
@@ -139,9 +150,64 @@ impl Fleet {
             }
             e.stream = None;
             e.kick = None;
+            e.down = None;
             tracing::info!(node, why, "agent stream ended");
             true
         })
+    }
+
+    /// What the controller wants of the node, for its agent.
+    fn desired_of(e: &NodeEntry) -> pb::Desired {
+        pb::Desired {
+            mig_layout: e.mig_label.clone().unwrap_or_default(),
+            ..Default::default()
+        }
+    }
+
+    /// Sends the node's agent what is wanted of it, if that changed.
+    pub fn send_desired(&self, node: &str) {
+        let msg = self.with(node, |e| {
+            let want = Self::desired_of(e);
+            if e.sent.as_ref() == Some(&want) {
+                return None;
+            }
+            let down = e.down.clone()?;
+            e.sent = Some(want.clone());
+            Some((down, want))
+        });
+        if let Some((down, want)) = msg {
+            tracing::info!(node, mig_layout = %want.mig_layout, "telling the agent what is wanted");
+            let msg = pb::ControllerMessage {
+                seq: 0,
+                body: Some(pb::controller_message::Body::Desired(want)),
+            };
+            // A full queue: the agent is not reading; its stream ends soon.
+            if down.try_send(Ok(msg)).is_err() {
+                tracing::warn!(node, "the agent does not read its stream");
+            }
+        }
+    }
+
+    /// The node's `nvidia.com/mig.config` label as the API has it now.
+    pub fn set_mig_label(&self, node: &str, value: Option<String>) {
+        let changed = self.with(node, |e| {
+            let changed = e.mig_label != value;
+            e.mig_label = value;
+            changed
+        });
+        if changed {
+            self.send_desired(node);
+        }
+    }
+
+    /// Nodes whose `nvidia.com/mig.config` label is set.
+    pub fn mig_labelled(&self) -> Vec<String> {
+        let nodes = self.nodes.lock().unwrap();
+        nodes
+            .iter()
+            .filter(|(_, e)| e.mig_label.is_some())
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     /// The grace after a stream ended ran out: if no stream came back, the

@@ -8,6 +8,7 @@ pub mod auth;
 pub mod events;
 pub mod fleet;
 pub mod lease;
+pub mod mig_label;
 pub mod node;
 pub mod page;
 pub mod server;
@@ -102,6 +103,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         tracing::info!(listen = %listener.local_addr().unwrap_or(addr), "fleet page");
         tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
     }
+    tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
     let auth = Arc::new(auth::TokenReviewer::new(
         client,
         gpu_agent_proto::report::v1::TOKEN_AUDIENCE,

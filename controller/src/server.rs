@@ -124,15 +124,9 @@ impl Report for ReportService {
         }
         let node = hello.node_name.clone();
         tracing::info!(node, peer, version = %hello.agent_version, dropped_events = hello.dropped_events, "agent connected");
-        let (id, mut kicked) = self.fleet.connect(hello);
-        let (tx, rx) = mpsc::channel::<Result<pb::ControllerMessage, Status>>(4);
-        // Nothing is asked of the node yet: the agent keeps its own policy.
-        let _ = tx
-            .send(Ok(pb::ControllerMessage {
-                seq: 1,
-                body: Some(pb::controller_message::Body::Desired(pb::Desired::default())),
-            }))
-            .await;
+        let (tx, rx) = mpsc::channel::<Result<pb::ControllerMessage, Status>>(8);
+        // What is wanted of the node goes down first, then when it changes.
+        let (id, mut kicked) = self.fleet.connect(hello, tx.clone());
         let fleet = self.fleet.clone();
         tokio::spawn(async move {
             let why = tokio::select! {
@@ -156,9 +150,19 @@ impl Report for ReportService {
                 fleet.expire(&node, &why);
             }
         });
-        Ok(Response::new(Box::pin(
+        // Numbered as they go down.
+        let mut seq = 0u64;
+        let down = tokio_stream::StreamExt::map(
             tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+            move |m| {
+                m.map(|mut m| {
+                    seq += 1;
+                    m.seq = seq;
+                    m
+                })
+            },
+        );
+        Ok(Response::new(Box::pin(down)))
     }
 }
 

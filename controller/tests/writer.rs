@@ -73,10 +73,14 @@ fn report(healthy: [bool; 2], extra_label: bool) -> pb::NodeReport {
 fn setup(api: &MockApi) -> (Arc<Fleet>, Writer) {
     let (fleet, _queue) = Fleet::new(TaintPolicy::NoneHealthy, Duration::from_secs(60));
     let fleet = Arc::new(fleet);
-    fleet.connect(pb::Hello {
-        node_name: NODE.into(),
-        ..Default::default()
-    });
+    let (down, _) = tokio::sync::mpsc::channel(8);
+    fleet.connect(
+        pb::Hello {
+            node_name: NODE.into(),
+            ..Default::default()
+        },
+        down,
+    );
     (fleet, Writer::new(api.client()))
 }
 

@@ -84,6 +84,8 @@ pub struct Inputs {
     pub link: Arc<Mutex<ControllerLink>>,
     /// Told whenever `link` changes.
     pub changed: Arc<Notify>,
+    /// The controller's wishes, for the supervisor.
+    pub desired: mpsc::UnboundedSender<pb::Desired>,
 }
 
 /// Reports to the controller until cancelled (the supervisor aborts it).
@@ -306,15 +308,20 @@ fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
     let Some(pb::controller_message::Body::Desired(d)) = msg.body else {
         return;
     };
+    let _ = inputs.desired.send(d.clone());
     let mut parts = Vec::new();
+    let mut later = Vec::new();
     if !d.policy_yaml.is_empty() {
-        parts.push("a policy".to_string());
+        later.push("a policy".to_string());
     }
     if !d.mig_layout.is_empty() {
-        parts.push(format!("MIG layout {}", d.mig_layout));
+        parts.push(format!(
+            "MIG layout {} (applied as spec.migManager.default)",
+            d.mig_layout
+        ));
     }
     if !d.driver_version.is_empty() {
-        parts.push(format!(
+        later.push(format!(
             "driver {}{}",
             d.driver_version,
             if d.upgrade_go_ahead {
@@ -325,15 +332,18 @@ fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
         ));
     }
     if d.drain {
-        parts.push("drain".into());
+        later.push("drain".into());
+    }
+    if !later.is_empty() {
+        parts.push(format!(
+            "{} (not acted on: this agent does not take these from the controller yet)",
+            later.join(", ")
+        ));
     }
     let text = if parts.is_empty() {
         "nothing".to_string()
     } else {
-        format!(
-            "{} (not acted on: this agent does not take settings from the controller yet)",
-            parts.join(", ")
-        )
+        parts.join("; ")
     };
     tracing::info!(task = "report", desired = %text, "the controller's wishes for this node");
     update(inputs, |l| l.desired = Some(text));

@@ -172,6 +172,10 @@ struct Supervisor {
     link: Arc<std::sync::Mutex<crate::report::ControllerLink>>,
     /// The labels last worked out (kept when they cannot be worked out).
     report_labels: crate::labels::Labels,
+    /// The controller's wishes, from the report task.
+    desired: Option<mpsc::UnboundedReceiver<gpu_agent_proto::report::v1::Desired>>,
+    /// The MIG layout the controller selects for this node, if any.
+    controller_mig: Option<String>,
 }
 
 #[derive(Default)]
@@ -222,6 +226,8 @@ impl Supervisor {
             report_task: None,
             link: Arc::default(),
             report_labels: Default::default(),
+            desired: None,
+            controller_mig: None,
         }
     }
 
@@ -354,6 +360,12 @@ impl Supervisor {
                 }
             };
             let mps_ended = self.mps.ended();
+            let desired = async {
+                match self.desired.as_mut() {
+                    Some(rx) => rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
             let report_ended = async {
                 match self.report_task.as_mut() {
                     Some(h) => h.await,
@@ -381,6 +393,10 @@ impl Supervisor {
                         Err(e) => Err(format!("the task panicked or was cancelled: {e}")),
                     };
                     self.task_ended(METRICS, outcome);
+                }
+                Some(d) = desired => {
+                    self.controller_desired(d).await;
+                    next_reconcile = self.next_reconcile();
                 }
                 r = report_ended => {
                     // It only ends by panicking: it reconnects on its own.
@@ -455,8 +471,15 @@ impl Supervisor {
     /// logged and the running policy kept).
     async fn reconcile(&mut self, trigger: &str, reload: bool) {
         let mut policy_changed = false;
-        if reload && let Some(path) = self.opts.policy_path.clone() {
-            match Policy::from_file(&path) {
+        // The policy from the file (or the defaults), with what the
+        // controller asks for on top.
+        let source = match (&self.opts.policy_path, reload) {
+            (_, false) => None,
+            (Some(path), true) => Some((path.display().to_string(), Policy::from_file(path))),
+            (None, true) => Some(("the defaults".to_string(), Ok(Policy::default()))),
+        };
+        if let Some((path, read)) = source {
+            match read.map(|p| self.with_controller(p)) {
                 Ok(p) => {
                     self.st.policy_error = None;
                     policy_changed = p != self.opts.policy;
@@ -465,7 +488,7 @@ impl Supervisor {
                         return;
                     }
                     if policy_changed {
-                        tracing::info!(policy = %path.display(), "policy changed");
+                        tracing::info!(policy = %path, "policy changed");
                         self.drain_for_driver_change(&p).await;
                         self.opts.policy = p;
                     }
@@ -1145,6 +1168,30 @@ impl Supervisor {
         validation_file(&self.opts.host, TOOLKIT_READY, toolkit_ok.then_some(""));
     }
 
+    /// `p` with what the controller asks of this node: its MIG layout
+    /// (the node's `nvidia.com/mig.config` label) as `spec.migManager.default`.
+    fn with_controller(&self, mut p: Policy) -> Policy {
+        if let Some(layout) = &self.controller_mig {
+            p.mig_manager.default = Some(layout.clone());
+        }
+        p
+    }
+
+    /// The controller's wishes changed: the policy is worked out again and,
+    /// if that changes it, reconciled.
+    async fn controller_desired(&mut self, d: gpu_agent_proto::report::v1::Desired) {
+        let layout = (!d.mig_layout.is_empty()).then_some(d.mig_layout);
+        if layout == self.controller_mig {
+            return;
+        }
+        tracing::info!(
+            layout = layout.as_deref().unwrap_or("(none)"),
+            "the controller selects a MIG layout"
+        );
+        self.controller_mig = layout;
+        self.reconcile("the controller's MIG layout", true).await;
+    }
+
     /// Starts the report stream to the controller, when one is configured.
     /// It runs for the agent's life: it reconnects on its own.
     fn start_report(&mut self) {
@@ -1158,11 +1205,14 @@ impl Supervisor {
             ..Default::default()
         };
         let tx = watch::Sender::new(Arc::new(self.node_report()));
+        let (desired_tx, desired_rx) = mpsc::unbounded_channel();
+        self.desired = Some(desired_rx);
         let inputs = crate::report::client::Inputs {
             report: tx.subscribe(),
             events: self.events.subscribe(),
             link: self.link.clone(),
             changed: self.changed.clone(),
+            desired: desired_tx,
         };
         self.report = Some(tx);
         self.report_task = Some(tokio::spawn(crate::report::client::run(cfg, inputs)));

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
 use serde_json::{Value, json};
 
 #[derive(Clone, Debug)]
@@ -54,6 +55,18 @@ struct Inner {
     last_patch: BTreeMap<String, std::time::Instant>,
     min_gap: Option<std::time::Duration>,
     counted: u64,
+    /// Node watches: the label key each selects on, and where its events go.
+    watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
+}
+
+type Body = BoxBody<Bytes, std::convert::Infallible>;
+
+fn meta_of(node: &Value) -> Value {
+    json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": node["metadata"]})
+}
+
+fn has_label(node: &Value, key: &str) -> bool {
+    node["metadata"]["labels"].get(key).is_some()
 }
 
 #[derive(Clone)]
@@ -168,6 +181,36 @@ impl MockApi {
         self.inner.lock().unwrap().min_gap
     }
 
+    /// Sets (or removes) a node's label as a user would; node watches hear.
+    pub fn set_node_label(&self, name: &str, key: &str, value: Option<&str>) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let v = i.version.to_string();
+        let node = i.nodes.get_mut(name).unwrap();
+        let had = has_label(node, key);
+        match value {
+            Some(val) => node["metadata"]["labels"][key] = json!(val),
+            None => {
+                if let Some(l) = node["metadata"]["labels"].as_object_mut() {
+                    l.remove(key);
+                }
+            }
+        }
+        node["metadata"]["resourceVersion"] = json!(v);
+        let node = node.clone();
+        i.watches.retain(|(sel, tx)| {
+            let now = has_label(&node, sel);
+            let kind = match (had, now) {
+                (false, true) => "ADDED",
+                (true, true) => "MODIFIED",
+                (true, false) => "DELETED",
+                (false, false) => return !tx.is_closed(),
+            };
+            tx.send(json!({"type": kind, "object": meta_of(&node)}))
+                .is_ok()
+        });
+    }
+
     /// A Lease as another replica holds it.
     pub fn add_lease(&self, namespace: &str, name: &str, lease: Value) {
         let mut i = self.inner.lock().unwrap();
@@ -194,10 +237,7 @@ impl MockApi {
         self.inner.lock().unwrap().requests.clone()
     }
 
-    async fn handle(
-        &self,
-        req: hyper::Request<hyper::body::Incoming>,
-    ) -> hyper::Response<Full<Bytes>> {
+    async fn handle(&self, req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Body> {
         let method = req.method().to_string();
         let uri = req.uri().to_string();
         let content_type = req
@@ -252,6 +292,39 @@ impl MockApi {
                     .collect()
             })
             .unwrap_or_default();
+        if method == "GET" && path == "/api/v1/nodes" {
+            // Metadata list and watch, selecting on one label key.
+            let sel = query
+                .get("labelSelector")
+                .map(|s| s.replace("%2F", "/"))
+                .unwrap_or_default();
+            if query.get("watch").map(String::as_str) == Some("true") {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+                i.watches.push((sel, tx));
+                let stream = tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+                    |ev| Ok(hyper::body::Frame::data(Bytes::from(format!("{ev}\n")))),
+                );
+                return hyper::Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(StreamBody::new(stream).boxed())
+                    .unwrap();
+            }
+            let items: Vec<Value> = i
+                .nodes
+                .values()
+                .filter(|n| sel.is_empty() || has_label(n, &sel))
+                .map(meta_of)
+                .collect();
+            let list = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                              "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
+            return hyper::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(list.to_string())).boxed())
+                .unwrap();
+        }
         let (code, answer) = match (method.as_str(), path.as_str()) {
             ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => {
                 let token = body["spec"]["token"].as_str().unwrap_or("");
@@ -309,7 +382,7 @@ impl MockApi {
         hyper::Response::builder()
             .status(code)
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(answer.to_string())))
+            .body(Full::new(Bytes::from(answer.to_string())).boxed())
             .unwrap()
     }
 }
