@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{MockApi, Proc, kubelet_node, repo, start_controller, wait_for};
+use common::{MockApi, Proc, kubelet_node, start_controller, wait_for};
 
 fn fake_nvml(dir: &Path) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -55,19 +55,7 @@ fn a_node_label_selects_the_layout_and_its_state_comes_back_as_a_label() {
     let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
 
     let host = dir.path().join("host");
-    std::fs::create_dir_all(&host).unwrap();
-    assert!(
-        Command::new("cp")
-            .arg("-a")
-            .arg(format!(
-                "{}/.",
-                repo().join("tests/fixtures/hosts/h100-sxm-8").display()
-            ))
-            .arg(&host)
-            .status()
-            .unwrap()
-            .success()
-    );
+    common::h100_host(&host);
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
         &policy,

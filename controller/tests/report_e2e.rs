@@ -31,17 +31,7 @@ fn agent_bin() -> PathBuf {
 /// toolkit off as on EKS), reporting with `token` as `node`.
 fn agent(dir: &Path, port: u16, ca: &Path, token: &str, node: &str) -> (Proc, PathBuf) {
     let host = dir.join(format!("host-{token}"));
-    std::fs::create_dir_all(&host).unwrap();
-    let ok = Command::new("cp")
-        .arg("-a")
-        .arg(format!(
-            "{}/.",
-            repo().join("tests/fixtures/hosts/h100-sxm-8").display()
-        ))
-        .arg(&host)
-        .status()
-        .unwrap();
-    assert!(ok.success());
+    common::h100_host(&host);
     let token_file = dir.join(format!("{token}.jwt"));
     std::fs::write(&token_file, format!("{token}\n")).unwrap();
     let log = dir.join(format!("agent-{token}.log"));

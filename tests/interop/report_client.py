@@ -15,28 +15,16 @@ Usage: report_client.py --proto PROTO --ca CA --target HOST:PORT --node NODE
          --token TOKEN --other-token TOKEN
 """
 import argparse
-import importlib
 import json
 import os
 import queue
 import sys
-import tempfile
 
 import grpc
-from grpc_tools import protoc
 
-
-def load_stubs(proto):
-    out = tempfile.mkdtemp(prefix="report-stubs-")
-    inc = os.path.dirname(os.path.abspath(proto))
-    grpc_inc = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{inc}", f"-I{grpc_inc}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", os.path.abspath(proto)])
-    if rc != 0:
-        sys.exit(f"protoc failed on {proto}")
-    sys.path.insert(0, out)
-    base = os.path.splitext(os.path.basename(proto))[0]
-    return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+# The stubs are made the same way as for the kubelet stand-in.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kubelet_standin import load_stubs  # noqa: E402
 
 
 def main():

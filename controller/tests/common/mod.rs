@@ -585,6 +585,25 @@ pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// A copy of the 8x H100 host fixture at `host`.
+pub fn h100_host(host: &Path) {
+    std::fs::create_dir_all(host).unwrap();
+    let ok = Command::new("cp")
+        .arg("-a")
+        .arg(format!(
+            "{}/.",
+            repo().join("tests/fixtures/hosts/h100-sxm-8").display()
+        ))
+        .arg(host)
+        .status()
+        .unwrap();
+    assert!(
+        ok.success(),
+        "cannot copy the h100-sxm-8 fixture to {}",
+        host.display()
+    );
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
