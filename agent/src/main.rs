@@ -672,6 +672,11 @@ pub(crate) struct StatusReport {
     /// the agent works on its own).
     #[serde(skip_serializing_if = "Option::is_none")]
     controller: Option<gpu_agent::report::ControllerLink>,
+    /// The running policy is the cluster's ClusterPolicy, less these keys.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    policy_from_cluster: bool,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    policy_ignored: Vec<String>,
 }
 
 impl StatusReport {
@@ -699,6 +704,8 @@ impl StatusReport {
             policy_error: st.policy_error,
             mig: st.mig,
             controller: st.controller,
+            policy_from_cluster: st.policy_from_cluster,
+            policy_ignored: st.policy_ignored,
         }
     }
 }
@@ -754,6 +761,8 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         policy_error: None,
         mig: pass.mig,
         controller: None,
+        policy_from_cluster: false,
+        policy_ignored: Vec::new(),
     };
     print_status(&report, output)
 }
@@ -794,8 +803,17 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
             }
         ));
     }
+    if report.policy_from_cluster {
+        out.push_str("policy: the cluster's ClusterPolicy, from gpu-controller (the policy file is not used)\n");
+        if !report.policy_ignored.is_empty() {
+            out.push_str(&format!(
+                "policy: ClusterPolicy keys gpu-agent does not use (left out): {}\n",
+                report.policy_ignored.join(", ")
+            ));
+        }
+    }
     if let Some(e) = &report.policy_error {
-        out.push_str(&format!("policy: the file on disk is not applied: {e}\n"));
+        out.push_str(&format!("policy: not applied: {e}\n"));
     }
     match (&report.controller, report.ready) {
         (Some(link), _) => {

@@ -487,6 +487,37 @@ impl Policy {
         Ok(policy)
     }
 
+    /// Parses a cluster's ClusterPolicy as the GPU Operator takes it: keys
+    /// gpu-agent does not know (the operator's images, sandbox workloads,
+    /// ...) are left out and named, not refused; anything else wrong is an
+    /// error as in [`Policy::from_yaml`].
+    pub fn from_cluster_yaml(text: &str, origin: &str) -> Result<(Self, Vec<String>), PolicyError> {
+        let mut doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(text)
+            .map_err(|e| YamlError::invalid(origin, "(document)", e.to_string()))?;
+        let mut ignored = Vec::new();
+        // Each pass names one unknown key; a document has a bounded number.
+        for _ in 0..500 {
+            let text = serde_yaml_ng::to_string(&doc)
+                .map_err(|e| YamlError::invalid(origin, "(document)", e.to_string()))?;
+            match Self::from_yaml(&text, origin) {
+                Ok(p) => return Ok((p, ignored)),
+                Err(PolicyError::Invalid(e)) if e.message.starts_with("unknown key") => {
+                    if !remove_path(&mut doc, &e.path) {
+                        return Err(PolicyError::Invalid(e));
+                    }
+                    ignored.push(e.path);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(YamlError::invalid(
+            origin,
+            "(document)",
+            "too many keys gpu-agent does not know",
+        )
+        .into())
+    }
+
     /// Reads a policy file.
     pub fn from_file(path: &Path) -> Result<Self, PolicyError> {
         let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
@@ -683,8 +714,59 @@ impl Policy {
     }
 }
 
+/// Removes the key at `path` (`spec.a.b`, `spec.list[2].c`) from `doc`.
+fn remove_path(doc: &mut serde_yaml_ng::Value, path: &str) -> bool {
+    let mut parts: Vec<&str> = path.split('.').collect();
+    let Some(last) = parts.pop() else {
+        return false;
+    };
+    let mut at = doc;
+    for part in parts {
+        let (key, index) = match part.split_once('[') {
+            Some((k, rest)) => (k, rest.trim_end_matches(']').parse::<usize>().ok()),
+            None => (part, None),
+        };
+        let Some(next) = at.get_mut(key) else {
+            return false;
+        };
+        at = match index {
+            Some(i) => match next.get_mut(i) {
+                Some(v) => v,
+                None => return false,
+            },
+            None => next,
+        };
+    }
+    at.as_mapping_mut().and_then(|m| m.remove(last)).is_some()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_cluster_policy_with_keys_gpu_agent_does_not_know_is_taken_naming_them() {
+        let text = "apiVersion: nvidia.com/v1\nkind: ClusterPolicy\nmetadata:\n  name: cluster-policy\nspec:\n  driver:\n    enabled: false\n    repository: nvcr.io/nvidia\n    image: driver\n  sandboxWorkloads:\n    enabled: false\n  mig:\n    strategy: mixed\n";
+        let (p, ignored) =
+            super::Policy::from_cluster_yaml(text, "ClusterPolicy cluster-policy").unwrap();
+        assert!(!p.driver.enabled);
+        assert_eq!(
+            ignored,
+            [
+                "spec.driver.repository",
+                "spec.driver.image",
+                "spec.sandboxWorkloads"
+            ]
+        );
+        // A wrong value is still an error.
+        let bad = "spec:\n  driver:\n    enabled: maybe\n  foo: 1\n";
+        let e = super::Policy::from_cluster_yaml(bad, "ClusterPolicy x")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("ClusterPolicy x: spec.driver.enabled: "),
+            "{e}"
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -73,6 +73,13 @@ pub struct AgentState {
     /// The MIG layout (`nvidia.com/mig.config.state`), when one is selected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<crate::mig::MigStatus>,
+    /// The running policy is the cluster's ClusterPolicy (from the
+    /// controller), not the file.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub policy_from_cluster: bool,
+    /// Keys of that ClusterPolicy gpu-agent does not use.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub policy_ignored: Vec<String>,
     /// The report stream to the cluster controller, when one is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controller: Option<crate::report::ControllerLink>,
@@ -219,6 +226,8 @@ impl AgentState {
             workload: None,
             policy_error: None,
             mig: None,
+            policy_from_cluster: false,
+            policy_ignored: Vec::new(),
             controller: None,
         }
     }
@@ -342,6 +351,8 @@ mod tests {
             workload: None,
             policy_error: None,
             mig: None,
+            policy_from_cluster: false,
+            policy_ignored: Vec::new(),
             controller: None,
         }
     }

@@ -116,6 +116,10 @@ fn snapshot() -> pb::NodeReport {
         }),
         mig: Some(Default::default()),
         upgrade: Some(Default::default()),
+        policy: Some(pb::PolicyState {
+            source: "file".into(),
+            ..Default::default()
+        }),
     }
 }
 

@@ -72,6 +72,8 @@ pub struct Fleet {
     events: Option<mpsc::Sender<crate::events::NodeEvent>>,
     /// Events dropped because that queue was full.
     pub events_dropped: AtomicU64,
+    /// The cluster's ClusterPolicy (name, text) sent to every agent.
+    policy: Mutex<Option<(String, String)>>,
 }
 
 impl Fleet {
@@ -87,6 +89,7 @@ impl Fleet {
                 grace,
                 events: None,
                 events_dropped: AtomicU64::new(0),
+                policy: Mutex::new(None),
             },
             rx,
         )
@@ -157,17 +160,39 @@ impl Fleet {
     }
 
     /// What the controller wants of the node, for its agent.
-    fn desired_of(e: &NodeEntry) -> pb::Desired {
+    fn desired_of(e: &NodeEntry, policy: Option<&str>) -> pb::Desired {
         pb::Desired {
             mig_layout: e.mig_label.clone().unwrap_or_default(),
+            policy_yaml: policy.unwrap_or_default().to_string(),
             ..Default::default()
+        }
+    }
+
+    /// The cluster's ClusterPolicy changed (or went): every agent is told.
+    pub fn set_policy(&self, policy: Option<(String, String)>) {
+        {
+            let mut p = self.policy.lock().unwrap();
+            if *p == policy {
+                return;
+            }
+            match &policy {
+                Some((name, _)) => {
+                    tracing::info!(cluster_policy = %name, "sending the ClusterPolicy to the agents")
+                }
+                None => tracing::info!("no ClusterPolicy: agents keep their own policy"),
+            }
+            *p = policy;
+        }
+        for node in self.names() {
+            self.send_desired(&node);
         }
     }
 
     /// Sends the node's agent what is wanted of it, if that changed.
     pub fn send_desired(&self, node: &str) {
+        let policy = self.policy.lock().unwrap().as_ref().map(|(_, t)| t.clone());
         let msg = self.with(node, |e| {
-            let want = Self::desired_of(e);
+            let want = Self::desired_of(e, policy.as_deref());
             if e.sent.as_ref() == Some(&want) {
                 return None;
             }

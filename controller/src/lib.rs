@@ -5,6 +5,7 @@
 //! ([`node`]). It is the only part of gpu-agent that holds API credentials.
 
 pub mod auth;
+pub mod cluster_policy;
 pub mod events;
 pub mod fleet;
 pub mod lease;
@@ -36,6 +37,8 @@ pub struct Options {
     pub http_listen: Option<SocketAddr>,
     /// Leader election among replicas (`None`: this one always leads).
     pub election: Option<lease::Election>,
+    /// The ClusterPolicy to use when there are several.
+    pub cluster_policy: String,
 }
 
 /// The controller could not run.
@@ -104,6 +107,11 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
     }
     tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
+    tokio::spawn(cluster_policy::run(
+        client.clone(),
+        fleet.clone(),
+        opts.cluster_policy.clone(),
+    ));
     let auth = Arc::new(auth::TokenReviewer::new(
         client,
         gpu_agent_proto::report::v1::TOKEN_AUDIENCE,

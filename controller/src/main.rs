@@ -49,6 +49,9 @@ struct Cli {
     /// This replica's name in the Lease (default: the hostname).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
+    /// The ClusterPolicy sent to agents when the cluster has several.
+    #[arg(long, default_value = "cluster-policy")]
+    cluster_policy: String,
 }
 
 /// An address, or `off`.
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
         taint: cli.taint,
         grace: Duration::from_secs(cli.agent_grace_seconds),
         http_listen: cli.http_listen.0,
+        cluster_policy: cli.cluster_policy.clone(),
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -312,7 +312,7 @@ fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
     let mut parts = Vec::new();
     let mut later = Vec::new();
     if !d.policy_yaml.is_empty() {
-        later.push("a policy".to_string());
+        parts.push("the cluster's ClusterPolicy (runs instead of the policy file)".to_string());
     }
     if !d.mig_layout.is_empty() {
         parts.push(format!(

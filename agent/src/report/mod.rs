@@ -172,6 +172,18 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
         mig: Some(mig.unwrap_or_default()),
         // Driver upgrades from the controller are not carried out yet.
         upgrade: Some(pb::UpgradeState::default()),
+        policy: Some(pb::PolicyState {
+            source: if st.policy_from_cluster {
+                "ClusterPolicy"
+            } else if st.policy.is_some() {
+                "file"
+            } else {
+                "defaults"
+            }
+            .into(),
+            ignored_keys: st.policy_ignored.clone(),
+            error: st.policy_error.clone().unwrap_or_default(),
+        }),
     }
 }
 
@@ -187,6 +199,7 @@ pub fn changes(old: &pb::NodeReport, new: &pb::NodeReport) -> Option<pb::NodeRep
         health: part(&old.health, &new.health),
         mig: part(&old.mig, &new.mig),
         upgrade: part(&old.upgrade, &new.upgrade),
+        policy: part(&old.policy, &new.policy),
     };
     (c != pb::NodeReport::default()).then_some(c)
 }

@@ -176,6 +176,9 @@ struct Supervisor {
     desired: Option<mpsc::UnboundedReceiver<gpu_agent_proto::report::v1::Desired>>,
     /// The MIG layout the controller selects for this node, if any.
     controller_mig: Option<String>,
+    /// The cluster's ClusterPolicy (YAML) the controller sends, if any: it
+    /// runs instead of the policy file.
+    controller_policy: Option<String>,
 }
 
 #[derive(Default)]
@@ -228,6 +231,7 @@ impl Supervisor {
             report_labels: Default::default(),
             desired: None,
             controller_mig: None,
+            controller_policy: None,
         }
     }
 
@@ -473,11 +477,29 @@ impl Supervisor {
         let mut policy_changed = false;
         // The policy from the file (or the defaults), with what the
         // controller asks for on top.
-        let source = match (&self.opts.policy_path, reload) {
-            (_, false) => None,
-            (Some(path), true) => Some((path.display().to_string(), Policy::from_file(path))),
-            (None, true) => Some(("the defaults".to_string(), Ok(Policy::default()))),
+        let source = match (&self.controller_policy, &self.opts.policy_path, reload) {
+            (_, _, false) => None,
+            (Some(yaml), _, true) => {
+                let origin = "the cluster's ClusterPolicy";
+                let read = Policy::from_cluster_yaml(yaml, origin).map(|(p, ignored)| {
+                    if !ignored.is_empty() && ignored != self.st.policy_ignored {
+                        tracing::info!(keys = %ignored.join(", "), "ClusterPolicy keys gpu-agent does not use: left out");
+                    }
+                    self.st.policy_ignored = ignored;
+                    p
+                });
+                Some((origin.to_string(), read))
+            }
+            (None, Some(path), true) => {
+                self.st.policy_ignored.clear();
+                Some((path.display().to_string(), Policy::from_file(path)))
+            }
+            (None, None, true) => {
+                self.st.policy_ignored.clear();
+                Some(("the defaults".to_string(), Ok(Policy::default())))
+            }
         };
+        self.st.policy_from_cluster = self.controller_policy.is_some();
         if let Some((path, read)) = source {
             match read.map(|p| self.with_controller(p)) {
                 Ok(p) => {
@@ -1181,15 +1203,29 @@ impl Supervisor {
     /// if that changes it, reconciled.
     async fn controller_desired(&mut self, d: gpu_agent_proto::report::v1::Desired) {
         let layout = (!d.mig_layout.is_empty()).then_some(d.mig_layout);
-        if layout == self.controller_mig {
+        let policy = (!d.policy_yaml.is_empty()).then_some(d.policy_yaml);
+        if layout == self.controller_mig && policy == self.controller_policy {
             return;
         }
-        tracing::info!(
-            layout = layout.as_deref().unwrap_or("(none)"),
-            "the controller selects a MIG layout"
-        );
+        if layout != self.controller_mig {
+            tracing::info!(
+                layout = layout.as_deref().unwrap_or("(none)"),
+                "the controller selects a MIG layout"
+            );
+        }
+        if policy != self.controller_policy {
+            tracing::info!(
+                "the controller {} the cluster's ClusterPolicy",
+                if policy.is_some() {
+                    "sends"
+                } else {
+                    "withdraws"
+                }
+            );
+        }
         self.controller_mig = layout;
-        self.reconcile("the controller's MIG layout", true).await;
+        self.controller_policy = policy;
+        self.reconcile("the controller's settings", true).await;
     }
 
     /// Starts the report stream to the controller, when one is configured.

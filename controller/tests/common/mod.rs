@@ -57,6 +57,21 @@ struct Inner {
     counted: u64,
     /// Node watches: the label key each selects on, and where its events go.
     watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
+    /// ClusterPolicies (nvidia.com/v1), and their watches.
+    cluster_policies: BTreeMap<String, Value>,
+    cp_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
+}
+
+fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response<Body> {
+    let stream = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        |ev| Ok(hyper::body::Frame::data(Bytes::from(format!("{ev}\n")))),
+    );
+    hyper::Response::builder()
+        .status(200)
+        .header("content-type", "application/json")
+        .body(StreamBody::new(stream).boxed())
+        .unwrap()
 }
 
 type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -211,6 +226,23 @@ impl MockApi {
         });
     }
 
+    /// Creates or changes a ClusterPolicy; watches hear.
+    pub fn set_cluster_policy(&self, name: &str, spec: Value) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let obj = json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicy",
+            "metadata": {"name": name, "resourceVersion": i.version.to_string(), "uid": format!("cp-{name}")},
+            "spec": spec});
+        let kind = if i.cluster_policies.contains_key(name) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        i.cluster_policies.insert(name.into(), obj.clone());
+        i.cp_watches
+            .retain(|tx| tx.send(json!({"type": kind, "object": obj})).is_ok());
+    }
+
     /// A Lease as another replica holds it.
     pub fn add_lease(&self, namespace: &str, name: &str, lease: Value) {
         let mut i = self.inner.lock().unwrap();
@@ -292,6 +324,21 @@ impl MockApi {
                     .collect()
             })
             .unwrap_or_default();
+        if method == "GET" && path == "/apis/nvidia.com/v1/clusterpolicies" {
+            if query.get("watch").map(String::as_str) == Some("true") {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+                i.cp_watches.push(tx);
+                return stream_of(rx);
+            }
+            let list = json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicyList",
+                "metadata": {"resourceVersion": i.version.to_string()},
+                "items": i.cluster_policies.values().cloned().collect::<Vec<_>>()});
+            return hyper::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(list.to_string())).boxed())
+                .unwrap();
+        }
         if method == "GET" && path == "/api/v1/nodes" {
             // Metadata list and watch, selecting on one label key.
             let sel = query
@@ -301,15 +348,7 @@ impl MockApi {
             if query.get("watch").map(String::as_str) == Some("true") {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
                 i.watches.push((sel, tx));
-                let stream = tokio_stream::StreamExt::map(
-                    tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
-                    |ev| Ok(hyper::body::Frame::data(Bytes::from(format!("{ev}\n")))),
-                );
-                return hyper::Response::builder()
-                    .status(200)
-                    .header("content-type", "application/json")
-                    .body(StreamBody::new(stream).boxed())
-                    .unwrap();
+                return stream_of(rx);
             }
             let items: Vec<Value> = i
                 .nodes
