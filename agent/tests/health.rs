@@ -40,7 +40,9 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
     let events = host.path().join("nvml-events");
     fs::write(&events, "").unwrap();
     let policy = host.path().join("policy.yaml");
-    fs::write(&policy, "spec:\n  health:\n    recoverAfterSeconds: 1\n").unwrap();
+    // Unhealthy for 3 s after an XID: long enough for `status` to be asked
+    // on a loaded machine (1 s was missed once in CI).
+    fs::write(&policy, "spec:\n  health:\n    recoverAfterSeconds: 3\n").unwrap();
     let (_lib_dir, lib) = fake_nvml();
     let kubelet = MockKubelet::start(&plugin_dir.join("kubelet.sock")).unwrap();
     let mut child = at(host.path())
@@ -108,7 +110,7 @@ async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // A second past the last critical event the GPU is healthy again.
+    // Three seconds past the last critical event the GPU is healthy again.
     assert_eq!(health_of(&next(&mut stream).await), ["Healthy"; 4]);
 
     // A failed wait: nobody's health is known, every GPU is unhealthy until
