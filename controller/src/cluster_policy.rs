@@ -35,6 +35,70 @@ pub fn policy_text(obj: &DynamicObject) -> String {
     .to_string()
 }
 
+/// Keeps the running ClusterPolicy's `status` saying whether the agents
+/// run it (`state: ready` / `notReady`, with a `Ready` condition naming the
+/// nodes that do not and the keys gpu-agent does not use). Written by the
+/// leader only, at most every 2 s, only when it changes.
+pub async fn status_loop(
+    client: kube::Client,
+    fleet: Arc<Fleet>,
+    leader: tokio::sync::watch::Receiver<bool>,
+) {
+    let api: Api<DynamicObject> = Api::all_with(client, &resource());
+    let mut written: Option<(String, bool, String)> = None;
+    let mut since = String::new();
+    loop {
+        fleet.policy_changed.notified().await;
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        if !*leader.borrow() {
+            continue;
+        }
+        let Some(now) = fleet.policy_status() else {
+            continue;
+        };
+        if written.as_ref() == Some(&now) {
+            continue;
+        }
+        let (name, ready, message) = &now;
+        if written
+            .as_ref()
+            .is_none_or(|w| w.1 != *ready || w.0 != *name)
+        {
+            since = jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
+                .map(|t| t.to_string())
+                .unwrap_or_default();
+        }
+        let body = serde_json::json!({
+            "status": {
+                "state": if *ready { "ready" } else { "notReady" },
+                "conditions": [{
+                    "type": "Ready",
+                    "status": if *ready { "True" } else { "False" },
+                    "reason": if *ready { "AgentsRunIt" } else { "AgentsNotReady" },
+                    "message": message,
+                    "lastTransitionTime": since,
+                }],
+            }
+        });
+        let params = kube::api::PatchParams {
+            field_manager: Some(crate::node::FIELD_MANAGER.into()),
+            ..Default::default()
+        };
+        match api
+            .patch_status(name, &params, &kube::api::Patch::Merge(&body))
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(cluster_policy = %name, ready, message = %message, "ClusterPolicy status written");
+                written = Some(now);
+            }
+            Err(e) => {
+                tracing::warn!(cluster_policy = %name, error = %e, "cannot write the ClusterPolicy's status")
+            }
+        }
+    }
+}
+
 /// Follows the ClusterPolicies until the stream ends (the watcher retries
 /// with backoff; a cluster without the CRD is said once a retry).
 pub async fn run(client: kube::Client, fleet: Arc<Fleet>, name: String) {

@@ -74,6 +74,8 @@ pub struct Fleet {
     pub events_dropped: AtomicU64,
     /// The cluster's ClusterPolicy (name, text) sent to every agent.
     policy: Mutex<Option<(String, String)>>,
+    /// Told when what the ClusterPolicy's status says may have changed.
+    pub policy_changed: tokio::sync::Notify,
 }
 
 impl Fleet {
@@ -90,6 +92,7 @@ impl Fleet {
                 events: None,
                 events_dropped: AtomicU64::new(0),
                 policy: Mutex::new(None),
+                policy_changed: tokio::sync::Notify::new(),
             },
             rx,
         )
@@ -155,6 +158,7 @@ impl Fleet {
             e.kick = None;
             e.down = None;
             tracing::info!(node, why, "agent stream ended");
+            self.policy_changed.notify_one();
             true
         })
     }
@@ -183,6 +187,7 @@ impl Fleet {
             }
             *p = policy;
         }
+        self.policy_changed.notify_one();
         for node in self.names() {
             self.send_desired(&node);
         }
@@ -266,10 +271,21 @@ impl Fleet {
             }
             Body::Change(c) => {
                 let r = &mut e.report;
+                // Every section, by name: a section added to the API and
+                // not taken here does not compile.
+                let pb::NodeReport {
+                    inventory,
+                    stages,
+                    labels,
+                    health,
+                    mig,
+                    upgrade,
+                    policy,
+                } = c;
                 macro_rules! take {
-                    ($($f:ident),*) => {$( if c.$f.is_some() { r.$f = c.$f; } )*};
+                    ($($f:ident),*) => {$( if $f.is_some() { r.$f = $f; } )*};
                 }
-                take!(inventory, stages, labels, health, mig, upgrade);
+                take!(inventory, stages, labels, health, mig, upgrade, policy);
                 true
             }
             Body::HealthEvent(ev) => {
@@ -290,6 +306,7 @@ impl Fleet {
         });
         if dirty {
             self.mark_dirty(node);
+            self.policy_changed.notify_one();
         }
     }
 
@@ -427,6 +444,47 @@ impl Fleet {
             }
         }
         nodes.clear();
+    }
+
+    /// The running ClusterPolicy's name, and what its status should say:
+    /// (ready, message). `None` when no ClusterPolicy is sent.
+    pub fn policy_status(&self) -> Option<(String, bool, String)> {
+        let name = self.policy.lock().unwrap().as_ref()?.0.clone();
+        let nodes = self.nodes.lock().unwrap();
+        let mut names: Vec<&String> = nodes
+            .keys()
+            .filter(|n| nodes[*n].stream.is_some())
+            .collect();
+        names.sort();
+        let mut ignored = std::collections::BTreeSet::new();
+        let mut problems = Vec::new();
+        for n in &names {
+            let r = &nodes[*n].report;
+            let p = r.policy.clone().unwrap_or_default();
+            ignored.extend(p.ignored_keys.iter().cloned());
+            if !p.error.is_empty() {
+                problems.push(format!("{n}: the policy is not applied: {}", p.error));
+            } else if p.source != "ClusterPolicy" {
+                problems.push(format!("{n}: not running it yet"));
+            } else if !r.stages.as_ref().is_some_and(|s| s.ready) {
+                problems.push(format!("{n}: not every stage is validated"));
+            }
+        }
+        let mut message = format!(
+            "{} of {} reporting nodes run it",
+            names.len() - problems.len(),
+            names.len()
+        );
+        if !problems.is_empty() {
+            message.push_str(&format!(" ({})", problems.join("; ")));
+        }
+        if !ignored.is_empty() {
+            message.push_str(&format!(
+                "; keys gpu-agent does not use: {}",
+                ignored.into_iter().collect::<Vec<_>>().join(", ")
+            ));
+        }
+        Some((name, problems.is_empty(), message))
     }
 
     /// Requeues a node whose write finished while another change came in.

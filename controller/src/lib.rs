@@ -112,6 +112,11 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         fleet.clone(),
         opts.cluster_policy.clone(),
     ));
+    tokio::spawn(cluster_policy::status_loop(
+        client.clone(),
+        fleet.clone(),
+        leader.clone(),
+    ));
     let auth = Arc::new(auth::TokenReviewer::new(
         client,
         gpu_agent_proto::report::v1::TOKEN_AUDIENCE,

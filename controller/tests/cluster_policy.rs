@@ -103,6 +103,31 @@ fn the_cluster_policy_runs_on_the_agents() {
         "the cluster's policy turns the exporter off: {metrics}\n{s}"
     );
 
+    // Its status says whether the agents run it, and what they leave out
+    // (no kubelet here: the device plugin never validates).
+    let want = "0 of 1 reporting nodes run it (gpu-node-1: not every stage is validated); keys gpu-agent does not use: spec.driver.repository, spec.sandboxWorkloads";
+    wait_for(
+        "the ClusterPolicy's status",
+        Duration::from_secs(30),
+        &[&controller, &agent],
+        || api.cluster_policy("cluster-policy")["status"]["conditions"][0]["message"] == want,
+    );
+    let st = api.cluster_policy("cluster-policy")["status"].clone();
+    assert_eq!(st["state"], "notReady");
+    assert_eq!(st["conditions"][0]["type"], "Ready");
+    assert_eq!(st["conditions"][0]["status"], "False");
+    assert_eq!(st["conditions"][0]["reason"], "AgentsNotReady");
+    let status_patch = api
+        .requests()
+        .into_iter()
+        .find(|r| {
+            r.uri
+                .starts_with("/apis/nvidia.com/v1/clusterpolicies/cluster-policy/status")
+        })
+        .unwrap();
+    assert_eq!(status_patch.method, "PATCH");
+    assert_eq!(status_patch.content_type, "application/merge-patch+json");
+
     // The ClusterPolicy changes: the running agent follows.
     api.set_cluster_policy(
         "cluster-policy",

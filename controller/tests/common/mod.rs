@@ -243,6 +243,11 @@ impl MockApi {
             .retain(|tx| tx.send(json!({"type": kind, "object": obj})).is_ok());
     }
 
+    /// A ClusterPolicy as the API has it now.
+    pub fn cluster_policy(&self, name: &str) -> Value {
+        self.inner.lock().unwrap().cluster_policies[name].clone()
+    }
+
     /// A Lease as another replica holds it.
     pub fn add_lease(&self, namespace: &str, name: &str, lease: Value) {
         let mut i = self.inner.lock().unwrap();
@@ -324,6 +329,31 @@ impl MockApi {
                     .collect()
             })
             .unwrap_or_default();
+        if method == "PATCH"
+            && path.starts_with("/apis/nvidia.com/v1/clusterpolicies/")
+            && path.ends_with("/status")
+        {
+            let name = path
+                .trim_start_matches("/apis/nvidia.com/v1/clusterpolicies/")
+                .trim_end_matches("/status")
+                .to_string();
+            let (code, answer) = match (content_type.as_str(), i.cluster_policies.get_mut(&name)) {
+                ("application/merge-patch+json", Some(obj)) => {
+                    obj["status"] = body["status"].clone();
+                    (200, obj.clone())
+                }
+                (_, None) => (
+                    404,
+                    json!({"kind": "Status", "code": 404, "reason": "NotFound"}),
+                ),
+                _ => (415, json!({"message": "merge patches only"})),
+            };
+            return hyper::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(answer.to_string())).boxed())
+                .unwrap();
+        }
         if method == "GET" && path == "/apis/nvidia.com/v1/clusterpolicies" {
             if query.get("watch").map(String::as_str) == Some("true") {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
