@@ -34,8 +34,6 @@ pub struct NodeEntry {
     sent: Option<pb::Desired>,
     /// The node's `nvidia.com/mig.config` label, as the API has it.
     pub mig_label: Option<String>,
-    /// When the first change not yet written arrived.
-    pub pending_since: Option<Instant>,
     pub write: WriteState,
 }
 
@@ -314,7 +312,6 @@ impl Fleet {
     pub fn mark_dirty(&self, node: &str) {
         let send = self.with(node, |e| {
             e.write.queued = true;
-            e.pending_since.get_or_insert_with(Instant::now);
             if e.write.writing || e.write.in_queue {
                 false
             } else {

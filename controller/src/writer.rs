@@ -65,11 +65,9 @@ pub enum WriteError {
     Conflicts { node: String },
 }
 
-/// Counters, for `/metrics` and the scale benchmark.
+/// Writes that failed (for tests and, later, the controller's metrics).
 #[derive(Debug, Default)]
 pub struct Stats {
-    pub requests: AtomicU64,
-    pub writes: AtomicU64,
     pub failures: AtomicU64,
 }
 
@@ -78,8 +76,6 @@ pub struct Stats {
 pub struct Writer {
     nodes: Api<Node>,
     pub stats: Stats,
-    /// Called with each report's latency (arrival → its first request).
-    latency: Option<tokio::sync::mpsc::UnboundedSender<Duration>>,
     /// Whether this replica leads: a stand-by writes nothing.
     leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
@@ -95,7 +91,6 @@ impl Writer {
         Writer {
             nodes: Api::all(client),
             stats: Stats::default(),
-            latency: None,
             leader: None,
         }
     }
@@ -103,12 +98,6 @@ impl Writer {
     /// Writes only while `leader` says this replica leads.
     pub fn with_leader(mut self, leader: tokio::sync::watch::Receiver<bool>) -> Self {
         self.leader = Some(leader);
-        self
-    }
-
-    /// Tells each report's latency (arrival → its first API request) on `tx`.
-    pub fn with_latency(mut self, tx: tokio::sync::mpsc::UnboundedSender<Duration>) -> Self {
-        self.latency = Some(tx);
         self
     }
 
@@ -148,16 +137,16 @@ impl Writer {
         if let Some(at) = last {
             tokio::time::sleep_until((at + MIN_INTERVAL).into()).await;
         }
-        let (applied, since) = fleet.with(node, |e| {
+        let applied = fleet.with(node, |e| {
             e.write.queued = false;
-            (e.write.applied.clone(), e.pending_since.take())
+            e.write.applied.clone()
         });
         let desired = fleet.desired(node);
         let outcome = if self.leader.as_ref().is_some_and(|l| !*l.borrow()) {
             tracing::debug!(node, "standing by: not written");
             Ok(applied.unwrap_or_default())
         } else {
-            self.write(node, &desired, applied, since).await
+            self.write(node, &desired, applied).await
         };
         let again = fleet.with(node, |e| {
             e.write.writing = false;
@@ -187,13 +176,6 @@ impl Writer {
         }
     }
 
-    fn first_request(&self, since: &mut Option<Instant>) {
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        if let (Some(at), Some(tx)) = (since.take(), &self.latency) {
-            let _ = tx.send(at.elapsed());
-        }
-    }
-
     /// Sends the requests that make the node carry `desired`; returns what
     /// it then carries.
     async fn write(
@@ -201,7 +183,6 @@ impl Writer {
         node: &str,
         desired: &Desired,
         applied: Option<Applied>,
-        mut since: Option<Instant>,
     ) -> Result<Applied, WriteError> {
         let api_err = |what: &'static str| {
             move |source: kube::Error| match &source {
@@ -218,7 +199,6 @@ impl Writer {
         let mut applied = match applied {
             Some(a) => a,
             None => {
-                self.first_request(&mut since);
                 let n = self
                     .nodes
                     .get(node)
@@ -227,14 +207,12 @@ impl Writer {
                 read_applied(&n)
             }
         };
-        self.stats.writes.fetch_add(1, Ordering::Relaxed);
         if applied.labels.as_ref() != Some(&desired.labels) {
             let body = json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": { "name": node, "labels": desired.labels },
             });
-            self.first_request(&mut since);
             self.nodes
                 .patch(
                     node,
@@ -281,7 +259,6 @@ impl Writer {
                 "metadata": { "name": node },
                 "status": { "conditions": list },
             });
-            self.first_request(&mut since);
             self.nodes
                 .patch_status(
                     node,
@@ -294,21 +271,15 @@ impl Writer {
             applied.conditions = Some(conditions);
         }
         if applied.taint != Some(desired.taint) {
-            self.set_taint(node, desired.taint, &mut since).await?;
+            self.set_taint(node, desired.taint).await?;
             applied.taint = Some(desired.taint);
         }
         Ok(applied)
     }
 
     /// Puts on or takes off the health taint, keeping every other taint.
-    async fn set_taint(
-        &self,
-        node: &str,
-        on: bool,
-        since: &mut Option<Instant>,
-    ) -> Result<(), WriteError> {
+    async fn set_taint(&self, node: &str, on: bool) -> Result<(), WriteError> {
         for _ in 0..TAINT_TRIES {
-            self.first_request(since);
             let n = self
                 .nodes
                 .get(node)
@@ -347,7 +318,6 @@ impl Writer {
                 "metadata": { "resourceVersion": n.metadata.resource_version },
                 "spec": { "taints": list },
             });
-            self.stats.requests.fetch_add(1, Ordering::Relaxed);
             let params = PatchParams {
                 field_manager: Some(FIELD_MANAGER.into()),
                 ..Default::default()
