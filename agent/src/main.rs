@@ -257,27 +257,10 @@ fn main() -> ExitCode {
     match dispatch(cli) {
         Ok(code) => code,
         Err(Failure { code, error }) => {
-            eprintln!("error: {}", error_text(&error));
+            eprintln!("error: {}", render::error_words(&*error));
             ExitCode::from(code)
         }
     }
-}
-
-/// The error and its causes, `: `-joined; a cause whose words the message
-/// already carries (`{path}: {source}` errors) is not said twice.
-fn error_text(error: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in error.chain() {
-        let words = cause.to_string();
-        if text.contains(&words) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&words);
-    }
-    text
 }
 
 fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {

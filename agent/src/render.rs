@@ -1,4 +1,4 @@
-//! Human output: the inventory and status tables.
+//! Human output: the inventory and status tables, and errors in words.
 
 use std::fmt::Write;
 
@@ -257,6 +257,24 @@ pub fn tasks(tasks: &[crate::supervisor::TaskStatus]) -> String {
         })
         .collect();
     table(&["TASK", "STATE", "RESTARTS", "LAST ERROR"], &rows)
+}
+
+/// An error and its causes, `: `-joined; a cause whose words the message
+/// already carries (`{path}: {source}` errors) is not said twice. A
+/// transport error's own message is only "transport error": its causes say
+/// what happened.
+pub fn error_words(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let words = c.to_string();
+        if !text.contains(&words) {
+            text.push_str(": ");
+            text.push_str(&words);
+        }
+        cause = c.source();
+    }
+    text
 }
 
 #[cfg(test)]

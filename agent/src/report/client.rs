@@ -60,22 +60,6 @@ pub enum ReportError {
     Ended { endpoint: String, message: String },
 }
 
-/// The words of an error and all its causes (a transport error's own
-/// message is only "transport error").
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let words = c.to_string();
-        if !text.contains(&words) {
-            text.push_str(": ");
-            text.push_str(&words);
-        }
-        cause = c.source();
-    }
-    text
-}
-
 /// Where the task's inputs come from.
 #[derive(Debug)]
 pub struct Inputs {
@@ -186,16 +170,16 @@ async fn stream_once(
         tls = tls.domain_name(name.clone());
     }
     let channel = Endpoint::from_shared(endpoint.clone())
-        .map_err(|e| bad(format!("not a URL: {}", chain(&e))))?
+        .map_err(|e| bad(format!("not a URL: {}", crate::render::error_words(&e))))?
         .tls_config(tls)
-        .map_err(|e| bad(chain(&e)))?
+        .map_err(|e| bad(crate::render::error_words(&e)))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_keepalive(Some(Duration::from_secs(60)))
         .connect()
         .await
         .map_err(|e| ReportError::Connect {
             endpoint: endpoint.clone(),
-            message: chain(&e),
+            message: crate::render::error_words(&e),
         })?;
     let mut client = ReportClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE)
