@@ -6,16 +6,10 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{MockApi, Proc, kubelet_node, repo, start_controller, wait_for};
+use common::{MockApi, kubelet_node, start_controller, wait_for};
 use serde_json::json;
-
-fn agent_bin() -> std::path::PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent")
-}
 
 #[test]
 fn the_cluster_policy_runs_on_the_agents() {
@@ -41,40 +35,25 @@ fn the_cluster_policy_runs_on_the_agents() {
     let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
     let host = dir.path().join("host");
     common::h100_host(&host);
-    let token = dir.path().join("token");
-    std::fs::write(&token, "t1").unwrap();
-    let log = dir.path().join("agent.log");
     // Its own file turns the metrics exporter on; the cluster's turns it off.
-    let mut agent = Proc {
-        child: Command::new(agent_bin())
-            .arg("--host-root")
-            .arg(&host)
-            .args(["--simulate", "h100-sxm-8", "--policy"])
-            .arg(repo().join("tests/fixtures/policies/valid/eks-al2023.yaml"))
-            .args(["--log-format", "text", "run", "--controller"])
-            .arg(format!("https://localhost:{port}"))
-            .arg("--controller-ca")
-            .arg(&ca)
-            .arg("--token-file")
-            .arg(&token)
-            .args(["--node-name", "gpu-node-1"])
-            .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-        log,
-    };
-    let status = || {
-        let out = Command::new(agent_bin())
-            .arg("--host-root")
-            .arg(&host)
-            .arg("status")
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let policy = common::eks_policy();
+    let global = [
+        "--simulate".as_ref(),
+        "h100-sxm-8".as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+    ];
+    let mut agent = common::reporting_agent(
+        dir.path(),
+        &host,
+        &global,
+        &[],
+        port,
+        &ca,
+        "t1",
+        "gpu-node-1",
+    );
+    let status = || common::agent_status(&host);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let s = status();

@@ -10,10 +10,9 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{MockApi, Proc, kubelet_node, start_controller, wait_for};
+use common::{MockApi, kubelet_node, start_controller, wait_for};
 
 fn fake_nvml(dir: &Path) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -62,40 +61,32 @@ fn a_node_label_selects_the_layout_and_its_state_comes_back_as_a_label() {
         "spec:\n  driver:\n    enabled: false\n  toolkit:\n    enabled: false\n  mig:\n    strategy: mixed\n  migManager:\n    gpuClientsTimeoutSeconds: 5\n",
     )
     .unwrap();
-    let token = dir.path().join("token");
-    std::fs::write(&token, "t1").unwrap();
     let conditions = dir.path().join("conditions");
     std::fs::write(&conditions, "").unwrap();
-    let log = dir.path().join("agent.log");
-    let mut agent = Proc {
-        child: Command::new(
-            Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent"),
-        )
-        .arg("--host-root")
-        .arg(&host)
-        .arg("--policy")
-        .arg(&policy)
-        .arg("--nvml-lib")
-        .arg(fake_nvml(dir.path()))
-        .args(["--log-format", "text", "run", "--controller"])
-        .arg(format!("https://localhost:{port}"))
-        .arg("--controller-ca")
-        .arg(&ca)
-        .arg("--token-file")
-        .arg(&token)
-        .args(["--node-name", "gpu-node-1"])
-        .env("FAKE_NVML_NODE", "h100-sxm-8")
-        .env("FAKE_NVML_MIG", dir.path().join("mig.json"))
-        .env("FAKE_NVML_SYSFS", host.join("sys"))
-        .env("FAKE_NVML_STATE", &conditions)
-        .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap(),
-        log,
-    };
+    let nvml = fake_nvml(dir.path());
+    let (mig, sysfs) = (dir.path().join("mig.json"), host.join("sys"));
+    let global = [
+        "--policy".as_ref(),
+        policy.as_os_str(),
+        "--nvml-lib".as_ref(),
+        nvml.as_os_str(),
+    ];
+    let env = [
+        ("FAKE_NVML_NODE", "h100-sxm-8".as_ref()),
+        ("FAKE_NVML_MIG", mig.as_os_str()),
+        ("FAKE_NVML_SYSFS", sysfs.as_os_str()),
+        ("FAKE_NVML_STATE", conditions.as_os_str()),
+    ];
+    let mut agent = common::reporting_agent(
+        dir.path(),
+        &host,
+        &global,
+        &env,
+        port,
+        &ca,
+        "t1",
+        "gpu-node-1",
+    );
     wait_for(
         "the node's labels",
         Duration::from_secs(60),
@@ -125,14 +116,7 @@ fn a_node_label_selects_the_layout_and_its_state_comes_back_as_a_label() {
                 && label(&api, "nvidia.com/mig-3g.40gb.count").as_deref() == Some("8")
         },
     );
-    let status =
-        Command::new(Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent"))
-            .arg("--host-root")
-            .arg(&host)
-            .arg("status")
-            .output()
-            .unwrap();
-    let status = String::from_utf8_lossy(&status.stdout);
+    let status = common::agent_status(&host);
     assert!(
         status.contains(
             "controller asks: MIG layout all-balanced (applied as spec.migManager.default)"

@@ -8,7 +8,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::{MockApi, Proc, kubelet_node, python, start_controller, wait_for};
@@ -16,54 +16,20 @@ use serde_json::Value;
 
 use common::repo;
 
-/// gpu-agent, built beside gpu-controller by `cargo test --workspace`.
-fn agent_bin() -> PathBuf {
-    let p = Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent");
-    assert!(
-        p.exists(),
-        "{} is missing: build it first (cargo build -p gpu-agent, or cargo test --workspace)",
-        p.display()
-    );
-    p
-}
-
 /// gpu-agent on a copy of the 8x H100 fixture (simulated GPUs, driver and
 /// toolkit off as on EKS), reporting with `token` as `node`.
 fn agent(dir: &Path, port: u16, ca: &Path, token: &str, node: &str) -> (Proc, PathBuf) {
     let host = dir.join(format!("host-{token}"));
     common::h100_host(&host);
-    let token_file = dir.join(format!("{token}.jwt"));
-    std::fs::write(&token_file, format!("{token}\n")).unwrap();
-    let log = dir.join(format!("agent-{token}.log"));
-    let child = Command::new(agent_bin())
-        .arg("--host-root")
-        .arg(&host)
-        .args(["--simulate", "h100-sxm-8", "--policy"])
-        .arg(repo().join("tests/fixtures/policies/valid/eks-al2023.yaml"))
-        .args(["--log-format", "text", "run", "--controller"])
-        .arg(format!("https://localhost:{port}"))
-        .arg("--controller-ca")
-        .arg(ca)
-        .arg("--token-file")
-        .arg(&token_file)
-        .args(["--node-name", node])
-        .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    (Proc { child, log }, host)
-}
-
-fn status(host: &Path) -> String {
-    let out = Command::new(agent_bin())
-        .arg("--host-root")
-        .arg(host)
-        .arg("status")
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let policy = common::eks_policy();
+    let global = [
+        "--simulate".as_ref(),
+        "h100-sxm-8".as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+    ];
+    let agent = common::reporting_agent(dir, &host, &global, &[], port, ca, token, node);
+    (agent, host)
 }
 
 fn condition(node: &Value, kind: &str) -> Option<Value> {
@@ -215,7 +181,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
         Duration::from_secs(10),
         &[&agent1],
         || {
-            status(&host1).contains(&format!(
+            common::agent_status(&host1).contains(&format!(
                 "controller: https://localhost:{port}: connected as node gpu-node-1"
             ))
         },
@@ -228,7 +194,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
         Duration::from_secs(30),
         &[&controller, &agent2],
         || {
-            status(&host2).contains(
+            common::agent_status(&host2).contains(
             "the controller refused the stream: PermissionDenied: this token's pod runs on node gpu-node-2, not on gpu-node-1: an agent reports only for its own node",
         )
         },

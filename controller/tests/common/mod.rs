@@ -841,3 +841,68 @@ pub async fn fake_agent(
         _down: down,
     })
 }
+
+/// gpu-agent, built beside gpu-controller by `cargo test --workspace`.
+pub fn agent_bin() -> PathBuf {
+    let p = Path::new(env!("CARGO_BIN_EXE_gpu-controller")).with_file_name("gpu-agent");
+    assert!(
+        p.exists(),
+        "{} is missing: build it first (cargo build -p gpu-agent, or cargo test --workspace)",
+        p.display()
+    );
+    p
+}
+
+/// `gpu-agent --host-root HOST status`'s text.
+pub fn agent_status(host: &Path) -> String {
+    let out = Command::new(agent_bin())
+        .arg("--host-root")
+        .arg(host)
+        .arg("status")
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `gpu-agent --host-root HOST GLOBAL... run`, reporting to the controller
+/// on `port` (trusting `ca`) with the token `token` (written to a file in
+/// `dir`) as `node`; its log is `dir/agent-<token>.log`.
+#[allow(clippy::too_many_arguments)]
+pub fn reporting_agent(
+    dir: &Path,
+    host: &Path,
+    global: &[&std::ffi::OsStr],
+    env: &[(&str, &std::ffi::OsStr)],
+    port: u16,
+    ca: &Path,
+    token: &str,
+    node: &str,
+) -> Proc {
+    let token_file = dir.join(format!("{token}.jwt"));
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let log = dir.join(format!("agent-{token}.log"));
+    let child = Command::new(agent_bin())
+        .arg("--host-root")
+        .arg(host)
+        .args(global)
+        .args(["--log-format", "text", "run", "--controller"])
+        .arg(format!("https://localhost:{port}"))
+        .arg("--controller-ca")
+        .arg(ca)
+        .arg("--token-file")
+        .arg(&token_file)
+        .args(["--node-name", node])
+        .envs(env.iter().copied())
+        .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Proc { child, log }
+}
+
+/// The EKS policy (driver and toolkit off): what a simulated node runs.
+pub fn eks_policy() -> PathBuf {
+    repo().join("tests/fixtures/policies/valid/eks-al2023.yaml")
+}
