@@ -99,10 +99,13 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     }
     tokio::spawn(writer.run(fleet.clone(), queue));
     if let Some(addr) = opts.http_listen {
-        let listener = page::bind(addr).await.map_err(|e| ControllerError::Serve {
-            addr,
-            message: e.to_string(),
-        })?;
+        let listener =
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| ControllerError::Serve {
+                    addr,
+                    message: e.to_string(),
+                })?;
         tracing::info!(listen = %listener.local_addr().unwrap_or(addr), "fleet page");
         tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
     }

@@ -5,7 +5,6 @@
 //! that sends no request head within 10 s is closed.
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -83,9 +82,4 @@ pub async fn serve(
             }
         });
     }
-}
-
-/// Binds the page's address.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
 }
