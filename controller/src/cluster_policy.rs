@@ -132,6 +132,12 @@ pub async fn run(client: kube::Client, fleet: Arc<Fleet>, name: String) {
         if all.len() > 1 && !all.contains_key(&name) {
             tracing::warn!(wanted = %name, found = all.len(), "several ClusterPolicies and none is the one named: agents keep their own policy");
         }
+        fleet.set_upgrade_policy(chosen.map(|o| {
+            crate::upgrade::UpgradePolicy::from_spec(
+                o.data.get("spec").unwrap_or(&serde_json::Value::Null),
+            )
+            .map_err(|e| e.to_string())
+        }));
         fleet.set_policy(
             chosen.map(|o| (o.metadata.name.clone().unwrap_or_default(), policy_text(o))),
         );

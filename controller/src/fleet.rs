@@ -12,6 +12,7 @@ use gpu_agent_proto::report::v1 as pb;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::node::{self, Desired, TaintPolicy};
+use crate::upgrade::{NodeUpgrade, Seen, Step, UpgradePolicy};
 
 /// Recent health events and repairs kept per node.
 const RECENT: usize = 32;
@@ -34,6 +35,8 @@ pub struct NodeEntry {
     sent: Option<pb::Desired>,
     /// The node's `nvidia.com/mig.config` label, as the API has it.
     pub mig_label: Option<String>,
+    /// Its place in a driver rollout, if any.
+    pub upgrade: Option<NodeUpgrade>,
     pub write: WriteState,
 }
 
@@ -74,6 +77,12 @@ pub struct Fleet {
     policy: Mutex<Option<(String, String)>>,
     /// Told when what the ClusterPolicy's status says may have changed.
     pub policy_changed: tokio::sync::Notify,
+    /// The ClusterPolicy's `spec.driver.upgradePolicy` (`None`: no
+    /// ClusterPolicy, no rollout; an error: it cannot be used, in words).
+    upgrade_policy: Mutex<Option<Result<UpgradePolicy, String>>>,
+    /// Told when an agent's report, a node's upgrade state or the policy
+    /// changed: the rollout looks again.
+    pub upgrade_changed: tokio::sync::Notify,
 }
 
 impl Fleet {
@@ -91,6 +100,8 @@ impl Fleet {
                 events_dropped: AtomicU64::new(0),
                 policy: Mutex::new(None),
                 policy_changed: tokio::sync::Notify::new(),
+                upgrade_policy: Mutex::new(None),
+                upgrade_changed: tokio::sync::Notify::new(),
             },
             rx,
         )
@@ -163,10 +174,15 @@ impl Fleet {
 
     /// What the controller wants of the node, for its agent.
     fn desired_of(e: &NodeEntry, policy: Option<&str>) -> pb::Desired {
+        let up = e.upgrade.as_ref().filter(|u| u.step != Step::UpgradeDone);
         pb::Desired {
             mig_layout: e.mig_label.clone().unwrap_or_default(),
             policy_yaml: policy.unwrap_or_default().to_string(),
-            ..Default::default()
+            driver_version: up.map(|u| u.target.clone()).unwrap_or_default(),
+            // Only while the controller waits for the agent to upgrade: a
+            // failed node is not told to try again.
+            upgrade_go_ahead: up.is_some_and(|u| u.step == Step::ValidationRequired),
+            drain: false,
         }
     }
 
@@ -204,7 +220,7 @@ impl Fleet {
             Some((down, want))
         });
         if let Some((down, want)) = msg {
-            tracing::info!(node, mig_layout = %want.mig_layout, "telling the agent what is wanted");
+            tracing::info!(node, mig_layout = %want.mig_layout, driver = %want.driver_version, upgrade_go_ahead = want.upgrade_go_ahead, "telling the agent what is wanted");
             let msg = pb::ControllerMessage {
                 seq: 0,
                 body: Some(pb::controller_message::Body::Desired(want)),
@@ -265,6 +281,7 @@ impl Fleet {
         let dirty = self.with(node, |e| match body {
             Body::Snapshot(r) => {
                 e.report = r;
+                Self::fill_target(e);
                 true
             }
             Body::Change(c) => {
@@ -284,6 +301,7 @@ impl Fleet {
                     ($($f:ident),*) => {$( if $f.is_some() { r.$f = $f; } )*};
                 }
                 take!(inventory, stages, labels, health, mig, upgrade, policy);
+                Self::fill_target(e);
                 true
             }
             Body::HealthEvent(ev) => {
@@ -305,7 +323,130 @@ impl Fleet {
         if dirty {
             self.mark_dirty(node);
             self.policy_changed.notify_one();
+            self.upgrade_changed.notify_one();
         }
+    }
+
+    /// A state read back from the node's label has no target yet: the
+    /// agent's report says which version it wants.
+    fn fill_target(e: &mut NodeEntry) {
+        if let (Some(u), Some(r)) = (e.upgrade.as_mut(), e.report.upgrade.as_ref())
+            && u.target.is_empty()
+        {
+            u.target = r.driver_version.clone();
+        }
+    }
+
+    /// The ClusterPolicy's upgrade policy (`None`: no ClusterPolicy).
+    pub fn upgrade_policy(&self) -> Option<Result<UpgradePolicy, String>> {
+        self.upgrade_policy.lock().unwrap().clone()
+    }
+
+    pub fn set_upgrade_policy(&self, p: Option<Result<UpgradePolicy, String>>) {
+        let mut cur = self.upgrade_policy.lock().unwrap();
+        if *cur != p {
+            if let Some(Err(e)) = &p {
+                tracing::warn!(error = %e, "the ClusterPolicy's upgrade policy cannot be used: no driver rollout");
+            }
+            *cur = p;
+            self.upgrade_changed.notify_one();
+        }
+    }
+
+    /// Every node with an agent's report or an upgrade state, by name, as
+    /// the rollout sees it.
+    pub fn upgrade_view(&self) -> Vec<Seen> {
+        let nodes = self.nodes.lock().unwrap();
+        let mut v: Vec<Seen> = nodes
+            .iter()
+            .filter(|(_, e)| e.hello.is_some() || e.upgrade.is_some())
+            .map(|(name, e)| {
+                let agent = e.report.upgrade.clone().unwrap_or_default();
+                Seen {
+                    node: name.clone(),
+                    step: e.upgrade.clone(),
+                    agent_state: agent.state,
+                    agent_version: agent.driver_version,
+                    agent_detail: agent.detail,
+                    driver_version: e
+                        .report
+                        .inventory
+                        .as_ref()
+                        .map(|i| i.driver_version.clone())
+                        .unwrap_or_default(),
+                    ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.node.cmp(&b.node));
+        v
+    }
+
+    /// Moves a node's upgrade on: written to the node (label, condition),
+    /// told to its agent, and said as an Event when the step changed.
+    pub fn set_upgrade(&self, node: &str, next: Option<NodeUpgrade>) {
+        let step_changed = self.with(node, |e| {
+            let same = match (&e.upgrade, &next) {
+                (Some(a), Some(b)) => {
+                    a.step == b.step && a.target == b.target && a.detail == b.detail
+                }
+                (None, None) => true,
+                _ => false,
+            };
+            if same {
+                return None;
+            }
+            let changed = e.upgrade.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
+            e.upgrade = next.clone();
+            Some(changed)
+        });
+        let Some(step_changed) = step_changed else {
+            return;
+        };
+        if step_changed {
+            match &next {
+                Some(u) => {
+                    tracing::info!(node, state = u.step.label(), to = %u.target, detail = %u.detail, "driver upgrade state");
+                    let c = u.condition();
+                    self.tell(crate::events::NodeEvent {
+                        node: node.into(),
+                        kind: if u.step == Step::UpgradeFailed {
+                            "Warning"
+                        } else {
+                            "Normal"
+                        },
+                        reason: match u.step {
+                            Step::UpgradeFailed => "DriverUpgradeFailed",
+                            Step::UpgradeDone => "DriverUpgradeDone",
+                            _ => "DriverUpgrade",
+                        },
+                        message: c.message,
+                    });
+                }
+                None => tracing::info!(node, "no driver upgrade wanted any more"),
+            }
+        }
+        self.mark_dirty(node);
+        self.send_desired(node);
+        self.upgrade_changed.notify_one();
+    }
+
+    /// A state read back from the API by a new leader; one this replica
+    /// already holds wins. Returns whether it was taken.
+    pub fn recover_upgrade(&self, node: &str, up: NodeUpgrade) -> bool {
+        let taken = self.with(node, |e| {
+            if e.upgrade.is_some() {
+                return false;
+            }
+            e.upgrade = Some(up);
+            Self::fill_target(e);
+            true
+        });
+        if taken {
+            self.mark_dirty(node);
+            self.send_desired(node);
+        }
+        taken
     }
 
     /// The node needs writing: queued for the writer unless it is already.
@@ -338,6 +479,13 @@ impl Fleet {
                     .as_ref()
                     .and_then(|a| a.taint)
                     .unwrap_or(false);
+            }
+            // The rollout's state is the controller's own: it holds whether
+            // or not the agent reports.
+            if let Some(u) = &e.upgrade {
+                d.labels
+                    .insert(node::UPGRADE_STATE_LABEL.into(), u.step.label().into());
+                d.conditions.push(u.condition());
             }
             d
         })
@@ -408,7 +556,7 @@ impl Fleet {
                     })).collect::<Vec<_>>(),
                     "tainted": desired.taint,
                     "mig": r.mig.as_ref().map(|m| serde_json::json!({"layout": m.layout, "state": m.state, "detail": m.detail})),
-                    "upgrade": r.upgrade.as_ref().map(|u| serde_json::json!({"state": u.state, "driverVersion": u.driver_version, "detail": u.detail})),
+                    "upgrade": e.upgrade.as_ref().map(|u| serde_json::json!({"state": u.step.label(), "driverVersion": u.target, "detail": u.detail})),
                     "events": e.events.iter().rev().take(10).map(|ev| serde_json::json!({
                         "gpu": ev.gpu_uuid, "xid": ev.xid, "reason": ev.reason, "advice": ev.advice,
                         "unhealthy": ev.unhealthy, "atUnixMs": ev.at_unix_ms,

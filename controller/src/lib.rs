@@ -13,6 +13,7 @@ pub mod mig_label;
 pub mod node;
 pub mod page;
 pub mod server;
+pub mod upgrade;
 pub mod writer;
 
 use std::net::SocketAddr;
@@ -115,6 +116,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         fleet.clone(),
         opts.cluster_policy.clone(),
     ));
+    tokio::spawn(upgrade::run(client.clone(), fleet.clone(), leader.clone()));
     tokio::spawn(cluster_policy::status_loop(
         client.clone(),
         fleet.clone(),

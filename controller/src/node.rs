@@ -21,12 +21,22 @@ pub const LABEL_PREFIX: &str = "nvidia.com/";
 /// A condition's message is cut to this many bytes.
 const MAX_MESSAGE: usize = 1024;
 
-/// The node conditions the controller owns.
+/// The node conditions the controller owns, always written.
 pub const CONDITIONS: [&str; 4] = [
     "GPUDriverReady",
     "GPUContainerRuntimeReady",
     "GPUDevicePluginReady",
     "GPUHealthy",
+];
+/// Written while a node is in a driver rollout (and after: `True` once done).
+pub const UPGRADE_CONDITION: &str = "GPUDriverUpgraded";
+/// Every condition type the controller owns.
+pub const ALL_CONDITIONS: [&str; 5] = [
+    CONDITIONS[0],
+    CONDITIONS[1],
+    CONDITIONS[2],
+    CONDITIONS[3],
+    UPGRADE_CONDITION,
 ];
 
 /// When the health taint goes on.
@@ -93,7 +103,7 @@ pub fn valid_label_value(v: &str) -> bool {
         && v.as_bytes()[v.len() - 1].is_ascii_alphanumeric()
 }
 
-fn cut(mut s: String) -> String {
+pub(crate) fn cut(mut s: String) -> String {
     if s.len() > MAX_MESSAGE {
         let mut at = MAX_MESSAGE;
         while !s.is_char_boundary(at) {
@@ -235,12 +245,6 @@ pub fn desired(r: &pb::NodeReport, taint: TaintPolicy) -> (Desired, Vec<String>)
         && valid_label_value(&m.state)
     {
         labels.insert(MIG_STATE_LABEL.into(), m.state.clone());
-    }
-    if let Some(u) = &r.upgrade
-        && !u.state.is_empty()
-        && valid_label_value(&u.state)
-    {
-        labels.insert(UPGRADE_STATE_LABEL.into(), u.state.clone());
     }
     // The labels come as a map in no order.
     refused.sort();

@@ -25,7 +25,7 @@ use serde_json::json;
 
 use crate::fleet::Fleet;
 use crate::node::{
-    CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
+    ALL_CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
     HEALTH_TAINT_VALUE,
 };
 
@@ -352,7 +352,7 @@ pub fn read_applied(n: &Node) -> Applied {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .map(|cs| {
-            CONDITIONS
+            ALL_CONDITIONS
                 .iter()
                 .filter_map(|kind| {
                     let c = cs.iter().find(|c| c.type_ == *kind)?;

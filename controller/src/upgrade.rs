@@ -1,0 +1,1103 @@
+//! Driver upgrades across the fleet. When the cluster's ClusterPolicy names
+//! a driver that a node does not run, that node's agent reports
+//! `upgrade-required` (and does not upgrade on its own: it waits for the
+//! controller's go-ahead). The controller rolls the change out a few nodes
+//! at a time, by the ClusterPolicy's `spec.driver.upgradePolicy` (the GPU
+//! Operator's keys), walking each node through NVIDIA's upgrade states,
+//! which it keeps in the node's `nvidia.com/gpu-driver-upgrade-state` label:
+//!
+//! ```text
+//! upgrade-required → cordon-required → wait-for-jobs-required
+//!   → pod-deletion-required [→ drain-required] → validation-required
+//!   → uncordon-required → upgrade-done          (or upgrade-failed)
+//! ```
+//!
+//! - cordon: `spec.unschedulable` set (a node that was cordoned already is
+//!   noted in an annotation and left cordoned at the end);
+//! - wait for jobs: pods matching `waitForCompletion.podSelector` finish;
+//! - pod deletion: the node's pods that use GPUs (any `nvidia.com/`
+//!   resource) are evicted through the Eviction API, so disruption budgets
+//!   hold; pods not run by a controller, or with `emptyDir` data, are
+//!   evicted only when the policy says so (`force`, `deleteEmptyDir`);
+//! - drain (when `drain.enable` and pod deletion could not finish): every
+//!   pod but DaemonSets' and static ones, by `drain.podSelector`;
+//! - validation: the agent is told the version and given the go-ahead; it
+//!   unloads, switches, loads and validates (rolling back on failure) and
+//!   reports `upgrade-done` with the new driver, or `upgrade-failed`;
+//! - uncordon, done.
+//!
+//! A node that fails stops the rollout: it stays cordoned, its
+//! `GPUDriverUpgraded` condition says why, and no further node starts until
+//! it is fixed (its agent reports the wanted driver validated; the
+//! controller then uncordons it and goes on). The state lives in the API
+//! (labels, annotation): a new leader reads it back and carries on.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use serde_json::{Value, json};
+
+use crate::fleet::Fleet;
+use crate::node::{FIELD_MANAGER, UPGRADE_STATE_LABEL};
+
+/// Set (to "true") on a node that was unschedulable before its upgrade
+/// began: it is left cordoned afterwards.
+pub const INITIAL_UNSCHEDULABLE: &str =
+    "nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable";
+/// How often pods are looked at again while a node waits for them.
+pub const RECHECK: Duration = Duration::from_secs(5);
+
+/// NVIDIA's per-node upgrade states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Step {
+    UpgradeRequired,
+    CordonRequired,
+    WaitForJobsRequired,
+    PodDeletionRequired,
+    DrainRequired,
+    ValidationRequired,
+    UncordonRequired,
+    UpgradeDone,
+    UpgradeFailed,
+}
+
+impl Step {
+    pub const ALL: [Step; 9] = [
+        Step::UpgradeRequired,
+        Step::CordonRequired,
+        Step::WaitForJobsRequired,
+        Step::PodDeletionRequired,
+        Step::DrainRequired,
+        Step::ValidationRequired,
+        Step::UncordonRequired,
+        Step::UpgradeDone,
+        Step::UpgradeFailed,
+    ];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Step::UpgradeRequired => "upgrade-required",
+            Step::CordonRequired => "cordon-required",
+            Step::WaitForJobsRequired => "wait-for-jobs-required",
+            Step::PodDeletionRequired => "pod-deletion-required",
+            Step::DrainRequired => "drain-required",
+            Step::ValidationRequired => "validation-required",
+            Step::UncordonRequired => "uncordon-required",
+            Step::UpgradeDone => "upgrade-done",
+            Step::UpgradeFailed => "upgrade-failed",
+        }
+    }
+
+    pub fn from_label(s: &str) -> Option<Step> {
+        Step::ALL.into_iter().find(|st| st.label() == s)
+    }
+
+    /// Between the start of a node's upgrade and its end: the node is
+    /// unavailable and counts against `maxParallelUpgrades`.
+    pub fn in_progress(self) -> bool {
+        matches!(
+            self,
+            Step::CordonRequired
+                | Step::WaitForJobsRequired
+                | Step::PodDeletionRequired
+                | Step::DrainRequired
+                | Step::ValidationRequired
+                | Step::UncordonRequired
+        )
+    }
+
+    /// The condition's reason (CamelCase).
+    fn reason(self) -> &'static str {
+        match self {
+            Step::UpgradeRequired => "UpgradeRequired",
+            Step::CordonRequired => "CordonRequired",
+            Step::WaitForJobsRequired => "WaitForJobsRequired",
+            Step::PodDeletionRequired => "PodDeletionRequired",
+            Step::DrainRequired => "DrainRequired",
+            Step::ValidationRequired => "ValidationRequired",
+            Step::UncordonRequired => "UncordonRequired",
+            Step::UpgradeDone => "UpgradeDone",
+            Step::UpgradeFailed => "UpgradeFailed",
+        }
+    }
+}
+
+/// One node's place in a rollout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeUpgrade {
+    pub step: Step,
+    /// The driver version the node is being moved to.
+    pub target: String,
+    /// When this step began (its timeout counts from here; after a
+    /// controller restart, from when the new leader read it back).
+    pub since: Instant,
+    /// What happened, in words (why it failed, what it waits for).
+    pub detail: String,
+}
+
+impl NodeUpgrade {
+    pub fn new(step: Step, target: &str, detail: impl Into<String>) -> Self {
+        NodeUpgrade {
+            step,
+            target: target.to_string(),
+            since: Instant::now(),
+            detail: detail.into(),
+        }
+    }
+
+    /// The `GPUDriverUpgraded` condition: `True` once done, else `False`
+    /// with the step as reason and the detail as message.
+    pub fn condition(&self) -> crate::node::Condition {
+        let status = if self.step == Step::UpgradeDone {
+            "True"
+        } else {
+            "False"
+        };
+        let mut message = match self.step {
+            Step::UpgradeDone => format!("driver {} validated", self.target),
+            Step::UpgradeFailed => format!("upgrade to driver {} failed", self.target),
+            s => format!("upgrading to driver {}: {}", self.target, s.label()),
+        };
+        if !self.detail.is_empty() {
+            message.push_str(": ");
+            message.push_str(&self.detail);
+        }
+        crate::node::Condition {
+            kind: crate::node::UPGRADE_CONDITION,
+            status,
+            reason: self.step.reason().into(),
+            message: crate::node::cut(message),
+        }
+    }
+}
+
+/// A count of nodes, or a percentage of them (`maxUnavailable`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Amount {
+    Count(u32),
+    Percent(u32),
+}
+
+impl Amount {
+    /// Of `total` nodes: a percentage rounds up, and is at least one.
+    pub fn of(self, total: usize) -> usize {
+        match self {
+            Amount::Count(n) => n as usize,
+            Amount::Percent(p) => ((total * p as usize).div_ceil(100)).max(1),
+        }
+    }
+}
+
+/// How long a step may take (`None`: no limit, the API's `0`).
+fn limit(seconds: u64) -> Option<Duration> {
+    (seconds > 0).then(|| Duration::from_secs(seconds))
+}
+
+/// Which pods a step removes, and what it may do to them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Removal {
+    /// Evict pods no controller runs (they are not recreated).
+    pub force: bool,
+    /// Evict pods with `emptyDir` volumes (their data is lost).
+    pub delete_empty_dir: bool,
+    pub timeout: Option<Duration>,
+    /// A label selector (`drain.podSelector`), empty: every pod.
+    pub selector: String,
+}
+
+/// `spec.driver.upgradePolicy` of the ClusterPolicy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpgradePolicy {
+    pub auto_upgrade: bool,
+    /// Nodes upgrading at once; 0: no limit.
+    pub max_parallel: u32,
+    pub max_unavailable: Amount,
+    /// `waitForCompletion`: pods to wait for, and how long.
+    pub wait_selector: String,
+    pub wait_timeout: Option<Duration>,
+    /// `gpuPodDeletion`.
+    pub pod_deletion: Removal,
+    /// `drain`, when enabled.
+    pub drain: Option<Removal>,
+}
+
+impl Default for UpgradePolicy {
+    /// The GPU Operator's defaults.
+    fn default() -> Self {
+        UpgradePolicy {
+            auto_upgrade: true,
+            max_parallel: 1,
+            max_unavailable: Amount::Percent(25),
+            wait_selector: String::new(),
+            wait_timeout: None,
+            pod_deletion: Removal {
+                force: false,
+                delete_empty_dir: false,
+                timeout: limit(300),
+                selector: String::new(),
+            },
+            drain: None,
+        }
+    }
+}
+
+/// A key of `spec.driver.upgradePolicy` that cannot be used.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("spec.driver.upgradePolicy{key}: {why}")]
+pub struct PolicyError {
+    /// The key under `upgradePolicy`, with its leading dot.
+    pub key: String,
+    pub why: String,
+}
+
+impl UpgradePolicy {
+    /// Reads it from a ClusterPolicy's `spec` (absent keys take the GPU
+    /// Operator's defaults). Keys the operator has and gpu-agent does not
+    /// use are left alone; a wrong type or value is an error naming it.
+    pub fn from_spec(spec: &Value) -> Result<UpgradePolicy, PolicyError> {
+        let mut p = UpgradePolicy::default();
+        let Some(u) = spec.pointer("/driver/upgradePolicy") else {
+            return Ok(p);
+        };
+        let err = |key: &str, why: &str| PolicyError {
+            key: format!(".{key}"),
+            why: why.into(),
+        };
+        if !u.is_object() {
+            return Err(PolicyError {
+                key: String::new(),
+                why: "expected a mapping".into(),
+            });
+        }
+        let bool_at = |key: &str, default: bool| -> Result<bool, PolicyError> {
+            match u.pointer(&format!("/{}", key.replace('.', "/"))) {
+                None | Some(Value::Null) => Ok(default),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err(err(key, "expected true or false")),
+            }
+        };
+        let uint_at = |key: &str, default: u64| -> Result<u64, PolicyError> {
+            match u.pointer(&format!("/{}", key.replace('.', "/"))) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_u64()
+                    .ok_or_else(|| err(key, "expected a whole number, 0 or more")),
+            }
+        };
+        let str_at = |key: &str| -> Result<String, PolicyError> {
+            match u.pointer(&format!("/{}", key.replace('.', "/"))) {
+                None | Some(Value::Null) => Ok(String::new()),
+                Some(Value::String(s)) => Ok(s.clone()),
+                Some(_) => Err(err(key, "expected a label selector (a string)")),
+            }
+        };
+        p.auto_upgrade = bool_at("autoUpgrade", true)?;
+        p.max_parallel = u32::try_from(uint_at("maxParallelUpgrades", 1)?)
+            .map_err(|_| err("maxParallelUpgrades", "too large"))?;
+        p.max_unavailable = match u.get("maxUnavailable") {
+            None | Some(Value::Null) => Amount::Percent(25),
+            Some(Value::Number(n)) => Amount::Count(
+                n.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| err("maxUnavailable", "expected a count or a percentage"))?,
+            ),
+            Some(Value::String(s)) => {
+                let bad = || {
+                    err(
+                        "maxUnavailable",
+                        &format!("{s:?} is not a count or a percentage like 25%"),
+                    )
+                };
+                match s.strip_suffix('%') {
+                    Some(p) => {
+                        Amount::Percent(p.parse().ok().filter(|p| *p <= 100).ok_or_else(bad)?)
+                    }
+                    None => Amount::Count(s.parse().map_err(|_| bad())?),
+                }
+            }
+            Some(_) => return Err(err("maxUnavailable", "expected a count or a percentage")),
+        };
+        p.wait_selector = str_at("waitForCompletion.podSelector")?;
+        p.wait_timeout = limit(uint_at("waitForCompletion.timeoutSeconds", 0)?);
+        p.pod_deletion = Removal {
+            force: bool_at("gpuPodDeletion.force", false)?,
+            delete_empty_dir: bool_at("gpuPodDeletion.deleteEmptyDir", false)?,
+            timeout: limit(uint_at("gpuPodDeletion.timeoutSeconds", 300)?),
+            selector: String::new(),
+        };
+        p.drain = if bool_at("drain.enable", false)? {
+            Some(Removal {
+                force: bool_at("drain.force", false)?,
+                delete_empty_dir: bool_at("drain.deleteEmptyDir", false)?,
+                timeout: limit(uint_at("drain.timeoutSeconds", 300)?),
+                selector: str_at("drain.podSelector")?,
+            })
+        } else {
+            None
+        };
+        Ok(p)
+    }
+}
+
+/// What the orchestrator sees of one node.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub node: String,
+    pub step: Option<NodeUpgrade>,
+    /// The agent's own word: its upgrade state and the version it wants.
+    pub agent_state: String,
+    pub agent_version: String,
+    pub agent_detail: String,
+    /// The driver the agent reports loaded, and whether every stage validated.
+    pub driver_version: String,
+    pub ready: bool,
+}
+
+/// Moves each node's state on from what its agent says, then starts the
+/// next nodes the policy allows. Pure: the API steps follow in [`Upgrader`].
+/// Returns the nodes whose state changed, with the new state (`None`: no
+/// upgrade any more).
+pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeUpgrade>)> {
+    let mut out: BTreeMap<String, Option<NodeUpgrade>> = BTreeMap::new();
+    let mut now: BTreeMap<&str, Option<Step>> = BTreeMap::new();
+    for n in nodes {
+        let cur = n.step.as_ref().map(|s| s.step);
+        let wants = n.agent_state == "upgrade-required" && !n.agent_version.is_empty();
+        let done_with =
+            |target: &str| n.agent_state == "upgrade-done" && n.driver_version == target && n.ready;
+        let next: Option<Option<NodeUpgrade>> = match (&n.step, cur) {
+            (None, _) | (_, Some(Step::UpgradeDone)) if wants => Some(Some(NodeUpgrade::new(
+                Step::UpgradeRequired,
+                &n.agent_version,
+                format!("driver {} loaded", n.driver_version),
+            ))),
+            (Some(s), Some(Step::UpgradeRequired)) if !wants => {
+                // The cluster asks for the running driver again.
+                let _ = s;
+                Some(None)
+            }
+            (Some(s), Some(Step::UpgradeRequired)) if s.target != n.agent_version => {
+                Some(Some(NodeUpgrade::new(
+                    Step::UpgradeRequired,
+                    &n.agent_version,
+                    format!("driver {} loaded", n.driver_version),
+                )))
+            }
+            (Some(s), Some(Step::ValidationRequired)) if done_with(&s.target) => Some(Some(
+                NodeUpgrade::new(Step::UncordonRequired, &s.target, n.agent_detail.clone()),
+            )),
+            (Some(s), Some(Step::ValidationRequired)) if n.agent_state == "upgrade-failed" => {
+                Some(Some(NodeUpgrade::new(
+                    Step::UpgradeFailed,
+                    &s.target,
+                    n.agent_detail.clone(),
+                )))
+            }
+            (Some(s), Some(Step::UpgradeFailed)) if done_with(&s.target) => {
+                Some(Some(NodeUpgrade::new(
+                    Step::UncordonRequired,
+                    &s.target,
+                    "fixed: the agent reports it validated",
+                )))
+            }
+            _ => None,
+        };
+        let step = match &next {
+            Some(s) => s.as_ref().map(|s| s.step),
+            None => cur,
+        };
+        now.insert(&n.node, step);
+        if let Some(s) = next {
+            out.insert(n.node.clone(), s);
+        }
+    }
+    let in_progress = now.values().flatten().filter(|s| s.in_progress()).count();
+    let failed = now
+        .values()
+        .flatten()
+        .filter(|s| **s == Step::UpgradeFailed)
+        .count();
+    if policy.auto_upgrade && failed == 0 {
+        let allowed = policy.max_unavailable.of(nodes.len());
+        let mut busy = in_progress;
+        for n in nodes {
+            if now.get(n.node.as_str()).copied().flatten() != Some(Step::UpgradeRequired) {
+                continue;
+            }
+            if policy.max_parallel > 0 && busy >= policy.max_parallel as usize {
+                break;
+            }
+            if busy >= allowed {
+                break;
+            }
+            let target = out
+                .get(&n.node)
+                .cloned()
+                .flatten()
+                .or_else(|| n.step.clone())
+                .map(|s| s.target)
+                .unwrap_or_default();
+            out.insert(
+                n.node.clone(),
+                Some(NodeUpgrade::new(Step::CordonRequired, &target, "")),
+            );
+            busy += 1;
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// Does the API steps of a rollout.
+#[derive(Clone)]
+pub struct Upgrader {
+    nodes: Api<Node>,
+    meta: Api<PartialObjectMeta<Node>>,
+    pods: Api<Pod>,
+    client: kube::Client,
+}
+
+/// An API step that failed (tried again at the next look).
+#[derive(Debug, thiserror::Error)]
+#[error("node {node}: {what}: {source}")]
+pub struct StepError {
+    node: String,
+    what: String,
+    #[source]
+    source: kube::Error,
+}
+
+/// A pod as a step sees it.
+struct PodInfo {
+    namespace: String,
+    name: String,
+    terminating: bool,
+    /// Why it may not be evicted, if so.
+    refused: Option<String>,
+}
+
+impl std::fmt::Debug for Upgrader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upgrader").finish_non_exhaustive()
+    }
+}
+
+impl Upgrader {
+    pub fn new(client: kube::Client) -> Self {
+        Upgrader {
+            nodes: Api::all(client.clone()),
+            meta: Api::all(client.clone()),
+            pods: Api::all(client.clone()),
+            client,
+        }
+    }
+
+    /// Reads back the states the API holds (a new leader carries on where
+    /// the last one was).
+    pub async fn recover(&self, fleet: &Fleet) -> Result<usize, kube::Error> {
+        let list = self
+            .meta
+            .list_metadata(&ListParams::default().labels(UPGRADE_STATE_LABEL))
+            .await?;
+        let mut n = 0;
+        for m in list.items {
+            let (Some(name), Some(labels)) = (m.metadata.name, m.metadata.labels) else {
+                continue;
+            };
+            let Some(step) = labels
+                .get(UPGRADE_STATE_LABEL)
+                .and_then(|v| Step::from_label(v))
+            else {
+                continue;
+            };
+            // The target version comes with the agent's next report.
+            if fleet.recover_upgrade(&name, NodeUpgrade::new(step, "", "")) {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// One look at the fleet: states moved on, new nodes started, each
+    /// node's API step done. Returns when to look again (`None`: only when
+    /// something changes).
+    pub async fn step(&self, fleet: &Fleet) -> Option<Duration> {
+        let policy = fleet.upgrade_policy()?;
+        let policy = match policy {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "driver upgrades are not rolled out");
+                return None;
+            }
+        };
+        for (node, next) in plan(&policy, &fleet.upgrade_view()) {
+            fleet.set_upgrade(&node, next);
+        }
+        let mut again = None;
+        for s in fleet.upgrade_view() {
+            let Some(up) = s.step else { continue };
+            let result = match up.step {
+                Step::CordonRequired => self.cordon(fleet, &s.node, &up).await.map(|_| None),
+                Step::WaitForJobsRequired => self.wait_for_jobs(fleet, &s.node, &up, &policy).await,
+                Step::PodDeletionRequired => self.remove(fleet, &s.node, &up, &policy, false).await,
+                Step::DrainRequired => self.remove(fleet, &s.node, &up, &policy, true).await,
+                Step::UncordonRequired => self.uncordon(fleet, &s.node, &up).await.map(|_| None),
+                _ => Ok(None),
+            };
+            match result {
+                Ok(Some(d)) => again = Some(again.map_or(d, |a: Duration| a.min(d))),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(node = %s.node, error = %e, "driver upgrade step failed; trying again");
+                    again = Some(RECHECK);
+                }
+            }
+        }
+        // A step that moved a node on may let the next one start.
+        if fleet.upgrade_view().iter().any(|s| {
+            s.step
+                .as_ref()
+                .is_some_and(|u| matches!(u.step, Step::CordonRequired | Step::UncordonRequired))
+        }) {
+            again = Some(Duration::ZERO);
+        }
+        again
+    }
+
+    fn api_err(node: &str, what: &str) -> impl FnOnce(kube::Error) -> StepError {
+        let (node, what) = (node.to_string(), what.to_string());
+        move |source| StepError { node, what, source }
+    }
+
+    async fn cordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
+        let n = self
+            .nodes
+            .get(node)
+            .await
+            .map_err(Self::api_err(node, "reading the node"))?;
+        let was = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.unschedulable)
+            .unwrap_or(false);
+        let mut body = json!({ "spec": { "unschedulable": true } });
+        if was {
+            body["metadata"] = json!({ "annotations": { INITIAL_UNSCHEDULABLE: "true" } });
+        }
+        self.nodes
+            .patch(node, &merge_params(), &Patch::Merge(&body))
+            .await
+            .map_err(Self::api_err(node, "cordoning"))?;
+        tracing::info!(node, to = %up.target, already_cordoned = was, "driver upgrade: node cordoned");
+        fleet.set_upgrade(
+            node,
+            Some(NodeUpgrade::new(Step::WaitForJobsRequired, &up.target, "")),
+        );
+        Ok(())
+    }
+
+    async fn uncordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
+        let n = self
+            .nodes
+            .get(node)
+            .await
+            .map_err(Self::api_err(node, "reading the node"))?;
+        let keep = n
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(INITIAL_UNSCHEDULABLE))
+            .is_some_and(|v| v == "true");
+        let body = if keep {
+            json!({ "metadata": { "annotations": { INITIAL_UNSCHEDULABLE: null } } })
+        } else {
+            json!({ "spec": { "unschedulable": null } })
+        };
+        self.nodes
+            .patch(node, &merge_params(), &Patch::Merge(&body))
+            .await
+            .map_err(Self::api_err(node, "uncordoning"))?;
+        tracing::info!(node, driver = %up.target, left_cordoned = keep, "driver upgrade done");
+        let detail = if keep {
+            "left cordoned: it was before the upgrade"
+        } else {
+            ""
+        };
+        fleet.set_upgrade(
+            node,
+            Some(NodeUpgrade::new(Step::UpgradeDone, &up.target, detail)),
+        );
+        Ok(())
+    }
+
+    /// The node's pods that still run (not finished), with `selector`.
+    async fn pods_on(&self, node: &str, selector: &str) -> Result<Vec<Pod>, StepError> {
+        let mut lp = ListParams::default().fields(&format!("spec.nodeName={node}"));
+        if !selector.is_empty() {
+            lp = lp.labels(selector);
+        }
+        let list = self
+            .pods
+            .list(&lp)
+            .await
+            .map_err(Self::api_err(node, "listing its pods"))?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter(|p| {
+                !matches!(
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                )
+            })
+            .collect())
+    }
+
+    async fn wait_for_jobs(
+        &self,
+        fleet: &Fleet,
+        node: &str,
+        up: &NodeUpgrade,
+        policy: &UpgradePolicy,
+    ) -> Result<Option<Duration>, StepError> {
+        if !policy.wait_selector.is_empty() {
+            let left = self.pods_on(node, &policy.wait_selector).await?;
+            let timed_out = policy.wait_timeout.is_some_and(|t| up.since.elapsed() >= t);
+            if !left.is_empty() && !timed_out {
+                let detail = format!("waiting for {} ({})", names(&left), policy.wait_selector);
+                if detail != up.detail {
+                    fleet.set_upgrade(
+                        node,
+                        Some(NodeUpgrade {
+                            detail,
+                            ..up.clone()
+                        }),
+                    );
+                }
+                return Ok(Some(RECHECK));
+            }
+        }
+        fleet.set_upgrade(
+            node,
+            Some(NodeUpgrade::new(Step::PodDeletionRequired, &up.target, "")),
+        );
+        Ok(Some(Duration::ZERO))
+    }
+
+    /// Pod deletion (`drain` false: the pods that use GPUs) or drain
+    /// (every pod but DaemonSets' and static ones): evicts what may be
+    /// evicted; moves on when none is left.
+    async fn remove(
+        &self,
+        fleet: &Fleet,
+        node: &str,
+        up: &NodeUpgrade,
+        policy: &UpgradePolicy,
+        drain: bool,
+    ) -> Result<Option<Duration>, StepError> {
+        let rules = if drain {
+            policy
+                .drain
+                .clone()
+                .unwrap_or_else(|| policy.pod_deletion.clone())
+        } else {
+            policy.pod_deletion.clone()
+        };
+        let pods: Vec<PodInfo> = self
+            .pods_on(node, &rules.selector)
+            .await?
+            .iter()
+            .filter(|p| if drain { drained(p) } else { uses_gpus(p) })
+            .map(|p| info(p, &rules))
+            .collect();
+        if pods.is_empty() {
+            tracing::info!(node, to = %up.target, "driver upgrade: no GPU work left; the agent may upgrade");
+            fleet.set_upgrade(
+                node,
+                Some(NodeUpgrade::new(Step::ValidationRequired, &up.target, "")),
+            );
+            return Ok(None);
+        }
+        let refused: Vec<String> = pods
+            .iter()
+            .filter_map(|p| {
+                p.refused
+                    .as_ref()
+                    .map(|why| format!("{}/{}: {why}", p.namespace, p.name))
+            })
+            .collect();
+        let timed_out = rules.timeout.is_some_and(|t| up.since.elapsed() >= t);
+        if !refused.is_empty() || timed_out {
+            let why = if refused.is_empty() {
+                format!(
+                    "{} still running after {} s",
+                    pods.iter()
+                        .map(|p| format!("{}/{}", p.namespace, p.name))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    rules.timeout.map_or(0, |t| t.as_secs())
+                )
+            } else {
+                refused.join("; ")
+            };
+            if !drain && policy.drain.is_some() {
+                tracing::warn!(node, why = %why, "driver upgrade: GPU pods not all evicted; draining the node");
+                fleet.set_upgrade(
+                    node,
+                    Some(NodeUpgrade::new(Step::DrainRequired, &up.target, why)),
+                );
+                return Ok(Some(Duration::ZERO));
+            }
+            let what = if drain { "drain" } else { "GPU pod deletion" };
+            tracing::error!(node, why = %why, "driver upgrade failed: {what} could not finish");
+            fleet.set_upgrade(
+                node,
+                Some(NodeUpgrade::new(
+                    Step::UpgradeFailed,
+                    &up.target,
+                    format!("{what} could not finish: {why}"),
+                )),
+            );
+            return Ok(None);
+        }
+        let mut blocked = Vec::new();
+        for p in pods.iter().filter(|p| !p.terminating) {
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &p.namespace);
+            match api.evict(&p.name, &EvictParams::default()).await {
+                Ok(_) => {
+                    tracing::info!(node, pod = %format!("{}/{}", p.namespace, p.name), "evicted")
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                // A disruption budget says not now.
+                Err(kube::Error::Api(s)) if s.code == 429 => {
+                    blocked.push(format!("{}/{}: {}", p.namespace, p.name, s.message))
+                }
+                Err(e) => {
+                    return Err(StepError {
+                        node: node.into(),
+                        what: format!("evicting {}/{}", p.namespace, p.name),
+                        source: e,
+                    });
+                }
+            }
+        }
+        let detail = if blocked.is_empty() {
+            format!(
+                "waiting for {} to go",
+                pods.iter()
+                    .map(|p| format!("{}/{}", p.namespace, p.name))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        } else {
+            format!("eviction refused for now: {}", blocked.join("; "))
+        };
+        if detail != up.detail {
+            fleet.set_upgrade(
+                node,
+                Some(NodeUpgrade {
+                    detail,
+                    ..up.clone()
+                }),
+            );
+        }
+        Ok(Some(RECHECK))
+    }
+}
+
+fn merge_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    }
+}
+
+fn names(pods: &[Pod]) -> String {
+    pods.iter()
+        .map(|p| {
+            format!(
+                "{}/{}",
+                p.metadata.namespace.as_deref().unwrap_or(""),
+                p.metadata.name.as_deref().unwrap_or("")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether a pod asks for any `nvidia.com/` resource (whole GPUs, shared
+/// replicas, MIG devices).
+pub fn uses_gpus(p: &Pod) -> bool {
+    let Some(spec) = &p.spec else { return false };
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .filter_map(|c| c.resources.as_ref())
+        .flat_map(|r| r.limits.iter().flatten().chain(r.requests.iter().flatten()))
+        .any(|(k, _)| k.starts_with("nvidia.com/"))
+}
+
+fn owner_kind(p: &Pod) -> Option<&str> {
+    p.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.kind.as_str())
+}
+
+/// Whether a drain removes the pod: not a DaemonSet's (it would come back
+/// at once) nor a static pod (the kubelet's own).
+fn drained(p: &Pod) -> bool {
+    let mirror = p
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror"));
+    !mirror && owner_kind(p) != Some("DaemonSet")
+}
+
+fn info(p: &Pod, rules: &Removal) -> PodInfo {
+    let empty_dir = p
+        .spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .is_some_and(|v| v.iter().any(|v| v.empty_dir.is_some()));
+    let refused = if owner_kind(p).is_none() && !rules.force {
+        Some(
+            "no controller runs it, so it would not come back (force: true evicts it anyway)"
+                .to_string(),
+        )
+    } else if empty_dir && !rules.delete_empty_dir {
+        Some("its emptyDir data would be lost (deleteEmptyDir: true evicts it anyway)".to_string())
+    } else {
+        None
+    };
+    PodInfo {
+        namespace: p.metadata.namespace.clone().unwrap_or_default(),
+        name: p.metadata.name.clone().unwrap_or_default(),
+        terminating: p.metadata.deletion_timestamp.is_some(),
+        refused,
+    }
+}
+
+/// Rolls driver upgrades out while this replica leads: a look whenever an
+/// agent's upgrade state, the ClusterPolicy or leadership changes, and
+/// every few seconds only while a node waits for its pods.
+pub async fn run(
+    client: kube::Client,
+    fleet: std::sync::Arc<Fleet>,
+    mut leader: tokio::sync::watch::Receiver<bool>,
+) {
+    let up = Upgrader::new(client);
+    let mut recovered = false;
+    let mut again: Option<Duration> = None;
+    loop {
+        let wait = async {
+            match again {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = fleet.upgrade_changed.notified() => {}
+            _ = wait => {}
+            r = leader.changed() => if r.is_err() { return },
+        }
+        if !*leader.borrow() {
+            recovered = false;
+            again = None;
+            continue;
+        }
+        if !recovered {
+            match up.recover(&fleet).await {
+                Ok(n) => {
+                    recovered = true;
+                    if n > 0 {
+                        tracing::info!(
+                            nodes = n,
+                            "driver upgrades read back from the nodes' labels"
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the nodes' driver upgrade states; trying again");
+                    again = Some(RECHECK);
+                    continue;
+                }
+            }
+        }
+        again = up.step(&fleet).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(node: &str, step: Option<Step>, agent: &str, driver: &str) -> Seen {
+        Seen {
+            node: node.into(),
+            step: step.map(|s| NodeUpgrade::new(s, "560.35.03", "")),
+            agent_state: agent.into(),
+            agent_version: if agent.is_empty() {
+                String::new()
+            } else {
+                "560.35.03".into()
+            },
+            agent_detail: String::new(),
+            driver_version: driver.into(),
+            ready: true,
+        }
+    }
+
+    #[test]
+    fn the_operators_keys_and_defaults() {
+        assert_eq!(
+            UpgradePolicy::from_spec(&json!({})).unwrap(),
+            UpgradePolicy::default()
+        );
+        let p = UpgradePolicy::from_spec(&json!({"driver": {"upgradePolicy": {
+            "autoUpgrade": true, "maxParallelUpgrades": 0, "maxUnavailable": "50%",
+            "waitForCompletion": {"timeoutSeconds": 0, "podSelector": "app=train"},
+            "gpuPodDeletion": {"force": true, "timeoutSeconds": 60, "deleteEmptyDir": true},
+            "drain": {"enable": true, "force": false, "podSelector": "", "timeoutSeconds": 0, "deleteEmptyDir": false},
+        }}}))
+        .unwrap();
+        assert_eq!(p.max_parallel, 0);
+        assert_eq!(p.max_unavailable, Amount::Percent(50));
+        assert_eq!(p.wait_selector, "app=train");
+        assert_eq!(p.wait_timeout, None);
+        assert_eq!(p.pod_deletion.timeout, Some(Duration::from_secs(60)));
+        assert!(p.pod_deletion.force && p.pod_deletion.delete_empty_dir);
+        assert_eq!(p.drain.as_ref().unwrap().timeout, None);
+        let e = UpgradePolicy::from_spec(
+            &json!({"driver": {"upgradePolicy": {"maxUnavailable": "lots"}}}),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.driver.upgradePolicy.maxUnavailable: \"lots\" is not a count or a percentage like 25%"
+        );
+        let e = UpgradePolicy::from_spec(
+            &json!({"driver": {"upgradePolicy": {"drain": {"enable": "yes"}}}}),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.driver.upgradePolicy.drain.enable: expected true or false"
+        );
+    }
+
+    #[test]
+    fn amounts_of_nodes() {
+        assert_eq!(Amount::Percent(25).of(10), 3);
+        assert_eq!(Amount::Percent(25).of(1), 1);
+        assert_eq!(Amount::Percent(0).of(10), 1);
+        assert_eq!(Amount::Count(2).of(10), 2);
+    }
+
+    #[test]
+    fn one_node_at_a_time_by_default_in_name_order() {
+        let nodes = vec![
+            seen("b", None, "upgrade-required", "550.127.08"),
+            seen("a", None, "upgrade-required", "550.127.08"),
+            seen("c", None, "", "560.35.03"),
+        ];
+        let mut nodes = nodes;
+        nodes.sort_by(|x, y| x.node.cmp(&y.node));
+        let out = plan(&UpgradePolicy::default(), &nodes);
+        let steps: Vec<(&str, Option<Step>)> = out
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_ref().map(|s| s.step)))
+            .collect();
+        assert_eq!(
+            steps,
+            [
+                ("a", Some(Step::CordonRequired)),
+                ("b", Some(Step::UpgradeRequired))
+            ]
+        );
+    }
+
+    #[test]
+    fn a_failed_node_stops_the_rollout_until_it_is_fixed() {
+        let mut nodes = vec![
+            seen(
+                "a",
+                Some(Step::ValidationRequired),
+                "upgrade-failed",
+                "550.127.08",
+            ),
+            seen(
+                "b",
+                Some(Step::UpgradeRequired),
+                "upgrade-required",
+                "550.127.08",
+            ),
+        ];
+        nodes[0].agent_detail = "rolled back to 550.127.08".into();
+        let out = plan(&UpgradePolicy::default(), &nodes);
+        assert_eq!(out.len(), 1, "{out:?}");
+        let a = out[0].1.clone().unwrap();
+        assert_eq!(a.step, Step::UpgradeFailed);
+        assert_eq!(
+            a.condition().message,
+            "upgrade to driver 560.35.03 failed: rolled back to 550.127.08"
+        );
+        // Still failed: nothing starts.
+        let nodes = vec![
+            seen(
+                "a",
+                Some(Step::UpgradeFailed),
+                "upgrade-failed",
+                "550.127.08",
+            ),
+            seen(
+                "b",
+                Some(Step::UpgradeRequired),
+                "upgrade-required",
+                "550.127.08",
+            ),
+        ];
+        assert!(plan(&UpgradePolicy::default(), &nodes).is_empty());
+        // Fixed by hand: the agent runs the wanted driver, validated.
+        let nodes = vec![
+            seen("a", Some(Step::UpgradeFailed), "upgrade-done", "560.35.03"),
+            seen(
+                "b",
+                Some(Step::UpgradeRequired),
+                "upgrade-required",
+                "550.127.08",
+            ),
+        ];
+        let out = plan(&UpgradePolicy::default(), &nodes);
+        assert_eq!(out[0].1.as_ref().unwrap().step, Step::UncordonRequired);
+    }
+
+    #[test]
+    fn parallel_and_unavailable_limits() {
+        let nodes: Vec<Seen> = (0..8)
+            .map(|i| seen(&format!("n{i}"), None, "upgrade-required", "550.127.08"))
+            .collect();
+        let started = |p: &UpgradePolicy| {
+            plan(p, &nodes)
+                .iter()
+                .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
+                .count()
+        };
+        let mut p = UpgradePolicy {
+            max_parallel: 0,
+            ..Default::default()
+        };
+        assert_eq!(started(&p), 2, "25% of 8");
+        p.max_unavailable = Amount::Count(5);
+        p.max_parallel = 3;
+        assert_eq!(started(&p), 3);
+        p.auto_upgrade = false;
+        assert_eq!(started(&p), 0);
+    }
+}
