@@ -83,6 +83,8 @@ pub struct Fleet {
     /// Told when an agent's report, a node's upgrade state or the policy
     /// changed: the rollout looks again.
     pub upgrade_changed: tokio::sync::Notify,
+    /// Moves of any node's upgrade state so far.
+    pub upgrade_moves: AtomicU64,
 }
 
 impl Fleet {
@@ -102,6 +104,7 @@ impl Fleet {
                 policy_changed: tokio::sync::Notify::new(),
                 upgrade_policy: Mutex::new(None),
                 upgrade_changed: tokio::sync::Notify::new(),
+                upgrade_moves: AtomicU64::new(0),
             },
             rx,
         )
@@ -174,7 +177,10 @@ impl Fleet {
 
     /// What the controller wants of the node, for its agent.
     fn desired_of(e: &NodeEntry, policy: Option<&str>) -> pb::Desired {
-        let up = e.upgrade.as_ref().filter(|u| u.step != Step::UpgradeDone);
+        let up = e
+            .upgrade
+            .as_ref()
+            .filter(|u| u.step != Step::UpgradeDone && !u.target.is_empty());
         pb::Desired {
             mig_layout: e.mig_label.clone().unwrap_or_default(),
             policy_yaml: policy.unwrap_or_default().to_string(),
@@ -322,6 +328,7 @@ impl Fleet {
         });
         if dirty {
             self.mark_dirty(node);
+            self.send_desired(node);
             self.policy_changed.notify_one();
             self.upgrade_changed.notify_one();
         }
@@ -403,6 +410,7 @@ impl Fleet {
         let Some(step_changed) = step_changed else {
             return;
         };
+        self.upgrade_moves.fetch_add(1, Ordering::Relaxed);
         if step_changed {
             match &next {
                 Some(u) => {

@@ -36,7 +36,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams};
+use k8s_openapi::api::policy::v1::Eviction;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::core::PartialObjectMeta;
 use serde_json::{Value, json};
 
@@ -533,6 +534,9 @@ impl Upgrader {
                 return None;
             }
         };
+        let moves = fleet
+            .upgrade_moves
+            .load(std::sync::atomic::Ordering::Relaxed);
         for (node, next) in plan(&policy, &fleet.upgrade_view()) {
             fleet.set_upgrade(&node, next);
         }
@@ -556,12 +560,12 @@ impl Upgrader {
                 }
             }
         }
-        // A step that moved a node on may let the next one start.
-        if fleet.upgrade_view().iter().any(|s| {
-            s.step
-                .as_ref()
-                .is_some_and(|u| matches!(u.step, Step::CordonRequired | Step::UncordonRequired))
-        }) {
+        // A node that moved on may let the next step (or node) go at once.
+        if fleet
+            .upgrade_moves
+            .load(std::sync::atomic::Ordering::Relaxed)
+            != moves
+        {
             again = Some(Duration::ZERO);
         }
         again
@@ -614,18 +618,20 @@ impl Upgrader {
         let body = if keep {
             json!({ "metadata": { "annotations": { INITIAL_UNSCHEDULABLE: null } } })
         } else {
-            json!({ "spec": { "unschedulable": null } })
+            json!({ "spec": { "unschedulable": false } })
         };
         self.nodes
             .patch(node, &merge_params(), &Patch::Merge(&body))
             .await
             .map_err(Self::api_err(node, "uncordoning"))?;
         tracing::info!(node, driver = %up.target, left_cordoned = keep, "driver upgrade done");
-        let detail = if keep {
-            "left cordoned: it was before the upgrade"
-        } else {
-            ""
-        };
+        let mut detail = up.detail.clone();
+        if keep {
+            if !detail.is_empty() {
+                detail.push_str("; ");
+            }
+            detail.push_str("left cordoned: it was before the upgrade");
+        }
         fleet.set_upgrade(
             node,
             Some(NodeUpgrade::new(Step::UpgradeDone, &up.target, detail)),
@@ -766,7 +772,7 @@ impl Upgrader {
         let mut blocked = Vec::new();
         for p in pods.iter().filter(|p| !p.terminating) {
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &p.namespace);
-            match api.evict(&p.name, &EvictParams::default()).await {
+            match evict(&api, &p.namespace, &p.name).await {
                 Ok(_) => {
                     tracing::info!(node, pod = %format!("{}/{}", p.namespace, p.name), "evicted")
                 }
@@ -806,6 +812,23 @@ impl Upgrader {
         }
         Ok(Some(RECHECK))
     }
+}
+
+/// Posts a `policy/v1` Eviction for the pod, so its disruption budgets
+/// hold. (kube's `Api::evict` sends a body without apiVersion and kind and
+/// with a snake-case `delete_options`, which strict validation refuses.)
+async fn evict(api: &Api<Pod>, namespace: &str, name: &str) -> Result<(), kube::Error> {
+    let body = Eviction {
+        metadata: kube::core::ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        delete_options: None,
+    };
+    api.create_subresource::<_, serde_json::Value>("eviction", name, &PostParams::default(), &body)
+        .await
+        .map(|_| ())
 }
 
 fn merge_params() -> PatchParams {

@@ -60,6 +60,10 @@ struct Inner {
     /// ClusterPolicies (nvidia.com/v1), and their watches.
     cluster_policies: BTreeMap<String, Value>,
     cp_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
+    /// Pods by `namespace/name`.
+    pods: BTreeMap<String, Value>,
+    /// Evictions to refuse with 429 (a disruption budget), per pod.
+    pdb_refusals: BTreeMap<String, u32>,
 }
 
 fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response<Body> {
@@ -165,6 +169,32 @@ impl MockApi {
         let n = i.nodes.get_mut(name).unwrap();
         f(n);
         n["metadata"]["resourceVersion"] = json!(v);
+    }
+
+    /// A pod in `namespace`, as the API server would keep it.
+    pub fn add_pod(&self, namespace: &str, name: &str, pod: Value) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let mut pod = pod;
+        pod["metadata"]["name"] = json!(name);
+        pod["metadata"]["namespace"] = json!(namespace);
+        pod["metadata"]["resourceVersion"] = json!(i.version.to_string());
+        i.pods.insert(format!("{namespace}/{name}"), pod);
+    }
+
+    /// The pods left, as `namespace/name`.
+    pub fn pods(&self) -> Vec<String> {
+        self.inner.lock().unwrap().pods.keys().cloned().collect()
+    }
+
+    /// The next `n` evictions of the pod are refused as a disruption
+    /// budget refuses them (429).
+    pub fn refuse_evictions(&self, namespace: &str, name: &str, n: u32) {
+        self.inner
+            .lock()
+            .unwrap()
+            .pdb_refusals
+            .insert(format!("{namespace}/{name}"), n);
     }
 
     /// A token the TokenReview accepts, for `username` on `node`.
@@ -367,6 +397,80 @@ impl MockApi {
                 .status(200)
                 .header("content-type", "application/json")
                 .body(Full::new(Bytes::from(list.to_string())).boxed())
+                .unwrap();
+        }
+        if method == "GET" && path == "/api/v1/pods" {
+            // Every namespace, by node (fieldSelector) and labels (k=v,...).
+            let decode = |s: &str| {
+                s.replace("%3D", "=")
+                    .replace("%2F", "/")
+                    .replace("%2C", ",")
+            };
+            let node = query
+                .get("fieldSelector")
+                .map(|f| decode(f))
+                .and_then(|f| f.strip_prefix("spec.nodeName=").map(str::to_string));
+            let sel = query
+                .get("labelSelector")
+                .map(|s| decode(s))
+                .unwrap_or_default();
+            let items: Vec<Value> = i
+                .pods
+                .values()
+                .filter(|p| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n))
+                .filter(|p| {
+                    sel.split(',')
+                        .filter(|t| !t.is_empty())
+                        .all(|t| match t.split_once('=') {
+                            Some((k, v)) => p["metadata"]["labels"][k] == v,
+                            None => p["metadata"]["labels"].get(t).is_some(),
+                        })
+                })
+                .cloned()
+                .collect();
+            let list = json!({"apiVersion": "v1", "kind": "PodList",
+                "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
+            return hyper::Response::builder()
+                .status(200)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(list.to_string())).boxed())
+                .unwrap();
+        }
+        if method == "POST"
+            && path.ends_with("/eviction")
+            && path.starts_with("/api/v1/namespaces/")
+        {
+            // /api/v1/namespaces/NS/pods/NAME/eviction
+            let parts: Vec<&str> = path.split('/').collect();
+            let key = format!("{}/{}", parts[4], parts[6]);
+            let status = |code: u16, reason: &str, message: String| json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": code, "reason": reason, "message": message});
+            let (code, answer) = if !i.pods.contains_key(&key) {
+                (
+                    404,
+                    status(404, "NotFound", format!("pods {:?} not found", parts[6])),
+                )
+            } else if i.pdb_refusals.get(&key).is_some_and(|n| *n > 0) {
+                *i.pdb_refusals.get_mut(&key).unwrap() -= 1;
+                (
+                    429,
+                    status(
+                        429,
+                        "TooManyRequests",
+                        "Cannot evict pod as it would violate the pod's disruption budget.".into(),
+                    ),
+                )
+            } else {
+                // Evicted: the pod is gone (its grace period is not modelled).
+                i.pods.remove(&key);
+                (
+                    201,
+                    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+                )
+            };
+            return hyper::Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(answer.to_string())).boxed())
                 .unwrap();
         }
         if method == "GET" && path == "/api/v1/nodes" {
@@ -583,6 +687,27 @@ fn patch(
             }
             if let Some(t) = body["spec"].get("taints") {
                 node["spec"]["taints"] = t.clone();
+            }
+            // Merge patch (RFC 7386): null removes.
+            match body["spec"].get("unschedulable") {
+                Some(Value::Null) => {
+                    if let Some(o) = node["spec"].as_object_mut() {
+                        o.remove("unschedulable");
+                    }
+                }
+                Some(v) => node["spec"]["unschedulable"] = v.clone(),
+                None => {}
+            }
+            if let Some(a) = body["metadata"]["annotations"].as_object() {
+                for (k, v) in a {
+                    if v.is_null() {
+                        if let Some(o) = node["metadata"]["annotations"].as_object_mut() {
+                            o.remove(k);
+                        }
+                    } else {
+                        node["metadata"]["annotations"][k] = v.clone();
+                    }
+                }
             }
         }
         _ => {

@@ -43,7 +43,8 @@ pub fn load() -> BTreeMap<String, Value> {
 }
 
 /// The errors of `value` as a `name` (empty: the API server takes it).
-/// `partial`: a patch body, whose required fields may be elsewhere.
+/// `partial`: a patch body, whose required fields may be elsewhere and
+/// whose nulls remove fields.
 pub fn check(
     schemas: &BTreeMap<String, Value>,
     name: &str,
@@ -66,6 +67,10 @@ fn walk(
     partial: bool,
     errs: &mut Vec<String>,
 ) {
+    // In a merge patch, null removes the field (RFC 7386).
+    if partial && v.is_null() && !path.is_empty() {
+        return;
+    }
     if let Some(r) = s["$ref"].as_str() {
         let name = r.trim_start_matches("#/components/schemas/");
         match all.get(name) {

@@ -1,0 +1,376 @@
+//! Driver upgrades across the fleet, against the scripted API server: the
+//! agents are the test's (they report `upgrade-required` and act on the
+//! controller's go-ahead as gpu-agent does), the orchestrator and the
+//! writer are the controller's. Asserted: one node at a time in name order,
+//! the exact cordon, pod list, eviction and uncordon requests, GPU pods only
+//! (not the node's other pods), a disruption budget's 429 retried, a node
+//! cordoned before its upgrade left cordoned, a pod no controller runs
+//! failing the node (which stays cordoned, with a condition saying why) and
+//! stopping the rollout until the node is fixed, an agent's failed upgrade,
+//! a new leader reading the states back from the labels; every body checked
+//! against the real 1.36 schemas.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{MockApi, kubelet_node, schema};
+use gpu_agent_proto::report::v1 as pb;
+use gpu_controller::fleet::Fleet;
+use gpu_controller::node::TaintPolicy;
+use gpu_controller::upgrade::{Step, UpgradePolicy, Upgrader};
+use gpu_controller::writer::Writer;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+const OLD: &str = "550.127.08";
+const NEW: &str = "560.35.03";
+
+type Down = mpsc::Receiver<Result<pb::ControllerMessage, tonic::Status>>;
+
+fn report(driver: &str, state: &str, detail: &str) -> pb::NodeReport {
+    pb::NodeReport {
+        inventory: Some(pb::Inventory {
+            driver_version: driver.into(),
+            gpus: vec![pb::Gpu {
+                uuid: "GPU-0".into(),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        stages: Some(pb::Stages {
+            stages: vec![pb::Stage {
+                name: "driver".into(),
+                state: "done".into(),
+                validated: Some(true),
+                validation_message: format!("driver {driver}"),
+                ..Default::default()
+            }],
+            ready: true,
+        }),
+        upgrade: Some(pb::UpgradeState {
+            state: state.into(),
+            driver_version: NEW.into(),
+            detail: detail.into(),
+        }),
+        ..Default::default()
+    }
+}
+
+/// A pod on `node`; `owner` is its controller's kind (None: no controller).
+fn pod(node: &str, owner: Option<&str>, gpus: bool, empty_dir: bool) -> Value {
+    let mut p = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"labels": {"app": "train"}},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "main", "image": "cuda:12",
+                "resources": if gpus { json!({"limits": {"nvidia.com/gpu": "1"}}) } else { json!({"limits": {"cpu": "1"}}) }}],
+        },
+        "status": {"phase": "Running"},
+    });
+    if let Some(kind) = owner {
+        p["metadata"]["ownerReferences"] = json!([{"apiVersion": "apps/v1", "kind": kind, "name": "owner", "uid": "u-1", "controller": true}]);
+    }
+    if empty_dir {
+        p["spec"]["volumes"] = json!([{"name": "scratch", "emptyDir": {}}]);
+    }
+    p
+}
+
+fn connect(fleet: &Fleet, node: &str, r: pb::NodeReport) -> Down {
+    let (tx, rx) = mpsc::channel(16);
+    fleet.connect(
+        pb::Hello {
+            node_name: node.into(),
+            agent_version: "0.1.0".into(),
+            ..Default::default()
+        },
+        tx,
+    );
+    fleet.apply(node, pb::agent_message::Body::Snapshot(r));
+    rx
+}
+
+/// The last Desired the agent was sent, if any came since last asked.
+fn last_desired(rx: &mut Down) -> Option<pb::Desired> {
+    let mut last = None;
+    while let Ok(Ok(m)) = rx.try_recv() {
+        if let Some(pb::controller_message::Body::Desired(d)) = m.body {
+            last = Some(d);
+        }
+    }
+    last
+}
+
+fn step_of(fleet: &Fleet, node: &str) -> Option<Step> {
+    fleet
+        .upgrade_view()
+        .into_iter()
+        .find(|s| s.node == node)
+        .and_then(|s| s.step.map(|u| u.step))
+}
+
+/// What a request did, for the rollout's requests (no writer's).
+fn said(r: &common::Recorded) -> String {
+    let uri = r.uri.replace("%3D", "=").replace("%2F", "/");
+    if r.body.is_null() {
+        format!("{} {uri}", r.method)
+    } else {
+        format!("{} {uri} {}", r.method, r.body)
+    }
+}
+
+/// Steps the rollout and the agents until nothing moves. Agents in `fail`
+/// report a failed upgrade on their go-ahead; the others upgrade.
+async fn settle(
+    up: &Upgrader,
+    fleet: &Fleet,
+    agents: &mut BTreeMap<&'static str, Down>,
+    fail: &[&str],
+) {
+    for _ in 0..50 {
+        let again = up.step(fleet).await;
+        let mut moved = false;
+        for (node, rx) in agents.iter_mut() {
+            if let Some(d) = last_desired(rx)
+                && d.upgrade_go_ahead
+            {
+                assert_eq!(d.driver_version, NEW, "{node}");
+                let r = if fail.contains(node) {
+                    report(
+                        OLD,
+                        "upgrade-failed",
+                        "nvidia.ko of 560.35.03 did not load (Invalid module format); rolled back to 550.127.08",
+                    )
+                } else {
+                    report(NEW, "upgrade-done", "upgraded to 560.35.03")
+                };
+                fleet.apply(node, pb::agent_message::Body::Change(r));
+                moved = true;
+            }
+        }
+        // Waiting for pods is looked at again without the test's sleeping.
+        if !moved && again.is_none() {
+            return;
+        }
+    }
+    panic!("the rollout did not settle: {:?}", fleet.upgrade_view());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_one_node_at_a_time_with_a_failure_that_stops_it() {
+    let api = MockApi::start().await;
+    for n in ["a", "b", "c", "d"] {
+        api.add_node(n, kubelet_node());
+    }
+    api.touch_node("b", |n| n["spec"]["unschedulable"] = json!(true));
+    api.add_pod("ml", "train-a", pod("a", Some("ReplicaSet"), true, false));
+    api.add_pod("web", "web-a", pod("a", Some("ReplicaSet"), false, false));
+    api.add_pod("ml", "train-b", pod("b", Some("Job"), true, true));
+    api.refuse_evictions("ml", "train-b", 2);
+    api.add_pod("ml", "notebook-c", pod("c", None, true, false));
+    api.add_pod("ml", "train-d", pod("d", Some("ReplicaSet"), true, false));
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let spec = json!({"driver": {"version": NEW, "upgradePolicy": {
+        "maxUnavailable": 2, "gpuPodDeletion": {"deleteEmptyDir": true}}}});
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::from_spec(&spec).unwrap())));
+    let mut agents: BTreeMap<&'static str, Down> = BTreeMap::new();
+    for n in ["a", "b", "c", "d"] {
+        agents.insert(
+            n,
+            connect(
+                &fleet,
+                n,
+                report(OLD, "upgrade-required", "driver 560.35.03 wanted"),
+            ),
+        );
+    }
+    let up = Upgrader::new(api.client());
+    api.take();
+
+    // The first step starts only `a` (maxParallelUpgrades 1, by name).
+    settle(&up, &fleet, &mut agents, &["d"]).await;
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeDone));
+    assert_eq!(step_of(&fleet, "b"), Some(Step::UpgradeDone));
+    assert_eq!(step_of(&fleet, "c"), Some(Step::UpgradeFailed));
+    assert_eq!(
+        step_of(&fleet, "d"),
+        Some(Step::UpgradeRequired),
+        "a failed node stops the rollout"
+    );
+
+    let reqs = api.take();
+    let of = |node: &str| -> Vec<String> {
+        reqs.iter()
+            .filter(|r| {
+                r.uri.contains(&format!("/nodes/{node}"))
+                    || r.uri.contains(&format!("spec.nodeName%3D{node}"))
+                    || r.uri.contains(&format!("/pods/train-{node}/"))
+                    || r.uri.contains(&format!("/pods/notebook-{node}/"))
+            })
+            .map(said)
+            .collect()
+    };
+    let list = |n: &str| format!("GET /api/v1/pods?&fieldSelector=spec.nodeName={n}");
+    let evict = |ns: &str, p: &str| {
+        format!(
+            "POST /api/v1/namespaces/{ns}/pods/{p}/eviction? {}",
+            json!({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": p, "namespace": ns}})
+        )
+    };
+    let a = of("a");
+    assert_eq!(
+        a,
+        [
+            "GET /api/v1/nodes/a".to_string(),
+            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"spec":{"unschedulable":true}}"#
+                .into(),
+            list("a"),
+            evict("ml", "train-a"),
+            list("a"),
+            "GET /api/v1/nodes/a".into(),
+            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"spec":{"unschedulable":false}}"#
+                .into(),
+        ],
+        "web-a uses no GPU and stays"
+    );
+    assert!(api.pods().contains(&"web/web-a".to_string()));
+    assert_eq!(api.node("a")["spec"]["unschedulable"], json!(false));
+    // b was cordoned before: noted, refused twice by its budget, left cordoned.
+    let b = of("b");
+    assert_eq!(
+        b[1],
+        r#"PATCH /api/v1/nodes/b?&fieldManager=gpu-controller {"spec":{"unschedulable":true},"metadata":{"annotations":{"nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable":"true"}}}"#
+    );
+    assert_eq!(
+        b.iter().filter(|r| **r == evict("ml", "train-b")).count(),
+        3,
+        "two 429s, then evicted: {b:#?}"
+    );
+    assert_eq!(
+        b.last().unwrap(),
+        r#"PATCH /api/v1/nodes/b?&fieldManager=gpu-controller {"metadata":{"annotations":{"nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable":null}}}"#
+    );
+    assert_eq!(api.node("b")["spec"]["unschedulable"], json!(true));
+    // c: its notebook has no controller; nothing is evicted and it stays cordoned.
+    let c = of("c");
+    assert!(!c.iter().any(|r| r.contains("eviction")), "{c:#?}");
+    assert_eq!(api.node("c")["spec"]["unschedulable"], json!(true));
+    assert!(api.pods().contains(&"ml/notebook-c".to_string()));
+    assert!(of("d").is_empty(), "d never started: {:#?}", of("d"));
+
+    // Every body as the API server's strict validation sees it.
+    let schemas = schema::load();
+    for r in &reqs {
+        let name = if r.uri.ends_with("/eviction") {
+            "io.k8s.api.policy.v1.Eviction"
+        } else if r.method == "PATCH" {
+            "io.k8s.api.core.v1.Node"
+        } else {
+            continue;
+        };
+        let errs = schema::check(&schemas, name, &r.body, r.method == "PATCH");
+        assert!(errs.is_empty(), "{} {}: {errs:?}", r.method, r.uri);
+    }
+
+    // The writer puts the states on the nodes: label and condition.
+    let writer = Writer::new(api.client());
+    for n in ["a", "c", "d"] {
+        writer.write_node(&fleet, n).await;
+    }
+    let label =
+        |n: &str| api.node(n)["metadata"]["labels"]["nvidia.com/gpu-driver-upgrade-state"].clone();
+    assert_eq!(label("a"), json!("upgrade-done"));
+    assert_eq!(label("c"), json!("upgrade-failed"));
+    assert_eq!(label("d"), json!("upgrade-required"));
+    let cond = |n: &str| {
+        api.node(n)["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "GPUDriverUpgraded")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(cond("a")["status"], "True");
+    assert_eq!(
+        cond("a")["message"],
+        "driver 560.35.03 validated: upgraded to 560.35.03"
+    );
+    assert_eq!(cond("c")["status"], "False");
+    assert_eq!(cond("c")["reason"], "UpgradeFailed");
+    assert_eq!(
+        cond("c")["message"],
+        "upgrade to driver 560.35.03 failed: GPU pod deletion could not finish: ml/notebook-c: no controller runs it, so it would not come back (force: true evicts it anyway)"
+    );
+
+    // c is fixed by hand (its notebook stopped, the driver upgraded): its
+    // agent reports the wanted driver validated; c is uncordoned and the
+    // rollout goes on to d, whose agent fails its upgrade.
+    api.take();
+    fleet.apply(
+        "c",
+        pb::agent_message::Body::Change(report(NEW, "upgrade-done", "")),
+    );
+    settle(&up, &fleet, &mut agents, &["d"]).await;
+    assert_eq!(step_of(&fleet, "c"), Some(Step::UpgradeDone));
+    assert_eq!(api.node("c")["spec"]["unschedulable"], json!(false));
+    assert_eq!(step_of(&fleet, "d"), Some(Step::UpgradeFailed));
+    assert_eq!(
+        api.node("d")["spec"]["unschedulable"],
+        json!(true),
+        "a failed node stays cordoned"
+    );
+    assert!(!api.pods().contains(&"ml/train-d".to_string()));
+    writer.write_node(&fleet, "d").await;
+    assert_eq!(cond("d")["reason"], "UpgradeFailed");
+    assert_eq!(
+        cond("d")["message"],
+        "upgrade to driver 560.35.03 failed: nvidia.ko of 560.35.03 did not load (Invalid module format); rolled back to 550.127.08"
+    );
+    // A failed node is not told to try again.
+    let d = fleet.view();
+    let d = d["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == "d")
+        .unwrap()
+        .clone();
+    assert_eq!(d["upgrade"]["state"], "upgrade-failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_carries_on_from_the_labels() {
+    let api = MockApi::start().await;
+    api.add_node("x", kubelet_node());
+    api.add_node("y", kubelet_node());
+    api.set_node_label(
+        "x",
+        "nvidia.com/gpu-driver-upgrade-state",
+        Some("validation-required"),
+    );
+    api.touch_node("x", |n| n["spec"]["unschedulable"] = json!(true));
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::default())));
+    let up = Upgrader::new(api.client());
+    assert_eq!(up.recover(&fleet).await.unwrap(), 1);
+    let mut x = connect(&fleet, "x", report(OLD, "upgrade-required", ""));
+    let mut y = connect(&fleet, "y", report(OLD, "upgrade-required", ""));
+    let _ = up.step(&fleet).await;
+    // x goes on where the last leader was (its target from its agent); y waits.
+    let d = last_desired(&mut x).unwrap();
+    assert!(d.upgrade_go_ahead);
+    assert_eq!(d.driver_version, NEW);
+    assert_eq!(step_of(&fleet, "y"), Some(Step::UpgradeRequired));
+    assert!(last_desired(&mut y).is_none_or(|d| !d.upgrade_go_ahead));
+    // Without a ClusterPolicy nothing is rolled out.
+    let (fleet2, _q) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let _z = connect(&fleet2, "y", report(OLD, "upgrade-required", ""));
+    assert_eq!(up.step(&fleet2).await, None);
+    assert_eq!(step_of(&fleet2, "y"), None);
+}
