@@ -72,6 +72,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         serve_first: false,
         changes: Default::default(),
         mig_hold: None,
+        upgrade: Default::default(),
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

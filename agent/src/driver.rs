@@ -281,6 +281,73 @@ pub fn validate(
     Ok(version)
 }
 
+/// Where a node stands in a driver upgrade the cluster rolls out, as the
+/// report tells gpu-controller (NVIDIA's state names, as far as the agent
+/// takes part: `upgrade-required`, `upgrade-done`, `upgrade-failed`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct UpgradeStatus {
+    pub state: String,
+    /// The version the policy asks for.
+    pub driver_version: String,
+    pub detail: String,
+}
+
+/// Driver upgrades under a cluster's rollout. When the policy is the
+/// cluster's (sent by gpu-controller), a new driver is not loaded on the
+/// agent's own: the node reports `upgrade-required` and waits for the
+/// controller's go-ahead for that version, which comes once the node is
+/// cordoned and its GPU pods are gone (a few nodes at a time). A policy
+/// file on a node of its own upgrades at once, as before.
+#[derive(Debug, Default)]
+pub struct UpgradeGate {
+    /// The policy is the cluster's: upgrades wait for the go-ahead.
+    pub gated: bool,
+    /// The version the controller said to upgrade to now.
+    pub go_ahead: Option<String>,
+    /// An upgrade to this version failed (and was rolled back): why. It is
+    /// not tried again until the controller says so anew.
+    pub failed: Option<(String, String)>,
+    /// What this pass found, for the report.
+    pub out: std::cell::RefCell<Option<UpgradeStatus>>,
+}
+
+impl UpgradeGate {
+    /// Whether the driver may move to `version` now.
+    pub fn may_upgrade(&self, version: &str) -> bool {
+        !self.gated || self.go_ahead.as_deref() == Some(version)
+    }
+
+    /// Records where the node stands (only under a cluster's rollout).
+    pub fn say(&self, state: &str, version: &str, detail: impl Into<String>) {
+        if self.gated {
+            *self.out.borrow_mut() = Some(UpgradeStatus {
+                state: state.into(),
+                driver_version: version.into(),
+                detail: detail.into(),
+            });
+        }
+    }
+
+    /// The upgrade is held: `upgrade-required`, or `upgrade-failed` when
+    /// the last try at this version failed. Returns the stage's words.
+    pub fn hold(&self, have: &str, want: &str) -> String {
+        match &self.failed {
+            Some((v, why)) if v == want => {
+                self.say("upgrade-failed", want, why.clone());
+                format!(
+                    "driver {have} loaded; the upgrade to {want} failed ({why}); gpu-controller holds the node cordoned"
+                )
+            }
+            _ => {
+                self.say("upgrade-required", want, format!("driver {have} loaded"));
+                format!(
+                    "driver {have} loaded; {want} wanted: waiting for gpu-controller's go-ahead (the cluster rolls upgrades out a few nodes at a time)"
+                )
+            }
+        }
+    }
+}
+
 /// Stops the device plugin from advertising GPUs (resources to 0) for an
 /// upgrade; advertising resumes with the next pass's resources.
 pub trait Drain: std::fmt::Debug {

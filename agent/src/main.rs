@@ -536,6 +536,7 @@ fn context<'a>(
         serve_first: false,
         changes: Default::default(),
         mig_hold: None,
+        upgrade: Default::default(),
     }
 }
 

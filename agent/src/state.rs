@@ -73,6 +73,9 @@ pub struct AgentState {
     /// The MIG layout (`nvidia.com/mig.config.state`), when one is selected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig: Option<crate::mig::MigStatus>,
+    /// Where the node stands in the cluster's driver rollout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upgrade: Option<crate::driver::UpgradeStatus>,
     /// The running policy is the cluster's ClusterPolicy (from the
     /// controller), not the file.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -226,6 +229,7 @@ impl AgentState {
             workload: None,
             policy_error: None,
             mig: None,
+            upgrade: None,
             policy_from_cluster: false,
             policy_ignored: Vec::new(),
             controller: None,
@@ -351,6 +355,7 @@ mod tests {
             workload: None,
             policy_error: None,
             mig: None,
+            upgrade: None,
             policy_from_cluster: false,
             policy_ignored: Vec::new(),
             controller: None,

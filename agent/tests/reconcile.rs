@@ -124,6 +124,7 @@ impl Node {
             serve_first: false,
             changes: Default::default(),
             mig_hold: None,
+            upgrade: Default::default(),
         })
     }
 

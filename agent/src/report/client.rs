@@ -285,16 +285,15 @@ async fn stream_once(
     }
 }
 
-/// The controller's wishes for the node: shown in `status`. Acting on them
-/// (policy, MIG layout, driver upgrades, drain) is not built yet, and the
-/// agent says so rather than pretending.
+/// The controller's wishes for the node, shown in `status`; the
+/// supervisor acts on them (policy, MIG layout, the driver rollout's
+/// go-ahead). A drain request is not acted on, and the agent says so.
 fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
     let Some(pb::controller_message::Body::Desired(d)) = msg.body else {
         return;
     };
     let _ = inputs.desired.send(d.clone());
     let mut parts = Vec::new();
-    let mut later = Vec::new();
     if !d.policy_yaml.is_empty() {
         parts.push("the cluster's ClusterPolicy (runs instead of the policy file)".to_string());
     }
@@ -305,24 +304,21 @@ fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
         ));
     }
     if !d.driver_version.is_empty() {
-        later.push(format!(
+        parts.push(format!(
             "driver {}{}",
             d.driver_version,
             if d.upgrade_go_ahead {
                 " (upgrade now)"
             } else {
-                ""
+                " (when the rollout reaches this node)"
             }
         ));
     }
     if d.drain {
-        later.push("drain".into());
-    }
-    if !later.is_empty() {
-        parts.push(format!(
-            "{} (not acted on: this agent does not take these from the controller yet)",
-            later.join(", ")
-        ));
+        parts.push(
+            "drain (not acted on: the controller drains nodes through the API; this agent takes no drain request)"
+                .into(),
+        );
     }
     let text = if parts.is_empty() {
         "nothing".to_string()

@@ -170,8 +170,16 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
         // An unset section in a Change means "unchanged": a snapshot sends
         // every section, empty where the agent has nothing.
         mig: Some(mig.unwrap_or_default()),
-        // Driver upgrades from the controller are not carried out yet.
-        upgrade: Some(pb::UpgradeState::default()),
+        upgrade: Some(
+            st.upgrade
+                .as_ref()
+                .map(|u| pb::UpgradeState {
+                    state: u.state.clone(),
+                    driver_version: u.driver_version.clone(),
+                    detail: u.detail.clone(),
+                })
+                .unwrap_or_default(),
+        ),
         policy: Some(pb::PolicyState {
             source: if st.policy_from_cluster {
                 "ClusterPolicy"

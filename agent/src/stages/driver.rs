@@ -137,6 +137,9 @@ pub(super) fn driver_apply(
     if let (Some(want), Some(have)) = (&wanted, &loaded_version) {
         let want_version = bundle::read_installed(ctx.host, want)?.driver_version;
         if &want_version != have || current.as_ref() != Some(want) {
+            if !ctx.upgrade.may_upgrade(&want_version) {
+                return Ok((StageState::Done, ctx.upgrade.hold(have, &want_version)));
+            }
             let up = driver::Upgrade {
                 host: ctx.host,
                 sys: ctx.syscalls,
@@ -146,10 +149,24 @@ pub(super) fn driver_apply(
                 drain: ctx.drain.unwrap_or(&driver::NothingAdvertised),
                 nvml: None,
             };
-            let report = up.run(want)?;
+            let report = match up.run(want) {
+                Ok(r) => r,
+                Err(e) => {
+                    ctx.upgrade
+                        .say("upgrade-failed", &want_version, e.to_string());
+                    return Err(e);
+                }
+            };
+            ctx.upgrade
+                .say("upgrade-done", &want_version, report.clone());
             ctx.changed(report.clone());
             return Ok((StageState::Done, join_notes(report, &notes)));
         }
+        ctx.upgrade.say(
+            "upgrade-done",
+            &want_version,
+            format!("driver {have} loaded"),
+        );
     }
     let plan = driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None)?;
     if ctx.apply.is_none() {

@@ -167,6 +167,7 @@ mod tests {
                 serve_first: false,
                 changes: Default::default(),
                 mig_hold: None,
+                upgrade: Default::default(),
             }
         }
 

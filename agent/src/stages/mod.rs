@@ -350,6 +350,9 @@ pub struct Context<'a> {
     /// Why a MIG layout change must not be applied this pass (the
     /// supervisor found its GPUs still in use).
     pub mig_hold: Option<String>,
+    /// Driver upgrades under the cluster's rollout (the controller's
+    /// go-ahead), and where this pass found the node.
+    pub upgrade: crate::driver::UpgradeGate,
 }
 
 /// Host changes a stage made, in words (`wrote /var/run/cdi/nvidia.yaml`).
@@ -579,6 +582,7 @@ mod tests {
             serve_first: false,
             changes: Default::default(),
             mig_hold: None,
+            upgrade: Default::default(),
         })
     }
 
@@ -600,6 +604,7 @@ mod tests {
             serve_first: true,
             changes: Default::default(),
             mig_hold: None,
+            upgrade: Default::default(),
         };
         let envvar = Policy::default();
         let mut p = run_pass(&ctx(&envvar));

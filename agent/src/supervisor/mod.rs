@@ -179,6 +179,11 @@ struct Supervisor {
     /// The cluster's ClusterPolicy (YAML) the controller sends, if any: it
     /// runs instead of the policy file.
     controller_policy: Option<String>,
+    /// The driver version gpu-controller said to upgrade to now (its
+    /// rollout's go-ahead), until an upgrade to it was tried.
+    controller_go_ahead: Option<String>,
+    /// The last upgrade the rollout asked for failed: (version, why).
+    upgrade_failed: Option<(String, String)>,
 }
 
 #[derive(Default)]
@@ -232,6 +237,8 @@ impl Supervisor {
             desired: None,
             controller_mig: None,
             controller_policy: None,
+            controller_go_ahead: None,
+            upgrade_failed: None,
         }
     }
 
@@ -250,12 +257,40 @@ impl Supervisor {
             serve_first: policy_serve_first,
             changes: Default::default(),
             mig_hold: None,
+            upgrade: crate::driver::UpgradeGate {
+                gated: self.controller_policy.is_some(),
+                go_ahead: self.controller_go_ahead.clone(),
+                failed: self.upgrade_failed.clone(),
+                out: Default::default(),
+            },
         }
+    }
+
+    /// Where the pass found the node in the cluster's driver rollout: kept
+    /// for the report; a go-ahead is spent once tried, a failure remembered.
+    fn took_upgrade(&mut self, out: Option<crate::driver::UpgradeStatus>) {
+        if let Some(u) = &out {
+            match u.state.as_str() {
+                "upgrade-failed" => {
+                    if self.controller_go_ahead.as_deref() == Some(u.driver_version.as_str()) {
+                        self.controller_go_ahead = None;
+                    }
+                    self.upgrade_failed = Some((u.driver_version.clone(), u.detail.clone()));
+                }
+                "upgrade-done" => self.upgrade_failed = None,
+                _ => {}
+            }
+        }
+        self.st.upgrade = out;
     }
 
     fn first_pass(&mut self) -> stages::Pass {
         let started = std::time::Instant::now();
-        let pass = stages::run_pass(&self.context(!self.opts.once));
+        let ctx = self.context(!self.opts.once);
+        let pass = stages::run_pass(&ctx);
+        let upgrade = ctx.upgrade.out.take();
+        drop(ctx);
+        self.took_upgrade(upgrade);
         self.st.mig = keep_mig_since(self.st.mig.take(), pass.mig.clone());
         self.st.stages = pass.stages.clone();
         self.st.inventory = pass.inventory.clone();
@@ -527,11 +562,13 @@ impl Supervisor {
         let mig_hold = self
             .prepare_mig_change(trigger == "SIGHUP" || policy_changed)
             .await;
-        let mut pass = {
+        let (mut pass, upgrade) = {
             let mut ctx = self.context(false);
             ctx.mig_hold = mig_hold;
-            stages::run_pass(&ctx)
+            let pass = stages::run_pass(&ctx);
+            (pass, ctx.upgrade.out.take())
         };
+        self.took_upgrade(upgrade);
         self.st.mig = keep_mig_since(self.st.mig.take(), pass.mig.take());
         let now = state::now();
         let plugin_state = pass
@@ -910,6 +947,17 @@ impl Supervisor {
         if !(new.driver.enabled && new.driver.bundle.is_some() && driver_source_changed(old, new)) {
             return;
         }
+        // Under the cluster's rollout the GPUs stay advertised until the
+        // controller's go-ahead.
+        if self.controller_policy.is_some() {
+            return;
+        }
+        self.stop_advertising().await;
+    }
+
+    /// Withdraws every resource from the kubelet (waiting up to 10 s for
+    /// the unregistering); the next pass registers them again.
+    async fn stop_advertising(&mut self) {
         let Some(plugin) = &self.plugin else { return };
         let _ = plugin.updater.send(Vec::new());
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1204,6 +1252,22 @@ impl Supervisor {
     async fn controller_desired(&mut self, d: gpu_agent_proto::report::v1::Desired) {
         let layout = (!d.mig_layout.is_empty()).then_some(d.mig_layout);
         let policy = (!d.policy_yaml.is_empty()).then_some(d.policy_yaml);
+        let go_ahead =
+            (d.upgrade_go_ahead && !d.driver_version.is_empty()).then_some(d.driver_version);
+        if go_ahead != self.controller_go_ahead {
+            self.controller_go_ahead = go_ahead.clone();
+            if let Some(v) = &go_ahead {
+                tracing::info!(driver = %v, "gpu-controller gives the go-ahead to upgrade the driver");
+                self.upgrade_failed = None;
+                if policy == self.controller_policy {
+                    self.stop_advertising().await;
+                }
+            }
+            if layout == self.controller_mig && policy == self.controller_policy {
+                self.reconcile("the controller's go-ahead", false).await;
+                return;
+            }
+        }
         if layout == self.controller_mig && policy == self.controller_policy {
             return;
         }
