@@ -114,6 +114,7 @@ fn make_ctx<'a>(
         serve_first: false,
         changes: Default::default(),
         mig_hold: None,
+        upgrade: Default::default(),
     }
 }
 
