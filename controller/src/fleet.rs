@@ -284,6 +284,18 @@ impl Fleet {
             Body::Repair(r) => self.tell(crate::events::NodeEvent::repair(node, r)),
             _ => {}
         }
+        // What the driver rollout looks at, before the message.
+        let rollout_view = |e: &NodeEntry| {
+            (
+                e.report.upgrade.clone(),
+                e.report
+                    .inventory
+                    .as_ref()
+                    .map(|i| i.driver_version.clone()),
+                e.report.stages.as_ref().map(|s| s.ready),
+            )
+        };
+        let before = self.with(node, |e| rollout_view(e));
         let dirty = self.with(node, |e| match body {
             Body::Snapshot(r) => {
                 e.report = r;
@@ -330,7 +342,10 @@ impl Fleet {
             self.mark_dirty(node);
             self.send_desired(node);
             self.policy_changed.notify_one();
-            self.upgrade_changed.notify_one();
+            // Most reports change nothing the rollout reads: it is not woken.
+            if self.with(node, |e| rollout_view(e)) != before {
+                self.upgrade_changed.notify_one();
+            }
         }
     }
 
@@ -505,6 +520,8 @@ impl Fleet {
         let mut names: Vec<&String> = nodes.keys().collect();
         names.sort();
         let (mut gpus, mut unhealthy, mut connected) = (0usize, 0usize, 0usize);
+        let mut rollout: std::collections::BTreeMap<Step, usize> = Default::default();
+        let mut failed: Vec<&str> = Vec::new();
         let list: Vec<serde_json::Value> = names
             .into_iter()
             .map(|name| {
@@ -544,11 +561,18 @@ impl Fleet {
                     connected += 1;
                 }
                 let (desired, _) = node::desired(r, self.taint);
-                let conditions = if let Some(why) = &e.gone {
+                let mut conditions = if let Some(why) = &e.gone {
                     node::unreported(why)
                 } else {
                     desired.conditions
                 };
+                if let Some(u) = &e.upgrade {
+                    conditions.push(u.condition());
+                    *rollout.entry(u.step).or_insert(0usize) += 1;
+                    if u.step == Step::UpgradeFailed {
+                        failed.push(name.as_str());
+                    }
+                }
                 serde_json::json!({
                     "name": name,
                     "connected": e.stream.is_some(),
@@ -576,12 +600,28 @@ impl Fleet {
                 })
             })
             .collect();
+        // The driver rollout in one line: how many nodes at each step.
+        let rollout = (!rollout.is_empty()).then(|| {
+            let mut text = format!(
+                "driver rollout: {}",
+                rollout
+                    .iter()
+                    .map(|(step, n)| format!("{n} {}", step.label()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            if !failed.is_empty() {
+                text.push_str(&format!("; stopped by {}", failed.join(", ")));
+            }
+            text
+        });
         serde_json::json!({
             "summary": {
                 "nodes": list.len(),
                 "connected": connected,
                 "gpus": gpus,
                 "unhealthyGpus": unhealthy,
+                "rollout": rollout,
             },
             "nodes": list,
         })

@@ -50,6 +50,8 @@ pub const INITIAL_UNSCHEDULABLE: &str =
     "nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable";
 /// How often pods are looked at again while a node waits for them.
 pub const RECHECK: Duration = Duration::from_secs(5);
+/// Changes this close together are looked at once.
+const COALESCE: Duration = Duration::from_millis(200);
 
 /// NVIDIA's per-node upgrade states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -926,7 +928,10 @@ pub async fn run(
             }
         };
         tokio::select! {
-            _ = fleet.upgrade_changed.notified() => {}
+            _ = fleet.upgrade_changed.notified() => {
+                // Reports come in bursts: one look for the lot.
+                tokio::time::sleep(COALESCE).await;
+            }
             _ = wait => {}
             r = leader.changed() => if r.is_err() { return },
         }

@@ -342,6 +342,10 @@ async fn a_rollout_one_node_at_a_time_with_a_failure_that_stops_it() {
         .unwrap()
         .clone();
     assert_eq!(d["upgrade"]["state"], "upgrade-failed");
+    assert_eq!(
+        fleet.view()["summary"]["rollout"],
+        "driver rollout: 3 upgrade-done, 1 upgrade-failed; stopped by d"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
