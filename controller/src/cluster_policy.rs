@@ -26,11 +26,21 @@ pub fn resource() -> ApiResource {
 /// The policy text an agent is sent: the object as JSON (a YAML subset),
 /// with only what a policy reads.
 pub fn policy_text(obj: &DynamicObject) -> String {
+    let mut spec = obj
+        .data
+        .get("spec")
+        .cloned()
+        .unwrap_or(serde_json::json!({}));
+    // The rollout is the controller's to run: agents are not sent it (and
+    // so do not name it among the keys they leave out).
+    if let Some(d) = spec.get_mut("driver").and_then(|d| d.as_object_mut()) {
+        d.remove("upgradePolicy");
+    }
     serde_json::json!({
         "apiVersion": "nvidia.com/v1",
         "kind": "ClusterPolicy",
         "metadata": { "name": obj.metadata.name },
-        "spec": obj.data.get("spec").cloned().unwrap_or(serde_json::json!({})),
+        "spec": spec,
     })
     .to_string()
 }

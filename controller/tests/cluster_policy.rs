@@ -21,11 +21,13 @@ fn the_cluster_policy_runs_on_the_agents() {
         "system:serviceaccount:gpu-agent:gpu-agent",
         "gpu-node-1",
     );
-    // The operator's keys gpu-agent knows, and two it does not.
+    // The operator's keys gpu-agent knows (upgradePolicy is the
+    // controller's own: not sent, not named), and two it does not.
     api.set_cluster_policy(
         "cluster-policy",
         json!({
-            "driver": {"enabled": false, "repository": "nvcr.io/nvidia"},
+            "driver": {"enabled": false, "repository": "nvcr.io/nvidia",
+                       "upgradePolicy": {"autoUpgrade": true, "maxParallelUpgrades": 1}},
             "toolkit": {"enabled": false},
             "dcgmExporter": {"enabled": false},
             "sandboxWorkloads": {"enabled": false},
