@@ -397,6 +397,8 @@ impl Fleet {
                         .map(|i| i.driver_version.clone())
                         .unwrap_or_default(),
                     ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
+                    connected: e.stream.is_some(),
+                    reported: e.report.stages.is_some(),
                 }
             })
             .collect();
@@ -419,7 +421,16 @@ impl Fleet {
                 return None;
             }
             let changed = e.upgrade.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
+            // A step decided on an older view must not blank a target the
+            // agent's report filled in meanwhile.
+            let kept = e.upgrade.as_ref().map(|u| u.target.clone());
             e.upgrade = next.clone();
+            if let (Some(u), Some(t)) = (e.upgrade.as_mut(), kept)
+                && u.target.is_empty()
+            {
+                u.target = t;
+            }
+            Self::fill_target(e);
             Some(changed)
         });
         let Some(step_changed) = step_changed else {
@@ -465,10 +476,8 @@ impl Fleet {
             Self::fill_target(e);
             true
         });
-        if taken {
-            self.mark_dirty(node);
-            self.send_desired(node);
-        }
+        // The label is in the API already: nothing to write. The node is
+        // written (and its agent told) once its agent reports.
         taken
     }
 

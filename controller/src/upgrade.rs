@@ -44,10 +44,14 @@ use serde_json::{Value, json};
 use crate::fleet::Fleet;
 use crate::node::{FIELD_MANAGER, UPGRADE_STATE_LABEL};
 
-/// Set (to "true") on a node that was unschedulable before its upgrade
-/// began: it is left cordoned afterwards.
+/// Whether a node was unschedulable before its upgrade began ("true": it
+/// is left cordoned afterwards); set with the cordon, removed at the end.
 pub const INITIAL_UNSCHEDULABLE: &str =
     "nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable";
+/// Set to "true" by an admin on a failed node: try its upgrade again.
+pub const UPGRADE_REQUESTED: &str = "nvidia.com/gpu-driver-upgrade-requested";
+/// How often a failed node is looked at for that request.
+pub const RETRY_LOOK: Duration = Duration::from_secs(30);
 /// How often pods are looked at again while a node waits for them.
 pub const RECHECK: Duration = Duration::from_secs(5);
 /// Changes this close together are looked at once.
@@ -186,11 +190,11 @@ pub enum Amount {
 }
 
 impl Amount {
-    /// Of `total` nodes: a percentage rounds up, and is at least one.
+    /// Of `total` nodes: a percentage rounds up.
     pub fn of(self, total: usize) -> usize {
         match self {
             Amount::Count(n) => n as usize,
-            Amount::Percent(p) => ((total * p as usize).div_ceil(100)).max(1),
+            Amount::Percent(p) => (total * p as usize).div_ceil(100),
         }
     }
 }
@@ -358,6 +362,10 @@ pub struct Seen {
     /// The driver the agent reports loaded, and whether every stage validated.
     pub driver_version: String,
     pub ready: bool,
+    /// The agent's stream is live, and it sent a report since this
+    /// controller started (else nothing is known of it yet).
+    pub connected: bool,
+    pub reported: bool,
 }
 
 /// Moves each node's state on from what its agent says, then starts the
@@ -369,9 +377,17 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
     let mut now: BTreeMap<&str, Option<Step>> = BTreeMap::new();
     for n in nodes {
         let cur = n.step.as_ref().map(|s| s.step);
+        if !n.reported {
+            // Nothing is known of the node yet (a state read back from its
+            // label waits for its agent's report).
+            now.insert(&n.node, cur);
+            continue;
+        }
         let wants = n.agent_state == "upgrade-required" && !n.agent_version.is_empty();
+        // The agent's word that the version is loaded and validated (its
+        // inventory may still show the one it discovered before).
         let done_with =
-            |target: &str| n.agent_state == "upgrade-done" && n.driver_version == target && n.ready;
+            |target: &str| n.agent_state == "upgrade-done" && n.agent_version == target && n.ready;
         let next: Option<Option<NodeUpgrade>> = match (&n.step, cur) {
             (None, _) | (_, Some(Step::UpgradeDone)) if wants => Some(Some(NodeUpgrade::new(
                 Step::UpgradeRequired,
@@ -407,6 +423,34 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
                     "fixed: the agent reports it validated",
                 )))
             }
+            // The cluster changed its mind in mid-upgrade: a node that runs
+            // what is wanted now is done; one that wants another version
+            // goes on towards that one.
+            (Some(s), Some(st))
+                if (st.in_progress() || st == Step::UpgradeFailed)
+                    && st != Step::UncordonRequired
+                    && n.agent_state == "upgrade-done"
+                    && n.ready
+                    && !n.agent_version.is_empty()
+                    && n.agent_version != s.target =>
+            {
+                Some(Some(NodeUpgrade::new(
+                    Step::UncordonRequired,
+                    &n.agent_version,
+                    "the cluster now asks for the driver it runs",
+                )))
+            }
+            (Some(s), Some(st))
+                if st.in_progress()
+                    && wants
+                    && !s.target.is_empty()
+                    && n.agent_version != s.target =>
+            {
+                Some(Some(NodeUpgrade {
+                    target: n.agent_version.clone(),
+                    ..s.clone()
+                }))
+            }
             _ => None,
         };
         let step = match &next {
@@ -429,6 +473,11 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
         let mut busy = in_progress;
         for n in nodes {
             if now.get(n.node.as_str()).copied().flatten() != Some(Step::UpgradeRequired) {
+                continue;
+            }
+            // A node whose agent is away would be cordoned and drained for
+            // an upgrade nobody can do.
+            if !n.connected {
                 continue;
             }
             if policy.max_parallel > 0 && busy >= policy.max_parallel as usize {
@@ -551,6 +600,7 @@ impl Upgrader {
                 Step::PodDeletionRequired => self.remove(fleet, &s.node, &up, &policy, false).await,
                 Step::DrainRequired => self.remove(fleet, &s.node, &up, &policy, true).await,
                 Step::UncordonRequired => self.uncordon(fleet, &s.node, &up).await.map(|_| None),
+                Step::UpgradeFailed => self.retry_requested(fleet, &s.node, &up).await,
                 _ => Ok(None),
             };
             match result {
@@ -589,9 +639,18 @@ impl Upgrader {
             .as_ref()
             .and_then(|s| s.unschedulable)
             .unwrap_or(false);
+        let noted = n
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(INITIAL_UNSCHEDULABLE));
         let mut body = json!({ "spec": { "unschedulable": true } });
-        if was {
-            body["metadata"] = json!({ "annotations": { INITIAL_UNSCHEDULABLE: "true" } });
+        // The state before the upgrade is noted once, with the cordon: a
+        // retry (or a new leader) finds it and does not take its own
+        // cordon for the admin's.
+        if !noted {
+            let before = if was { "true" } else { "false" };
+            body["metadata"] = json!({ "annotations": { INITIAL_UNSCHEDULABLE: before } });
         }
         self.nodes
             .patch(node, &merge_params(), &Patch::Merge(&body))
@@ -603,6 +662,47 @@ impl Upgrader {
             Some(NodeUpgrade::new(Step::WaitForJobsRequired, &up.target, "")),
         );
         Ok(())
+    }
+
+    /// A failed node is tried again when an admin asks, with the GPU
+    /// Operator's annotation `nvidia.com/gpu-driver-upgrade-requested=true`
+    /// (looked for every [`RETRY_LOOK`] while a node is failed): its GPU
+    /// pods are looked at again and its agent given a new go-ahead.
+    async fn retry_requested(
+        &self,
+        fleet: &Fleet,
+        node: &str,
+        up: &NodeUpgrade,
+    ) -> Result<Option<Duration>, StepError> {
+        let n = self
+            .nodes
+            .get(node)
+            .await
+            .map_err(Self::api_err(node, "reading the node"))?;
+        let asked = n
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(UPGRADE_REQUESTED))
+            .is_some_and(|v| v == "true");
+        if !asked {
+            return Ok(Some(RETRY_LOOK));
+        }
+        let body = json!({ "metadata": { "annotations": { UPGRADE_REQUESTED: null } } });
+        self.nodes
+            .patch(node, &merge_params(), &Patch::Merge(&body))
+            .await
+            .map_err(Self::api_err(node, "taking the retry request"))?;
+        tracing::info!(node, to = %up.target, "driver upgrade: tried again, as asked");
+        fleet.set_upgrade(
+            node,
+            Some(NodeUpgrade::new(
+                Step::PodDeletionRequired,
+                &up.target,
+                "tried again, as asked",
+            )),
+        );
+        Ok(Some(Duration::ZERO))
     }
 
     async fn uncordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
@@ -617,11 +717,10 @@ impl Upgrader {
             .as_ref()
             .and_then(|a| a.get(INITIAL_UNSCHEDULABLE))
             .is_some_and(|v| v == "true");
-        let body = if keep {
-            json!({ "metadata": { "annotations": { INITIAL_UNSCHEDULABLE: null } } })
-        } else {
-            json!({ "spec": { "unschedulable": false } })
-        };
+        let mut body = json!({ "metadata": { "annotations": { INITIAL_UNSCHEDULABLE: null } } });
+        if !keep {
+            body["spec"] = json!({ "unschedulable": false });
+        }
         self.nodes
             .patch(node, &merge_params(), &Patch::Merge(&body))
             .await
@@ -718,7 +817,7 @@ impl Upgrader {
             .pods_on(node, &rules.selector)
             .await?
             .iter()
-            .filter(|p| if drain { drained(p) } else { uses_gpus(p) })
+            .filter(|p| drained(p) && (drain || uses_gpus(p)))
             .map(|p| info(p, &rules))
             .collect();
         if pods.is_empty() {
@@ -731,6 +830,7 @@ impl Upgrader {
         }
         let refused: Vec<String> = pods
             .iter()
+            .filter(|p| !p.terminating)
             .filter_map(|p| {
                 p.refused
                     .as_ref()
@@ -979,6 +1079,8 @@ mod tests {
             agent_detail: String::new(),
             driver_version: driver.into(),
             ready: true,
+            connected: true,
+            reported: true,
         }
     }
 
@@ -1024,7 +1126,7 @@ mod tests {
     fn amounts_of_nodes() {
         assert_eq!(Amount::Percent(25).of(10), 3);
         assert_eq!(Amount::Percent(25).of(1), 1);
-        assert_eq!(Amount::Percent(0).of(10), 1);
+        assert_eq!(Amount::Percent(0).of(10), 0);
         assert_eq!(Amount::Count(2).of(10), 2);
     }
 

@@ -125,7 +125,11 @@ impl Writer {
     pub async fn write_node(&self, fleet: &Fleet, node: &str) {
         let last = fleet.with(node, |e| {
             e.write.in_queue = false;
-            if e.write.writing {
+            // Nothing known of the node since this controller started (a
+            // state read back, a label watched): writing would take away
+            // what its agent said before.
+            if e.write.writing || e.hello.is_none() {
+                e.write.queued = false;
                 return None;
             }
             e.write.writing = true;

@@ -153,8 +153,9 @@ async fn settle(
                 moved = true;
             }
         }
-        // Waiting for pods is looked at again without the test's sleeping.
-        if !moved && again.is_none() {
+        // Waiting for pods is looked at again without the test's sleeping;
+        // a failed node's slow look for a retry request is not waited for.
+        if !moved && again.is_none_or(|d| d >= gpu_controller::upgrade::RETRY_LOOK) {
             return;
         }
     }
@@ -227,14 +228,12 @@ async fn a_rollout_one_node_at_a_time_with_a_failure_that_stops_it() {
         a,
         [
             "GET /api/v1/nodes/a".to_string(),
-            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"spec":{"unschedulable":true}}"#
-                .into(),
+            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"spec":{"unschedulable":true},"metadata":{"annotations":{"nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable":"false"}}}"#.into(),
             list("a"),
             evict("ml", "train-a"),
             list("a"),
             "GET /api/v1/nodes/a".into(),
-            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"spec":{"unschedulable":false}}"#
-                .into(),
+            r#"PATCH /api/v1/nodes/a?&fieldManager=gpu-controller {"metadata":{"annotations":{"nvidia.com/gpu-driver-upgrade.node-initial-state.unschedulable":null}},"spec":{"unschedulable":false}}"#.into(),
         ],
         "web-a uses no GPU and stays"
     );
@@ -308,15 +307,23 @@ async fn a_rollout_one_node_at_a_time_with_a_failure_that_stops_it() {
         "upgrade to driver 560.35.03 failed: GPU pod deletion could not finish: ml/notebook-c: no controller runs it, so it would not come back (force: true evicts it anyway)"
     );
 
-    // c is fixed by hand (its notebook stopped, the driver upgraded): its
-    // agent reports the wanted driver validated; c is uncordoned and the
+    // Left alone, c stays failed (looked at for a retry request only).
+    settle(&up, &fleet, &mut agents, &["d"]).await;
+    assert_eq!(step_of(&fleet, "c"), Some(Step::UpgradeFailed));
+    // Its notebook stopped and an admin asks to try again (the GPU
+    // Operator's annotation): c's upgrade goes on, c is uncordoned, and the
     // rollout goes on to d, whose agent fails its upgrade.
     api.take();
-    fleet.apply(
-        "c",
-        pb::agent_message::Body::Change(report(NEW, "upgrade-done", "")),
-    );
+    api.remove_pod("ml", "notebook-c");
+    api.touch_node("c", |n| {
+        n["metadata"]["annotations"]["nvidia.com/gpu-driver-upgrade-requested"] = json!("true")
+    });
     settle(&up, &fleet, &mut agents, &["d"]).await;
+    assert_eq!(
+        api.node("c")["metadata"]["annotations"].get("nvidia.com/gpu-driver-upgrade-requested"),
+        None,
+        "the request is taken"
+    );
     assert_eq!(step_of(&fleet, "c"), Some(Step::UpgradeDone));
     assert_eq!(api.node("c")["spec"]["unschedulable"], json!(false));
     assert_eq!(step_of(&fleet, "d"), Some(Step::UpgradeFailed));
@@ -363,6 +370,14 @@ async fn a_new_leader_carries_on_from_the_labels() {
     fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::default())));
     let up = Upgrader::new(api.client());
     assert_eq!(up.recover(&fleet).await.unwrap(), 1);
+    // Nothing is written for x before its agent reports: its labels, taint
+    // and conditions stay as the last leader left them.
+    api.take();
+    Writer::new(api.client()).write_node(&fleet, "x").await;
+    assert!(
+        api.take().is_empty(),
+        "a node its agent has not reported is written"
+    );
     let mut x = connect(&fleet, "x", report(OLD, "upgrade-required", ""));
     let mut y = connect(&fleet, "y", report(OLD, "upgrade-required", ""));
     let _ = up.step(&fleet).await;

@@ -184,6 +184,9 @@ struct Supervisor {
     controller_go_ahead: Option<String>,
     /// The last upgrade the rollout asked for failed: (version, why).
     upgrade_failed: Option<(String, String)>,
+    /// The controller (when one is configured) has said what it wants:
+    /// until then driver changes wait, as under its rollout.
+    desired_seen: bool,
 }
 
 #[derive(Default)]
@@ -239,6 +242,7 @@ impl Supervisor {
             controller_policy: None,
             controller_go_ahead: None,
             upgrade_failed: None,
+            desired_seen: false,
         }
     }
 
@@ -258,7 +262,8 @@ impl Supervisor {
             changes: Default::default(),
             mig_hold: None,
             upgrade: crate::driver::UpgradeGate {
-                gated: self.controller_policy.is_some(),
+                gated: self.controller_policy.is_some()
+                    || (self.opts.report.is_some() && !self.desired_seen),
                 go_ahead: self.controller_go_ahead.clone(),
                 failed: self.upgrade_failed.clone(),
                 out: Default::default(),
@@ -1254,14 +1259,16 @@ impl Supervisor {
         let policy = (!d.policy_yaml.is_empty()).then_some(d.policy_yaml);
         let go_ahead =
             (d.upgrade_go_ahead && !d.driver_version.is_empty()).then_some(d.driver_version);
+        let first = !self.desired_seen;
+        self.desired_seen = true;
         if go_ahead != self.controller_go_ahead {
             self.controller_go_ahead = go_ahead.clone();
             if let Some(v) = &go_ahead {
+                // The GPUs are withdrawn before the modules go (whatever
+                // else this message changes).
                 tracing::info!(driver = %v, "gpu-controller gives the go-ahead to upgrade the driver");
                 self.upgrade_failed = None;
-                if policy == self.controller_policy {
-                    self.stop_advertising().await;
-                }
+                self.stop_advertising().await;
             }
             if layout == self.controller_mig && policy == self.controller_policy {
                 self.reconcile("the controller's go-ahead", false).await;
@@ -1269,6 +1276,10 @@ impl Supervisor {
             }
         }
         if layout == self.controller_mig && policy == self.controller_policy {
+            if first {
+                // Driver changes were held until the controller spoke.
+                self.reconcile("the controller's first word", false).await;
+            }
             return;
         }
         if layout != self.controller_mig {

@@ -182,6 +182,15 @@ impl MockApi {
         i.pods.insert(format!("{namespace}/{name}"), pod);
     }
 
+    /// A pod goes (its owner deleted it).
+    pub fn remove_pod(&self, namespace: &str, name: &str) {
+        self.inner
+            .lock()
+            .unwrap()
+            .pods
+            .remove(&format!("{namespace}/{name}"));
+    }
+
     /// The pods left, as `namespace/name`.
     pub fn pods(&self) -> Vec<String> {
         self.inner.lock().unwrap().pods.keys().cloned().collect()
