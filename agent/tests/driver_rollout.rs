@@ -32,17 +32,7 @@ struct Node {
 }
 
 fn node() -> Node {
-    let dir = tempfile::tempdir().unwrap();
-    let copy = std::process::Command::new("cp")
-        .arg("-a")
-        .arg(format!(
-            "{}/.",
-            common::host_fixture("h100-sxm-8").display()
-        ))
-        .arg(dir.path())
-        .status()
-        .unwrap();
-    assert!(copy.success());
+    let dir = common::copy_host_fixture("h100-sxm-8");
     std::fs::create_dir_all(dir.path().join("proc/sys/kernel")).unwrap();
     std::fs::write(
         dir.path().join("proc/sys/kernel/osrelease"),

@@ -124,15 +124,8 @@ fn control_log(host: &Path, resource: &str) -> Vec<String> {
 
 impl Agent {
     fn start() -> Agent {
-        let host_dir = tempfile::tempdir().unwrap();
+        let host_dir = common::copy_host_fixture("h100-sxm-8");
         let host = host_dir.path().to_path_buf();
-        let copy = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(format!("{}/.", host_fixture("h100-sxm-8").display()))
-            .arg(&host)
-            .status()
-            .unwrap();
-        assert!(copy.success());
         fs::create_dir_all(host.join("usr/bin")).unwrap();
         fs::create_dir_all(host.join("dev/shm")).unwrap();
         build_standin(&host.join("usr/bin/nvidia-cuda-mps-control"));

@@ -61,15 +61,8 @@ impl Agent {
 
     /// With `nvml_state`: the fake NVML's condition file (`FAKE_NVML_STATE`).
     fn start_with(policy: &str, nvml_state: Option<&Path>) -> Agent {
-        let host_dir = tempfile::tempdir().unwrap();
+        let host_dir = common::copy_host_fixture("h100-sxm-8");
         let host = host_dir.path().to_path_buf();
-        let copy = std::process::Command::new("cp")
-            .arg("-a")
-            .arg(format!("{}/.", host_fixture("h100-sxm-8").display()))
-            .arg(&host)
-            .status()
-            .unwrap();
-        assert!(copy.success());
         fs::create_dir_all(host.join("etc/containerd")).unwrap();
         fs::copy(
             fixture("containerd/valid/v2-custom.toml"),

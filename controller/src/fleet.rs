@@ -284,7 +284,7 @@ impl Fleet {
             Body::Repair(r) => self.tell(crate::events::NodeEvent::repair(node, r)),
             _ => {}
         }
-        // What the driver rollout looks at, before the message.
+        // What the driver rollout looks at, before and after the message.
         let rollout_view = |e: &NodeEntry| {
             (
                 e.report.upgrade.clone(),
@@ -295,57 +295,60 @@ impl Fleet {
                 e.report.stages.as_ref().map(|s| s.ready),
             )
         };
-        let before = self.with(node, |e| rollout_view(e));
-        let dirty = self.with(node, |e| match body {
-            Body::Snapshot(r) => {
-                e.report = r;
-                Self::fill_target(e);
-                true
-            }
-            Body::Change(c) => {
-                let r = &mut e.report;
-                // Every section, by name: a section added to the API and
-                // not taken here does not compile.
-                let pb::NodeReport {
-                    inventory,
-                    stages,
-                    labels,
-                    health,
-                    mig,
-                    upgrade,
-                    policy,
-                } = c;
-                macro_rules! take {
+        let (dirty, rollout_moved) = self.with(node, |e| {
+            let before = rollout_view(e);
+            let dirty = match body {
+                Body::Snapshot(r) => {
+                    e.report = r;
+                    Self::fill_target(e);
+                    true
+                }
+                Body::Change(c) => {
+                    let r = &mut e.report;
+                    // Every section, by name: a section added to the API and
+                    // not taken here does not compile.
+                    let pb::NodeReport {
+                        inventory,
+                        stages,
+                        labels,
+                        health,
+                        mig,
+                        upgrade,
+                        policy,
+                    } = c;
+                    macro_rules! take {
                     ($($f:ident),*) => {$( if $f.is_some() { r.$f = $f; } )*};
                 }
-                take!(inventory, stages, labels, health, mig, upgrade, policy);
-                Self::fill_target(e);
-                true
-            }
-            Body::HealthEvent(ev) => {
-                if e.events.len() == RECENT {
-                    e.events.pop_front();
+                    take!(inventory, stages, labels, health, mig, upgrade, policy);
+                    Self::fill_target(e);
+                    true
                 }
-                e.events.push_back(ev);
-                false
-            }
-            Body::Repair(r) => {
-                if e.repairs.len() == RECENT {
-                    e.repairs.pop_front();
+                Body::HealthEvent(ev) => {
+                    if e.events.len() == RECENT {
+                        e.events.pop_front();
+                    }
+                    e.events.push_back(ev);
+                    false
                 }
-                e.repairs.push_back(r);
-                false
-            }
-            Body::Hello(_) => false,
+                Body::Repair(r) => {
+                    if e.repairs.len() == RECENT {
+                        e.repairs.pop_front();
+                    }
+                    e.repairs.push_back(r);
+                    false
+                }
+                Body::Hello(_) => false,
+            };
+            (dirty, dirty && rollout_view(e) != before)
         });
         if dirty {
             self.mark_dirty(node);
             self.send_desired(node);
             self.policy_changed.notify_one();
-            // Most reports change nothing the rollout reads: it is not woken.
-            if self.with(node, |e| rollout_view(e)) != before {
-                self.upgrade_changed.notify_one();
-            }
+        }
+        // Most reports change nothing the rollout reads: it is not woken.
+        if rollout_moved {
+            self.upgrade_changed.notify_one();
         }
     }
 

@@ -394,11 +394,8 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
                 &n.agent_version,
                 format!("driver {} loaded", n.driver_version),
             ))),
-            (Some(s), Some(Step::UpgradeRequired)) if !wants => {
-                // The cluster asks for the running driver again.
-                let _ = s;
-                Some(None)
-            }
+            // The cluster asks for the running driver again.
+            (Some(_), Some(Step::UpgradeRequired)) if !wants => Some(None),
             (Some(s), Some(Step::UpgradeRequired)) if s.target != n.agent_version => {
                 Some(Some(NodeUpgrade::new(
                     Step::UpgradeRequired,
@@ -628,22 +625,31 @@ impl Upgrader {
         move |source| StepError { node, what, source }
     }
 
-    async fn cordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
-        let n = self
-            .nodes
+    async fn read_node(&self, node: &str) -> Result<Node, StepError> {
+        self.nodes
             .get(node)
             .await
-            .map_err(Self::api_err(node, "reading the node"))?;
+            .map_err(Self::api_err(node, "reading the node"))
+    }
+
+    /// A merge patch of the node under our field manager; `what` names it
+    /// in an error.
+    async fn patch_node(&self, node: &str, body: &Value, what: &str) -> Result<(), StepError> {
+        self.nodes
+            .patch(node, &merge_params(), &Patch::Merge(body))
+            .await
+            .map(|_| ())
+            .map_err(Self::api_err(node, what))
+    }
+
+    async fn cordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
+        let n = self.read_node(node).await?;
         let was = n
             .spec
             .as_ref()
             .and_then(|s| s.unschedulable)
             .unwrap_or(false);
-        let noted = n
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(INITIAL_UNSCHEDULABLE));
+        let noted = annotation(&n, INITIAL_UNSCHEDULABLE).is_some();
         let mut body = json!({ "spec": { "unschedulable": true } });
         // The state before the upgrade is noted once, with the cordon: a
         // retry (or a new leader) finds it and does not take its own
@@ -652,10 +658,7 @@ impl Upgrader {
             let before = if was { "true" } else { "false" };
             body["metadata"] = json!({ "annotations": { INITIAL_UNSCHEDULABLE: before } });
         }
-        self.nodes
-            .patch(node, &merge_params(), &Patch::Merge(&body))
-            .await
-            .map_err(Self::api_err(node, "cordoning"))?;
+        self.patch_node(node, &body, "cordoning").await?;
         tracing::info!(node, to = %up.target, already_cordoned = was, "driver upgrade: node cordoned");
         fleet.set_upgrade(
             node,
@@ -674,25 +677,14 @@ impl Upgrader {
         node: &str,
         up: &NodeUpgrade,
     ) -> Result<Option<Duration>, StepError> {
-        let n = self
-            .nodes
-            .get(node)
-            .await
-            .map_err(Self::api_err(node, "reading the node"))?;
-        let asked = n
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(UPGRADE_REQUESTED))
-            .is_some_and(|v| v == "true");
+        let n = self.read_node(node).await?;
+        let asked = annotation(&n, UPGRADE_REQUESTED) == Some("true");
         if !asked {
             return Ok(Some(RETRY_LOOK));
         }
         let body = json!({ "metadata": { "annotations": { UPGRADE_REQUESTED: null } } });
-        self.nodes
-            .patch(node, &merge_params(), &Patch::Merge(&body))
-            .await
-            .map_err(Self::api_err(node, "taking the retry request"))?;
+        self.patch_node(node, &body, "taking the retry request")
+            .await?;
         tracing::info!(node, to = %up.target, "driver upgrade: tried again, as asked");
         fleet.set_upgrade(
             node,
@@ -706,25 +698,13 @@ impl Upgrader {
     }
 
     async fn uncordon(&self, fleet: &Fleet, node: &str, up: &NodeUpgrade) -> Result<(), StepError> {
-        let n = self
-            .nodes
-            .get(node)
-            .await
-            .map_err(Self::api_err(node, "reading the node"))?;
-        let keep = n
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(INITIAL_UNSCHEDULABLE))
-            .is_some_and(|v| v == "true");
+        let n = self.read_node(node).await?;
+        let keep = annotation(&n, INITIAL_UNSCHEDULABLE) == Some("true");
         let mut body = json!({ "metadata": { "annotations": { INITIAL_UNSCHEDULABLE: null } } });
         if !keep {
             body["spec"] = json!({ "unschedulable": false });
         }
-        self.nodes
-            .patch(node, &merge_params(), &Patch::Merge(&body))
-            .await
-            .map_err(Self::api_err(node, "uncordoning"))?;
+        self.patch_node(node, &body, "uncordoning").await?;
         tracing::info!(node, driver = %up.target, left_cordoned = keep, "driver upgrade done");
         let mut detail = up.detail.clone();
         if keep {
@@ -931,6 +911,15 @@ async fn evict(api: &Api<Pod>, namespace: &str, name: &str) -> Result<(), kube::
     api.create_subresource::<_, serde_json::Value>("eviction", name, &PostParams::default(), &body)
         .await
         .map(|_| ())
+}
+
+/// A node's annotation, if it has it.
+fn annotation<'a>(n: &'a Node, key: &str) -> Option<&'a str> {
+    n.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(key))
+        .map(String::as_str)
 }
 
 fn merge_params() -> PatchParams {

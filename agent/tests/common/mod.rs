@@ -52,6 +52,19 @@ pub fn host_fixture(name: &str) -> PathBuf {
     repo().join("tests/fixtures/hosts").join(name)
 }
 
+/// A private copy of a host fixture tree, in a temp dir the caller keeps.
+pub fn copy_host_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = Command::new("cp")
+        .arg("-a")
+        .arg(format!("{}/.", host_fixture(name).display()))
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(copy.success(), "copying the {name} host fixture");
+    dir
+}
+
 pub fn fixture(rel: &str) -> PathBuf {
     repo().join("tests/fixtures").join(rel)
 }

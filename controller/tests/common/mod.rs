@@ -80,6 +80,15 @@ fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response
 
 type Body = BoxBody<Bytes, std::convert::Infallible>;
 
+/// A JSON answer with its status code.
+fn json_reply(code: u16, body: &Value) -> hyper::Response<Body> {
+    hyper::Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())).boxed())
+        .unwrap()
+}
+
 fn meta_of(node: &Value) -> Value {
     json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": node["metadata"]})
 }
@@ -387,11 +396,7 @@ impl MockApi {
                 ),
                 _ => (415, json!({"message": "merge patches only"})),
             };
-            return hyper::Response::builder()
-                .status(code)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(answer.to_string())).boxed())
-                .unwrap();
+            return json_reply(code, &answer);
         }
         if method == "GET" && path == "/apis/nvidia.com/v1/clusterpolicies" {
             if query.get("watch").map(String::as_str) == Some("true") {
@@ -402,11 +407,7 @@ impl MockApi {
             let list = json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicyList",
                 "metadata": {"resourceVersion": i.version.to_string()},
                 "items": i.cluster_policies.values().cloned().collect::<Vec<_>>()});
-            return hyper::Response::builder()
-                .status(200)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(list.to_string())).boxed())
-                .unwrap();
+            return json_reply(200, &list);
         }
         if method == "GET" && path == "/api/v1/pods" {
             // Every namespace, by node (fieldSelector) and labels (k=v,...).
@@ -439,11 +440,7 @@ impl MockApi {
                 .collect();
             let list = json!({"apiVersion": "v1", "kind": "PodList",
                 "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
-            return hyper::Response::builder()
-                .status(200)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(list.to_string())).boxed())
-                .unwrap();
+            return json_reply(200, &list);
         }
         if method == "POST"
             && path.ends_with("/eviction")
@@ -476,11 +473,7 @@ impl MockApi {
                     json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
                 )
             };
-            return hyper::Response::builder()
-                .status(code)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(answer.to_string())).boxed())
-                .unwrap();
+            return json_reply(code, &answer);
         }
         if method == "GET" && path == "/api/v1/nodes" {
             // Metadata list and watch, selecting on one label key.
@@ -501,11 +494,7 @@ impl MockApi {
                 .collect();
             let list = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
                               "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
-            return hyper::Response::builder()
-                .status(200)
-                .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(list.to_string())).boxed())
-                .unwrap();
+            return json_reply(200, &list);
         }
         let (code, answer) = match (method.as_str(), path.as_str()) {
             ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => {
@@ -561,11 +550,7 @@ impl MockApi {
                 json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound", "message": format!("mock API: no route {method} {path}")}),
             ),
         };
-        hyper::Response::builder()
-            .status(code)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(answer.to_string())).boxed())
-            .unwrap()
+        json_reply(code, &answer)
     }
 }
 
