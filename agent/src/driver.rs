@@ -348,6 +348,76 @@ impl UpgradeGate {
     }
 }
 
+/// What the running agent keeps of the cluster's rollout between passes:
+/// whether the controller has spoken, its go-ahead, and a failed try.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rollout {
+    /// A controller is configured: driver changes wait for its first word.
+    pub controller: bool,
+    /// The controller has said what it wants.
+    pub heard: bool,
+    /// The version the controller said to upgrade to now, until tried.
+    pub go_ahead: Option<String>,
+    /// The last try failed: (version, why). Not tried again until the
+    /// controller gives the go-ahead anew.
+    pub failed: Option<(String, String)>,
+}
+
+/// What the controller's word means for the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heard {
+    /// The controller's first word since the agent started.
+    pub first: bool,
+    /// A new go-ahead: the GPUs are withdrawn before the pass upgrades.
+    pub go_ahead: bool,
+}
+
+impl Rollout {
+    /// The gate for a pass; `cluster_policy`: the running policy is the
+    /// cluster's.
+    pub fn gate(&self, cluster_policy: bool) -> UpgradeGate {
+        UpgradeGate {
+            gated: cluster_policy || (self.controller && !self.heard),
+            go_ahead: self.go_ahead.clone(),
+            failed: self.failed.clone(),
+            out: Default::default(),
+        }
+    }
+
+    /// The controller's go-ahead as its latest Desired says (`None`: none).
+    pub fn hear(&mut self, go_ahead: Option<String>) -> Heard {
+        let first = !self.heard;
+        self.heard = true;
+        let new = go_ahead.is_some() && go_ahead != self.go_ahead;
+        if go_ahead != self.go_ahead {
+            self.go_ahead = go_ahead;
+        }
+        if new {
+            self.failed = None;
+        }
+        Heard {
+            first,
+            go_ahead: new,
+        }
+    }
+
+    /// What a pass found: a failed try spends its go-ahead and is
+    /// remembered; a done one forgets the failure.
+    pub fn took(&mut self, out: Option<&UpgradeStatus>) {
+        let Some(u) = out else { return };
+        match u.state.as_str() {
+            "upgrade-failed" => {
+                if self.go_ahead.as_deref() == Some(u.driver_version.as_str()) {
+                    self.go_ahead = None;
+                }
+                self.failed = Some((u.driver_version.clone(), u.detail.clone()));
+            }
+            "upgrade-done" => self.failed = None,
+            _ => {}
+        }
+    }
+}
+
 /// Stops the device plugin from advertising GPUs (resources to 0) for an
 /// upgrade; advertising resumes with the next pass's resources.
 pub trait Drain: std::fmt::Debug {
@@ -481,6 +551,63 @@ impl Upgrade<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rollout_waits_for_the_controller_and_spends_a_failed_go_ahead() {
+        let status = |state: &str, detail: &str| UpgradeStatus {
+            state: state.into(),
+            driver_version: "560.35.03".into(),
+            detail: detail.into(),
+        };
+        let mut r = Rollout {
+            controller: true,
+            ..Default::default()
+        };
+        // Before the controller's first word, nothing moves, whatever the policy.
+        assert!(r.gate(false).gated);
+        let h = r.hear(None);
+        assert_eq!(
+            h,
+            Heard {
+                first: true,
+                go_ahead: false
+            }
+        );
+        assert!(
+            !r.gate(false).gated,
+            "no ClusterPolicy: the node's own file rules"
+        );
+        let g = r.gate(true);
+        assert!(g.gated && !g.may_upgrade("560.35.03"));
+        // The go-ahead opens the gate for that version only.
+        let h = r.hear(Some("560.35.03".into()));
+        assert_eq!(
+            h,
+            Heard {
+                first: false,
+                go_ahead: true
+            }
+        );
+        let g = r.gate(true);
+        assert!(g.may_upgrade("560.35.03") && !g.may_upgrade("570.1.1"));
+        // The same word again is not a new go-ahead.
+        assert!(!r.hear(Some("560.35.03".into())).go_ahead);
+        // A failed try spends it: the next pass holds, saying it failed.
+        r.took(Some(&status("upgrade-failed", "nvidia.ko did not load")));
+        let g = r.gate(true);
+        assert!(!g.may_upgrade("560.35.03"));
+        let said = g.hold("550.127.08", "560.35.03");
+        assert!(said.contains("failed (nvidia.ko did not load)"), "{said}");
+        assert_eq!(g.out.take().unwrap().state, "upgrade-failed");
+        // The controller's retry is a new go-ahead, and the failure is forgotten.
+        assert!(!r.hear(None).go_ahead);
+        assert!(r.hear(Some("560.35.03".into())).go_ahead);
+        assert_eq!(r.failed, None);
+        r.took(Some(&status("upgrade-done", "")));
+        assert_eq!(r.failed, None);
+        // Without a controller nothing waits.
+        assert!(!Rollout::default().gate(false).gated);
+    }
     use crate::backend::ComputeCapability;
     use crate::test_support::sim_node;
 

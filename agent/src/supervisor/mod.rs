@@ -179,14 +179,8 @@ struct Supervisor {
     /// The cluster's ClusterPolicy (YAML) the controller sends, if any: it
     /// runs instead of the policy file.
     controller_policy: Option<String>,
-    /// The driver version gpu-controller said to upgrade to now (its
-    /// rollout's go-ahead), until an upgrade to it was tried.
-    controller_go_ahead: Option<String>,
-    /// The last upgrade the rollout asked for failed: (version, why).
-    upgrade_failed: Option<(String, String)>,
-    /// The controller (when one is configured) has said what it wants:
-    /// until then driver changes wait, as under its rollout.
-    desired_seen: bool,
+    /// The cluster's driver rollout: the controller's go-ahead, a failed try.
+    rollout: crate::driver::Rollout,
 }
 
 #[derive(Default)]
@@ -203,6 +197,7 @@ struct TaskControl {
 
 impl Supervisor {
     fn new(opts: Options) -> Self {
+        let controller = opts.report.is_some();
         let mut st = AgentState::new(&opts.host, opts.heartbeat, opts.caps.names());
         st.policy = opts.policy_path.as_ref().map(|p| p.display().to_string());
         st.simulated = opts.view.simulated.clone();
@@ -240,9 +235,10 @@ impl Supervisor {
             desired: None,
             controller_mig: None,
             controller_policy: None,
-            controller_go_ahead: None,
-            upgrade_failed: None,
-            desired_seen: false,
+            rollout: crate::driver::Rollout {
+                controller,
+                ..Default::default()
+            },
         }
     }
 
@@ -261,31 +257,14 @@ impl Supervisor {
             serve_first: policy_serve_first,
             changes: Default::default(),
             mig_hold: None,
-            upgrade: crate::driver::UpgradeGate {
-                gated: self.controller_policy.is_some()
-                    || (self.opts.report.is_some() && !self.desired_seen),
-                go_ahead: self.controller_go_ahead.clone(),
-                failed: self.upgrade_failed.clone(),
-                out: Default::default(),
-            },
+            upgrade: self.rollout.gate(self.controller_policy.is_some()),
         }
     }
 
     /// Where the pass found the node in the cluster's driver rollout: kept
     /// for the report; a go-ahead is spent once tried, a failure remembered.
     fn took_upgrade(&mut self, out: Option<crate::driver::UpgradeStatus>) {
-        if let Some(u) = &out {
-            match u.state.as_str() {
-                "upgrade-failed" => {
-                    if self.controller_go_ahead.as_deref() == Some(u.driver_version.as_str()) {
-                        self.controller_go_ahead = None;
-                    }
-                    self.upgrade_failed = Some((u.driver_version.clone(), u.detail.clone()));
-                }
-                "upgrade-done" => self.upgrade_failed = None,
-                _ => {}
-            }
-        }
+        self.rollout.took(out.as_ref());
         self.st.upgrade = out;
     }
 
@@ -1259,26 +1238,22 @@ impl Supervisor {
         let policy = (!d.policy_yaml.is_empty()).then_some(d.policy_yaml);
         let go_ahead =
             (d.upgrade_go_ahead && !d.driver_version.is_empty()).then_some(d.driver_version);
-        let first = !self.desired_seen;
-        self.desired_seen = true;
-        if go_ahead != self.controller_go_ahead {
-            self.controller_go_ahead = go_ahead.clone();
-            if let Some(v) = &go_ahead {
-                // The GPUs are withdrawn before the modules go (whatever
-                // else this message changes).
-                tracing::info!(driver = %v, "gpu-controller gives the go-ahead to upgrade the driver");
-                self.upgrade_failed = None;
-                self.stop_advertising().await;
-            }
-            if layout == self.controller_mig && policy == self.controller_policy {
-                self.reconcile("the controller's go-ahead", false).await;
-                return;
-            }
+        let heard = self.rollout.hear(go_ahead.clone());
+        if heard.go_ahead {
+            // The GPUs are withdrawn before the modules go (whatever else
+            // this message changes).
+            tracing::info!(
+                driver = go_ahead.as_deref().unwrap_or(""),
+                "gpu-controller gives the go-ahead to upgrade the driver"
+            );
+            self.stop_advertising().await;
         }
         if layout == self.controller_mig && policy == self.controller_policy {
-            if first {
-                // Driver changes were held until the controller spoke.
-                self.reconcile("the controller's first word", false).await;
+            if heard.go_ahead || heard.first {
+                // A go-ahead, or the first word (driver changes were held
+                // until the controller spoke): a pass.
+                self.reconcile("the controller's word on the driver", false)
+                    .await;
             }
             return;
         }
