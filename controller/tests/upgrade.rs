@@ -393,3 +393,82 @@ async fn a_new_leader_carries_on_from_the_labels() {
     assert_eq!(up.step(&fleet2).await, None);
     assert_eq!(step_of(&fleet2, "y"), None);
 }
+
+/// The running gpu-controller (a real process, its rollout loop woken by
+/// the agent's report) and an agent we did not write (Python grpcio over
+/// TLS): the ClusterPolicy's driver rollout cordons the node, evicts its
+/// GPU pod, gives the go-ahead on the wire, and once the agent reports the
+/// new driver validated, uncordons it and labels it upgrade-done.
+#[test]
+fn a_grpcio_agent_is_given_the_go_ahead_by_the_running_controller() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.add_node("py-node", kubelet_node());
+    api.add_token(
+        "py-token",
+        "system:serviceaccount:gpu-agent:gpu-agent",
+        "py-node",
+    );
+    api.add_pod(
+        "ml",
+        "train-py",
+        pod("py-node", Some("ReplicaSet"), true, false),
+    );
+    api.set_cluster_policy(
+        "cluster-policy",
+        json!({"driver": {"enabled": true, "version": NEW, "upgradePolicy": {"autoUpgrade": true}}}),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (mut controller, port, ca) = common::start_controller(&api, dir.path(), None);
+    let out = std::process::Command::new(common::python())
+        .arg(common::repo().join("tests/interop/report_client.py"))
+        .arg("--proto")
+        .arg(common::repo().join("proto/proto/report_v1.proto"))
+        .arg("--ca")
+        .arg(&ca)
+        .args([
+            "--target",
+            &format!("localhost:{port}"),
+            "--node",
+            "py-node",
+        ])
+        .args(["--token", "py-token", "--upgrade", NEW, "--hold", "6"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "grpcio agent: {stdout}\n{}\ncontroller:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        controller.log()
+    );
+    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(seen["go_ahead"], NEW, "{seen}");
+    // The go-ahead came only after the node was cordoned and its GPU pod gone.
+    let reqs = api.requests();
+    let at = |f: &dyn Fn(&common::Recorded) -> bool| reqs.iter().position(f);
+    let cordoned = at(&|r| {
+        r.method == "PATCH"
+            && r.uri.starts_with("/api/v1/nodes/py-node?")
+            && r.body["spec"]["unschedulable"] == json!(true)
+    })
+    .expect("never cordoned");
+    let evicted = at(&|r| {
+        r.uri
+            .starts_with("/api/v1/namespaces/ml/pods/train-py/eviction")
+    })
+    .expect("the GPU pod was never evicted");
+    assert!(cordoned < evicted);
+    assert!(api.pods().is_empty());
+    common::wait_for(
+        "uncordoned and upgrade-done",
+        Duration::from_secs(20),
+        &[&controller],
+        || {
+            let n = api.node("py-node");
+            n["spec"]["unschedulable"] == json!(false)
+                && n["metadata"]["labels"]["nvidia.com/gpu-driver-upgrade-state"] == "upgrade-done"
+        },
+    );
+    controller.term();
+}

@@ -11,8 +11,14 @@ report API the way a foreign client would:
 Prints one JSON object with the codes and details it got; exits 1 when a
 step does not go as expected.
 
+With --upgrade VERSION it plays a node in the cluster's driver rollout
+instead: it reports driver 550.127.08 loaded and VERSION wanted
+(upgrade-required), waits for the controller's go-ahead for VERSION, then
+reports VERSION loaded and validated (upgrade-done) and keeps the stream
+open for --hold seconds. Prints {"go_ahead": VERSION, "desired": [...]}.
+
 Usage: report_client.py --proto PROTO --ca CA --target HOST:PORT --node NODE
-         --token TOKEN --other-token TOKEN
+         --token TOKEN (--other-token TOKEN | --upgrade VERSION [--hold SECS])
 """
 import argparse
 import json
@@ -29,8 +35,11 @@ from kubelet_standin import load_stubs  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    for a in ("--proto", "--ca", "--target", "--node", "--token", "--other-token"):
+    for a in ("--proto", "--ca", "--target", "--node", "--token"):
         ap.add_argument(a, required=True)
+    ap.add_argument("--other-token")
+    ap.add_argument("--upgrade")
+    ap.add_argument("--hold", type=float, default=10.0)
     args = ap.parse_args()
     pb, pb_grpc = load_stubs(args.proto)
     with open(args.ca, "rb") as f:
@@ -65,6 +74,8 @@ def main():
             q.put(None)
             return q, it, got, e
 
+    if args.upgrade:
+        sys.exit(upgrade(pb, call, hello, args))
     # 1. No token.
     _, _, _, err = call([hello()], None)
     seen["no_token"] = [err.code().name, err.details()] if err else "accepted"
@@ -95,6 +106,49 @@ def main():
           and seen["first_down"] == "desired"
           and seen["out_of_sequence"][0] == "INVALID_ARGUMENT")
     sys.exit(0 if ok else 1)
+
+
+def upgrade(pb, call, hello, args):
+    """A node in the driver rollout; returns the exit code."""
+    import time
+
+    def node(driver, state, detail):
+        return pb.NodeReport(
+            inventory=pb.Inventory(driver_version=driver, gpus=[pb.Gpu(uuid="GPU-py", model="Python Standin")]),
+            stages=pb.Stages(
+                stages=[pb.Stage(name="driver", state="done", validated=True, validation_message=f"driver {driver}")],
+                ready=True,
+            ),
+            upgrade=pb.UpgradeState(state=state, driver_version=args.upgrade, detail=detail),
+        )
+
+    q, it, got, err = call(
+        [hello(), pb.AgentMessage(seq=2, snapshot=node("550.127.08", "upgrade-required", "driver 550.127.08 loaded"))],
+        args.token,
+        read=0,
+    )
+    desired = []
+    deadline = time.time() + 30
+    try:
+        for m in it:
+            d = m.desired
+            desired.append({"driver_version": d.driver_version, "upgrade_go_ahead": d.upgrade_go_ahead})
+            if d.upgrade_go_ahead and d.driver_version == args.upgrade:
+                break
+            if time.time() > deadline:
+                break
+    except grpc.RpcError as e:
+        print(json.dumps({"error": [e.code().name, e.details()], "desired": desired}))
+        return 1
+    went = [d for d in desired if d["upgrade_go_ahead"]]
+    if not went:
+        print(json.dumps({"go_ahead": None, "desired": desired}))
+        return 1
+    q.put(pb.AgentMessage(seq=3, change=node(args.upgrade, "upgrade-done", f"upgraded to {args.upgrade}")))
+    print(json.dumps({"go_ahead": went[0]["driver_version"], "desired": desired}), flush=True)
+    time.sleep(args.hold)
+    q.put(None)
+    return 0
 
 
 if __name__ == "__main__":
