@@ -1,0 +1,1630 @@
+//! The Kubernetes packaging (packaging/helm/gpu-agent, packaging/kustomize)
+//! as real tools render it: Helm's own `helm template` and `helm lint` (a
+//! Helm 4 binary fetched by scripts/fetch-helm into target/helm) and
+//! `kubectl kustomize`. Every object rendered, with the default values, the
+//! EKS values and a values file in the GPU Operator's keys, is checked
+//! against the real Kubernetes 1.36 schemas with unknown fields as errors
+//! (the ClusterPolicy against the CRD we ship). The policy the chart renders
+//! is read by the real gpu-agent (`policy check`), with the ConfigMaps it
+//! names put where the DaemonSet mounts them. The chart's certificate is
+//! served by the real gpu-controller and trusted by a TLS client under the
+//! name agents dial. The controller's RBAC is proven least-privilege: the
+//! controller runs a whole driver rollout against the scripted API server,
+//! and every request it makes must be allowed by the rendered roles, and
+//! every verb they grant used. The kustomize base and EKS overlay must be
+//! the objects the chart renders.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{MockApi, Proc, kubelet_node, repo, schema, wait_for};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+const NS: &str = "gpu-agent";
+const RELEASE: &str = "gpu-agent";
+
+// ---------------------------------------------------------------------------
+// The tools
+// ---------------------------------------------------------------------------
+
+/// Helm, as scripts/fetch-helm puts it (GPU_AGENT_HELM names another).
+fn helm() -> PathBuf {
+    let p = std::env::var_os("GPU_AGENT_HELM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join("target/helm/helm"));
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-helm (it fetches a real Helm into target/helm)",
+        p.display()
+    );
+    p
+}
+
+/// kubectl for `kubectl kustomize`: GPU_AGENT_KUBECTL, else the one
+/// scripts/fetch-helm unpacks beside Helm (a known version), else the
+/// machine's.
+fn kubectl() -> PathBuf {
+    if let Some(p) = std::env::var_os("GPU_AGENT_KUBECTL") {
+        return PathBuf::from(p);
+    }
+    let fetched = repo().join("target/helm/kubectl");
+    if fetched.exists() {
+        return fetched;
+    }
+    PathBuf::from("kubectl")
+}
+
+fn chart() -> PathBuf {
+    repo().join("packaging/helm/gpu-agent")
+}
+
+fn operator_values() -> PathBuf {
+    repo().join("controller/tests/packaging/operator-values.yaml")
+}
+
+fn eks_values() -> PathBuf {
+    chart().join("values-eks.yaml")
+}
+
+/// The documents of a multi-document YAML stream, as JSON values.
+fn documents(text: &str, origin: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|d| {
+            Value::deserialize(d).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}\n{text}"))
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// `helm template` of the chart (release gpu-agent in namespace gpu-agent,
+/// CRDs included) with `args`; its objects, or its stderr.
+fn helm_template(args: &[&str]) -> Result<Vec<Value>, String> {
+    let out = Command::new(helm())
+        .args(["template", RELEASE])
+        .arg(chart())
+        .args(["--namespace", NS, "--include-crds"])
+        .args(args)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(documents(
+        &String::from_utf8_lossy(&out.stdout),
+        &format!("helm template {args:?}"),
+    ))
+}
+
+fn render(args: &[&str]) -> Vec<Value> {
+    helm_template(args).unwrap_or_else(|e| panic!("helm template {args:?} failed:\n{e}"))
+}
+
+fn render_with(values: &Path) -> Vec<Value> {
+    render(&["-f", values.to_str().unwrap()])
+}
+
+fn kustomize(dir: &str) -> Vec<Value> {
+    let out = Command::new(kubectl())
+        .arg("kustomize")
+        .arg(repo().join(dir))
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", kubectl().display()));
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    documents(&String::from_utf8_lossy(&out.stdout), dir)
+}
+
+fn find<'a>(objs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objs.iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| {
+            panic!(
+                "no {kind} {name} among {:?}",
+                objs.iter()
+                    .map(|o| format!("{} {}", o["kind"], o["metadata"]["name"]))
+                    .collect::<Vec<_>>()
+            )
+        })
+}
+
+fn kinds(objs: &[Value]) -> BTreeSet<String> {
+    objs.iter()
+        .map(|o| o["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Schemas
+// ---------------------------------------------------------------------------
+
+/// Objects of these kinds have no schema among Kubernetes' own and are
+/// rendered only when asked for: the Prometheus Operator's ServiceMonitor
+/// (dcgmExporter.serviceMonitor.enabled; its CRD is not ours).
+const WITHOUT_SCHEMA: &[(&str, &str)] = &[("monitoring.coreos.com/v1", "ServiceMonitor")];
+
+/// Kinds that are not namespaced.
+const CLUSTER_SCOPED: &[&str] = &[
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "RuntimeClass",
+    "CustomResourceDefinition",
+    "ClusterPolicy",
+];
+
+/// The real schemas, plus the ClusterPolicy's from the CRD we ship (its
+/// metadata is an ObjectMeta, as the API server checks a custom resource's).
+fn schemas() -> BTreeMap<String, Value> {
+    let mut all = schema::load();
+    let mut cp = crd_file()["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone();
+    cp["properties"]["metadata"] =
+        json!({"$ref": "#/components/schemas/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"});
+    all.insert("com.nvidia.v1.ClusterPolicy".into(), cp);
+    all
+}
+
+/// Schema names by (apiVersion, kind), from the schemas' own
+/// x-kubernetes-group-version-kind.
+fn by_kind(all: &BTreeMap<String, Value>) -> BTreeMap<(String, String), String> {
+    let mut idx = BTreeMap::new();
+    for (name, s) in all {
+        for g in s["x-kubernetes-group-version-kind"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let (group, version, kind) = (
+                g["group"].as_str().unwrap_or(""),
+                g["version"].as_str().unwrap_or(""),
+                g["kind"].as_str().unwrap_or(""),
+            );
+            let api = if group.is_empty() {
+                version.to_string()
+            } else {
+                format!("{group}/{version}")
+            };
+            idx.entry((api, kind.to_string()))
+                .or_insert_with(|| name.clone());
+        }
+    }
+    idx.insert(
+        ("nvidia.com/v1".into(), "ClusterPolicy".into()),
+        "com.nvidia.v1.ClusterPolicy".into(),
+    );
+    idx
+}
+
+/// Checks every object; returns the schema-less ones it let through.
+fn check_objects(objs: &[Value], what: &str) -> Vec<String> {
+    let all = schemas();
+    let idx = by_kind(&all);
+    let mut errs = Vec::new();
+    let mut schemaless = Vec::new();
+    for o in objs {
+        let (api, kind) = (
+            o["apiVersion"].as_str().unwrap_or("").to_string(),
+            o["kind"].as_str().unwrap_or("").to_string(),
+        );
+        let name = o["metadata"]["name"].as_str().unwrap_or("?");
+        let id = format!("{kind} {name}");
+        let namespaced = !CLUSTER_SCOPED.contains(&kind.as_str());
+        match (namespaced, o["metadata"]["namespace"].as_str()) {
+            (true, None) => errs.push(format!("{id}: namespaced but names no namespace")),
+            (false, Some(ns)) => errs.push(format!("{id}: cluster-scoped but in {ns}")),
+            _ => {}
+        }
+        match idx.get(&(api.clone(), kind.clone())) {
+            Some(s) => errs.extend(
+                schema::check(&all, s, o, false)
+                    .into_iter()
+                    .map(|e| format!("{id}: {e}")),
+            ),
+            None if WITHOUT_SCHEMA.contains(&(api.as_str(), kind.as_str())) => schemaless.push(id),
+            None => errs.push(format!("{id}: no schema for {api} {kind}")),
+        }
+    }
+    assert!(errs.is_empty(), "{what}:\n{}", errs.join("\n"));
+    schemaless
+}
+
+fn crd_file() -> Value {
+    let p = repo().join("packaging/crds/nvidia.com_clusterpolicies.yaml");
+    serde_yaml_ng::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
+// ---------------------------------------------------------------------------
+// Pieces of the rendered objects
+// ---------------------------------------------------------------------------
+
+fn daemonset(objs: &[Value]) -> &Value {
+    find(objs, "DaemonSet", "gpu-agent")
+}
+
+fn pod_spec(workload: &Value) -> &Value {
+    &workload["spec"]["template"]["spec"]
+}
+
+fn container<'a>(workload: &'a Value, name: &str) -> &'a Value {
+    pod_spec(workload)["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn args(c: &Value) -> Vec<String> {
+    c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The value of `--flag=VALUE` in `args`.
+fn flag(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .find_map(|a| a.strip_prefix(&format!("{flag}=")).map(str::to_string))
+}
+
+fn mount<'a>(c: &'a Value, name: &str) -> &'a Value {
+    c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == name)
+        .unwrap_or_else(|| panic!("no volume mount {name}"))
+}
+
+fn volume<'a>(w: &'a Value, name: &str) -> &'a Value {
+    pod_spec(w)["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+/// The agents' policy file, as the ConfigMap holds it.
+fn policy_text(objs: &[Value]) -> String {
+    find(objs, "ConfigMap", "gpu-agent-policy")["data"]["policy.yaml"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The files the agent container sees from ConfigMap volumes: path in the
+/// container -> content (what the kubelet projects).
+fn projected_files(objs: &[Value]) -> BTreeMap<String, String> {
+    let ds = daemonset(objs);
+    let c = container(ds, "gpu-agent");
+    let mut files = BTreeMap::new();
+    for m in c["volumeMounts"].as_array().unwrap() {
+        let v = volume(ds, m["name"].as_str().unwrap());
+        let Some(cm) = v["configMap"]["name"].as_str() else {
+            continue;
+        };
+        let Some(obj) = objs
+            .iter()
+            .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == cm)
+        else {
+            // An existing ConfigMap of the user's: nothing to project here.
+            continue;
+        };
+        for (k, val) in obj["data"].as_object().unwrap() {
+            files.insert(
+                format!("{}/{k}", m["mountPath"].as_str().unwrap()),
+                val.as_str().unwrap().to_string(),
+            );
+        }
+    }
+    files
+}
+
+/// `gpu-agent policy check --effective` of the chart's policy, run with the
+/// ConfigMaps' files where the DaemonSet mounts them (under a temp root:
+/// the policy's container paths are moved there, each one checked to be a
+/// projected file first). Returns the effective policy.
+fn agent_reads_policy(objs: &[Value]) -> Value {
+    let dir = tempfile::tempdir().unwrap();
+    let files = projected_files(objs);
+    for (path, text) in &files {
+        let p = dir.path().join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+    }
+    let mut policy: Value = serde_yaml_ng::from_str(&policy_text(objs)).unwrap();
+    for ptr in [
+        "/spec/devicePlugin/config/file",
+        "/spec/migManager/config/file",
+        "/spec/dcgmExporter/config",
+    ] {
+        if let Some(v) = policy.pointer_mut(ptr) {
+            let path = v.as_str().unwrap().to_string();
+            assert!(
+                files.contains_key(&path),
+                "the policy's {ptr} is {path}, which no ConfigMap of the chart projects into the agent (it has {:?})",
+                files.keys().collect::<Vec<_>>()
+            );
+            *v = json!(
+                dir.path()
+                    .join(path.trim_start_matches('/'))
+                    .display()
+                    .to_string()
+            );
+        }
+    }
+    let file = dir.path().join("policy.yaml");
+    std::fs::write(&file, serde_yaml_ng::to_string(&policy).unwrap()).unwrap();
+    let out = Command::new(common::agent_bin())
+        .args(["policy", "check", "--effective"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "gpu-agent refuses the chart's policy:\n{}\n{}\npolicy:\n{}",
+        stdout,
+        String::from_utf8_lossy(&out.stderr),
+        policy_text(objs)
+    );
+    let effective = stdout
+        .split_once("\n---\n")
+        .map(|(_, y)| y)
+        .unwrap_or_else(|| panic!("no effective policy in:\n{stdout}"));
+    serde_yaml_ng::from_str(effective).unwrap()
+}
+
+/// Whether `tolerations` let a pod on a node with `taint` (the scheduler's
+/// rule: key, effect, and Exists or Equal value).
+fn tolerates(tolerations: &Value, taint: &Value) -> bool {
+    tolerations.as_array().into_iter().flatten().any(|t| {
+        let key_ok = (t["key"].is_null() && t["operator"] == "Exists") || t["key"] == taint["key"];
+        let effect_ok = t["effect"].is_null() || t["effect"] == taint["effect"];
+        let value_ok = match t["operator"].as_str().unwrap_or("Equal") {
+            "Exists" => true,
+            _ => t["value"].as_str().unwrap_or("") == taint["value"].as_str().unwrap_or(""),
+        };
+        key_ok && effect_ok && value_ok
+    })
+}
+
+// ---------------------------------------------------------------------------
+// The chart
+// ---------------------------------------------------------------------------
+
+#[test]
+fn helm_lints_the_chart_with_every_values_file() {
+    for values in [None, Some(eks_values()), Some(operator_values())] {
+        let mut cmd = Command::new(helm());
+        cmd.args(["lint", "--strict"])
+            .arg(chart())
+            .args(["--namespace", NS]);
+        if let Some(v) = &values {
+            cmd.arg("-f").arg(v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "helm lint --strict ({values:?}):\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn every_rendered_object_is_what_an_api_server_takes() {
+    let default = render(&[]);
+    assert!(
+        check_objects(&default, "default values").is_empty(),
+        "nothing schema-less by default"
+    );
+    assert_eq!(
+        kinds(&default),
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ConfigMap",
+            "CustomResourceDefinition",
+            "DaemonSet",
+            "Deployment",
+            "PodDisruptionBudget",
+            "Role",
+            "RoleBinding",
+            "RuntimeClass",
+            "Secret",
+            "Service",
+            "ServiceAccount",
+        ]
+        .map(String::from)
+        .into(),
+    );
+    assert!(check_objects(&render_with(&eks_values()), "values-eks.yaml").is_empty());
+    let op = render_with(&operator_values());
+    assert_eq!(
+        check_objects(&op, "operator-values.yaml"),
+        vec!["ServiceMonitor gpu-agent".to_string()],
+        "the ServiceMonitor is the one object without a schema, and only when asked for"
+    );
+    for o in &op {
+        assert!(
+            o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "gpu-agent",
+            "{} {} carries the chart's labels",
+            o["kind"],
+            o["metadata"]["name"]
+        );
+    }
+    // The ServiceMonitor scrapes the metrics Service's named port, in its
+    // namespace, by the Service's labels.
+    let sm = find(&op, "ServiceMonitor", "gpu-agent");
+    let svc = find(&op, "Service", "gpu-agent-metrics");
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "label {k}");
+    }
+    assert_eq!(sm["spec"]["namespaceSelector"]["matchNames"], json!([NS]));
+    assert_eq!(
+        sm["spec"]["endpoints"][0]["port"],
+        svc["spec"]["ports"][0]["name"]
+    );
+    assert_eq!(sm["spec"]["endpoints"][0]["interval"], "30s");
+    assert_eq!(sm["metadata"]["labels"]["release"], "prometheus");
+    // The metrics Service selects the agents' pods and their metrics port.
+    let ds = daemonset(&op);
+    for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(&ds["spec"]["template"]["metadata"]["labels"][k], v);
+    }
+    assert_eq!(svc["spec"]["clusterIP"], "None");
+    assert_eq!(
+        container(ds, "gpu-agent")["ports"][0]["name"],
+        svc["spec"]["ports"][0]["targetPort"]
+    );
+}
+
+#[test]
+fn the_agent_daemonset_is_privileged_with_the_host_at_slash_host() {
+    let objs = render(&[]);
+    let ds = daemonset(&objs);
+    let spec = pod_spec(ds);
+    let c = container(ds, "gpu-agent");
+    assert_eq!(c["securityContext"]["privileged"], true);
+    assert_eq!(spec["priorityClassName"], "system-node-critical");
+    assert_eq!(spec["hostPID"], true);
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    // The host's / at /host, later host mounts propagating in.
+    let host = mount(c, "host-root");
+    assert_eq!(host["mountPath"], "/host");
+    assert_eq!(host["mountPropagation"], "HostToContainer");
+    assert_eq!(volume(ds, "host-root")["hostPath"]["path"], "/");
+    let a = args(c);
+    assert_eq!(flag(&a, "--host-root").as_deref(), Some("/host"));
+    assert_eq!(c["command"], json!(["/usr/bin/gpu-agent"]));
+    // The kubelet's directories where the agent looks under /host.
+    for (vol, dir) in [
+        ("kubelet-device-plugins", "device-plugins"),
+        ("kubelet-pod-resources", "pod-resources"),
+    ] {
+        assert_eq!(
+            mount(c, vol)["mountPath"],
+            format!("/host/var/lib/kubelet/{dir}")
+        );
+        assert_eq!(
+            volume(ds, vol)["hostPath"]["path"],
+            format!("/var/lib/kubelet/{dir}")
+        );
+    }
+    // Readiness is the agent's validation.
+    assert_eq!(
+        c["readinessProbe"]["exec"]["command"],
+        json!([
+            "/usr/bin/gpu-agent",
+            "--host-root=/host",
+            "status",
+            "--ready"
+        ])
+    );
+    // One node at a time, never two agents on one node.
+    let us = &ds["spec"]["updateStrategy"];
+    assert_eq!(us["type"], "RollingUpdate");
+    assert_eq!(us["rollingUpdate"]["maxUnavailable"], 1);
+    assert_eq!(us["rollingUpdate"]["maxSurge"], 0);
+    assert_eq!(spec["terminationGracePeriodSeconds"], 30);
+    // The GPU taint is tolerated, whatever its value.
+    for value in ["present", "true", ""] {
+        let taint = json!({"key": "nvidia.com/gpu", "value": value, "effect": "NoSchedule"});
+        assert!(tolerates(&spec["tolerations"], &taint), "{taint}");
+    }
+    // The policy is the ConfigMap, mounted whole (its updates reach the agent).
+    let pm = mount(c, "policy");
+    assert!(pm.get("subPath").is_none());
+    assert_eq!(
+        flag(&a, "--policy").as_deref(),
+        Some(&*format!(
+            "{}/policy.yaml",
+            pm["mountPath"].as_str().unwrap()
+        ))
+    );
+    assert_eq!(
+        volume(ds, "policy")["configMap"]["name"],
+        "gpu-agent-policy"
+    );
+    // The metrics port is the one the policy listens on.
+    let effective = agent_reads_policy(&objs);
+    assert_eq!(
+        effective["spec"]["dcgmExporter"]["listen"],
+        format!(":{}", c["ports"][0]["containerPort"])
+    );
+    // The image is the chart's appVersion, the workspace's version.
+    let cargo = std::fs::read_to_string(repo().join("Cargo.toml")).unwrap();
+    let version = cargo
+        .lines()
+        .skip_while(|l| *l != "[workspace.package]")
+        .find_map(|l| l.strip_prefix("version = \""))
+        .unwrap()
+        .trim_end_matches('"');
+    assert_eq!(c["image"], format!("ghcr.io/gpu-agent/gpu-agent:{version}"));
+}
+
+#[test]
+fn agents_reach_the_controller_with_a_token_and_the_ca_only() {
+    let objs = render(&[]);
+    let ds = daemonset(&objs);
+    let c = container(ds, "gpu-agent");
+    let a = args(c);
+    // The URL is the controller's Service, in this namespace, on its port.
+    let svc = find(&objs, "Service", "gpu-controller");
+    let grpc = svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "grpc")
+        .unwrap();
+    assert_eq!(
+        flag(&a, "--controller").unwrap(),
+        format!("https://gpu-controller.{NS}.svc:{}", grpc["port"])
+    );
+    let dep = find(&objs, "Deployment", "gpu-controller");
+    let cc = container(dep, "gpu-controller");
+    let ca = args(cc);
+    assert_eq!(
+        flag(&ca, "--listen").unwrap(),
+        format!("0.0.0.0:{}", grpc["port"])
+    );
+    for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(&dep["spec"]["template"]["metadata"]["labels"][k], v);
+    }
+    // The token: projected, for the audience the controller reviews, at the
+    // path given to the agent.
+    let token = &volume(ds, "controller-token")["projected"]["sources"][0]["serviceAccountToken"];
+    assert_eq!(
+        token["audience"],
+        gpu_agent_proto::report::v1::TOKEN_AUDIENCE
+    );
+    assert_eq!(
+        flag(&a, "--token-file").unwrap(),
+        format!(
+            "{}/{}",
+            mount(c, "controller-token")["mountPath"].as_str().unwrap(),
+            token["path"].as_str().unwrap()
+        )
+    );
+    // The CA: only ca.crt of the controller's Secret, never its key.
+    let cav = &volume(ds, "controller-ca")["secret"];
+    assert_eq!(cav["items"], json!([{"key": "ca.crt", "path": "ca.crt"}]));
+    assert_eq!(
+        flag(&a, "--controller-ca").unwrap(),
+        format!(
+            "{}/ca.crt",
+            mount(c, "controller-ca")["mountPath"].as_str().unwrap()
+        )
+    );
+    let tls_vol = &volume(dep, "tls")["secret"];
+    assert_eq!(cav["secretName"], tls_vol["secretName"]);
+    // The controller lets in the agents' account only.
+    assert_eq!(
+        flag(&ca, "--agent-service-account").unwrap(),
+        format!(
+            "{NS}:{}",
+            pod_spec(ds)["serviceAccountName"].as_str().unwrap()
+        )
+    );
+    let sa = find(&objs, "ServiceAccount", "gpu-agent");
+    assert_eq!(sa["automountServiceAccountToken"], false);
+    // Leader election in the pod's namespace, under the pod's name.
+    let env: BTreeMap<&str, &Value> = cc["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap(),
+                &e["valueFrom"]["fieldRef"]["fieldPath"],
+            )
+        })
+        .collect();
+    assert_eq!(env["POD_NAMESPACE"], "metadata.namespace");
+    assert_eq!(env["POD_NAME"], "metadata.name");
+    assert_eq!(dep["spec"]["replicas"], 2);
+    // Readiness is the process's health, not leadership (see the template).
+    assert_eq!(cc["readinessProbe"]["httpGet"]["path"], "/healthz");
+    // A disruption budget that takes one replica at a time and never holds
+    // a drain up on a crashing one.
+    let pdb = find(&objs, "PodDisruptionBudget", "gpu-controller");
+    assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+    assert_eq!(pdb["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
+    assert_eq!(
+        pdb["spec"]["selector"]["matchLabels"],
+        dep["spec"]["selector"]["matchLabels"]
+    );
+    // Without a controller the agents are told of none.
+    let alone = render(&["--set", "controller.enabled=false"]);
+    let a = args(container(daemonset(&alone), "gpu-agent"));
+    assert!(flag(&a, "--controller").is_none(), "{a:?}");
+    assert!(!kinds(&alone).contains("Deployment"));
+    assert!(!kinds(&alone).contains("ClusterRole"));
+    check_objects(&alone, "controller.enabled=false");
+}
+
+#[test]
+fn eks_values_leave_the_amis_driver_and_toolkit_and_tolerate_its_taint() {
+    let objs = render_with(&eks_values());
+    let effective = agent_reads_policy(&objs);
+    assert_eq!(effective["spec"]["driver"]["enabled"], false);
+    assert_eq!(effective["spec"]["toolkit"]["enabled"], false);
+    assert_eq!(
+        effective["spec"]["operator"]["defaultRuntime"],
+        "containerd"
+    );
+    let spec = pod_spec(daemonset(&objs));
+    let taint = json!({"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"});
+    assert!(
+        tolerates(&spec["tolerations"], &taint),
+        "{}",
+        spec["tolerations"]
+    );
+    assert!(
+        spec.get("affinity").is_none(),
+        "EKS node groups carry no GPU label: no node affinity ({})",
+        spec["affinity"]
+    );
+    // The default values keep both on.
+    let default = agent_reads_policy(&render(&[]));
+    assert_eq!(default["spec"]["driver"]["enabled"], true);
+    assert_eq!(default["spec"]["toolkit"]["enabled"], true);
+}
+
+#[test]
+fn gpu_operator_value_keys_mean_the_same_in_the_agents_policy() {
+    let objs = render_with(&operator_values());
+    let effective = agent_reads_policy(&objs);
+    let s = &effective["spec"];
+    assert_eq!(s["driver"]["enabled"], true);
+    assert_eq!(s["driver"]["version"], "560.35.03");
+    assert_eq!(
+        s["driver"]["useOpenKernelModules"], true,
+        "kernelModuleType: open"
+    );
+    assert_eq!(s["toolkit"]["enabled"], true);
+    assert_eq!(s["cdi"]["default"], true);
+    assert_eq!(s["mig"]["strategy"], "mixed");
+    assert_eq!(s["gfd"]["enabled"], false);
+    assert_eq!(s["operator"]["defaultRuntime"], "containerd");
+    assert_eq!(s["operator"]["runtimeClass"], "nvidia");
+    // devicePlugin.config: the ConfigMap made from data, its default entry
+    // read by the agent where the DaemonSet mounts it.
+    let dp = &s["devicePlugin"]["config"];
+    assert_eq!(dp["name"], "time-slicing-config");
+    assert_eq!(dp["default"], "any");
+    let cm = find(&objs, "ConfigMap", "time-slicing-config");
+    assert!(cm["data"]["any"].as_str().unwrap().contains("timeSlicing"));
+    let files = projected_files(&objs);
+    assert_eq!(
+        files["/etc/gpu-agent/device-plugin/any"],
+        cm["data"]["any"].as_str().unwrap()
+    );
+    // migManager.config: the layouts' ConfigMap (key config.yaml) and the
+    // default layout.
+    let mm = &s["migManager"];
+    assert_eq!(mm["config"]["default"], "all-balanced");
+    assert_eq!(mm["config"]["name"], "custom-mig-parted-config");
+    assert!(files["/etc/gpu-agent/mig-parted/config.yaml"].contains("all-balanced:"));
+    // dcgmExporter.config: the counters file.
+    assert!(
+        files["/etc/gpu-agent/dcgm-exporter/dcgm-metrics.csv"]
+            .contains("DCGM_FI_DEV_SM_CLOCK, gauge")
+    );
+    // daemonsets.*, nodeSelector, hostPaths.kubeletRootDir.
+    let ds = daemonset(&objs);
+    let spec = pod_spec(ds);
+    let taint = json!({"key": "dedicated", "value": "gpu", "effect": "NoSchedule"});
+    assert!(tolerates(&spec["tolerations"], &taint));
+    assert!(!tolerates(
+        &spec["tolerations"],
+        &json!({"key": "dedicated", "value": "cpu", "effect": "NoSchedule"})
+    ));
+    assert_eq!(
+        spec["nodeSelector"],
+        json!({"nvidia.com/gpu.deploy.operands": "true"})
+    );
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["labels"]["team"],
+        "ml-platform"
+    );
+    assert_eq!(
+        ds["spec"]["template"]["metadata"]["annotations"]["example.com/owner"],
+        "ml-platform"
+    );
+    assert_eq!(
+        ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"],
+        "10%"
+    );
+    assert_eq!(
+        volume(ds, "kubelet-device-plugins")["hostPath"]["path"],
+        "/var/snap/microk8s/common/var/lib/kubelet/device-plugins"
+    );
+    assert_eq!(
+        mount(container(ds, "gpu-agent"), "kubelet-device-plugins")["mountPath"],
+        "/host/var/lib/kubelet/device-plugins"
+    );
+    // clusterPolicy.deployCR: the same policy as a ClusterPolicy, with the
+    // rollout the controller reads (and agents are not sent).
+    let cp = find(&objs, "ClusterPolicy", "cluster-policy");
+    let up = gpu_controller::upgrade::UpgradePolicy::from_spec(&cp["spec"])
+        .unwrap_or_else(|e| panic!("the controller refuses the rendered upgradePolicy: {e}"));
+    assert!(up.auto_upgrade);
+    let mut spec_only = cp["spec"].clone();
+    spec_only["driver"]
+        .as_object_mut()
+        .unwrap()
+        .remove("upgradePolicy");
+    let policy: Value = serde_yaml_ng::from_str(&policy_text(&objs)).unwrap();
+    assert_eq!(
+        spec_only, policy["spec"],
+        "the ClusterPolicy and the ConfigMap say the same"
+    );
+    let dep = find(&objs, "Deployment", "gpu-controller");
+    assert_eq!(
+        flag(&args(container(dep, "gpu-controller")), "--cluster-policy").unwrap(),
+        "cluster-policy"
+    );
+    // agent.policy adds and overrides any key of the policy.
+    let over = render(&[
+        "-f",
+        operator_values().to_str().unwrap(),
+        "--set",
+        "agent.policy.health.recoverAfterSeconds=0",
+        "--set",
+        "agent.policy.driver.enabled=false",
+    ]);
+    let e = agent_reads_policy(&over);
+    assert_eq!(e["spec"]["health"]["recoverAfterSeconds"], 0);
+    assert_eq!(e["spec"]["driver"]["enabled"], false);
+    assert_eq!(e["spec"]["driver"]["version"], "560.35.03");
+}
+
+#[test]
+fn the_runtime_class_is_the_runtime_the_agent_adds() {
+    for args in [&[][..], &["--set", "operator.runtimeClass=nvidia-cdi"][..]] {
+        let objs = render(args);
+        let effective = agent_reads_policy(&objs);
+        let name = effective["spec"]["operator"]["runtimeClass"]
+            .as_str()
+            .unwrap();
+        let rc = find(&objs, "RuntimeClass", name);
+        assert_eq!(rc["handler"], name, "{args:?}");
+    }
+    let none = render(&["--set", "runtimeClass.create=false"]);
+    assert!(!kinds(&none).contains("RuntimeClass"));
+}
+
+#[test]
+fn bad_values_are_refused_naming_the_key() {
+    let cases: &[(&[&str], &str)] = &[
+        // An operator key gpu-agent does not take is not silently ignored.
+        (
+            &["--set", "driver.repository=nvcr.io/nvidia"],
+            "at '/driver': additional properties 'repository' not allowed",
+        ),
+        (&["--set", "mig.strategy=bogus"], "/mig/strategy"),
+        (
+            &["--set", "controller.tls.mode=self"],
+            "/controller/tls/mode",
+        ),
+        (
+            &["--set", "driver.kernelModuleType=closed"],
+            "/driver/kernelModuleType",
+        ),
+        (
+            &[
+                "--set",
+                "devicePlugin.config.create=true",
+                "--set",
+                "devicePlugin.config.name=x",
+            ],
+            "devicePlugin.config.data:",
+        ),
+        (
+            &[
+                "--set",
+                "devicePlugin.config.create=true",
+                "--set-string",
+                "devicePlugin.config.data.a=version: v1",
+                "--set-string",
+                "devicePlugin.config.data.b=version: v1",
+            ],
+            "devicePlugin.config.default:",
+        ),
+        (
+            &[
+                "--set",
+                "devicePlugin.config.create=true",
+                "--set",
+                "devicePlugin.config.default=c",
+                "--set-string",
+                "devicePlugin.config.data.a=version: v1",
+            ],
+            "devicePlugin.config.default: \"c\" is not an entry of devicePlugin.config.data (it has: a)",
+        ),
+        (
+            &["--set", "migManager.config.create=true"],
+            "migManager.config.data:",
+        ),
+        (
+            &["--set", "driver.upgradePolicy.autoUpgrade=true"],
+            "driver.upgradePolicy:",
+        ),
+        (
+            &[
+                "--set",
+                "dcgmExporter.serviceMonitor.enabled=true",
+                "--set",
+                "dcgmExporter.enabled=false",
+            ],
+            "dcgmExporter.serviceMonitor.enabled:",
+        ),
+    ];
+    for (args, want) in cases {
+        match helm_template(args) {
+            Ok(_) => panic!("helm template {args:?} rendered; it should have been refused"),
+            Err(e) => assert!(
+                e.contains(want),
+                "helm template {args:?}: {want:?} not in:\n{e}"
+            ),
+        }
+    }
+    // One entry is the default when none is named.
+    let one = render(&[
+        "--set",
+        "devicePlugin.config.create=true",
+        "--set-string",
+        "devicePlugin.config.data.only=version: v1",
+    ]);
+    let p: Value = serde_yaml_ng::from_str(&policy_text(&one)).unwrap();
+    assert_eq!(p["spec"]["devicePlugin"]["config"]["default"], "only");
+}
+
+#[test]
+fn the_cluster_policy_crd_is_one_file_shipped_by_both() {
+    let crd = crd_file();
+    let from_helm = render(&[]);
+    assert_eq!(
+        find(
+            &from_helm,
+            "CustomResourceDefinition",
+            "clusterpolicies.nvidia.com"
+        ),
+        &crd
+    );
+    let from_kustomize = kustomize("packaging/kustomize/base");
+    assert_eq!(
+        find(
+            &from_kustomize,
+            "CustomResourceDefinition",
+            "clusterpolicies.nvidia.com"
+        ),
+        &crd
+    );
+    // The chart's crds/ entry is the file itself, not a copy.
+    let link = chart().join("crds/nvidia.com_clusterpolicies.yaml");
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "{} is a link to packaging/crds",
+        link.display()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// kustomize = the chart
+// ---------------------------------------------------------------------------
+
+/// An object as compared between the chart and kustomize: without Helm's
+/// own labels; ConfigMap YAML entries parsed.
+fn normalized(o: &Value) -> Value {
+    let mut o = o.clone();
+    for ptr in ["/metadata/labels", "/spec/template/metadata/labels"] {
+        if let Some(l) = o.pointer_mut(ptr).and_then(Value::as_object_mut) {
+            l.remove("helm.sh/chart");
+            l.remove("app.kubernetes.io/managed-by");
+        }
+    }
+    if o["kind"] == "ConfigMap"
+        && let Some(data) = o["data"].as_object_mut()
+    {
+        for (k, v) in data.iter_mut() {
+            if k.ends_with(".yaml") {
+                *v = serde_yaml_ng::from_str(v.as_str().unwrap()).unwrap();
+            }
+        }
+    }
+    o
+}
+
+fn by_id(objs: &[Value]) -> BTreeMap<String, Value> {
+    objs.iter()
+        .map(|o| {
+            (
+                format!(
+                    "{} {}/{}",
+                    o["kind"].as_str().unwrap(),
+                    o["metadata"]["namespace"].as_str().unwrap_or(""),
+                    o["metadata"]["name"].as_str().unwrap()
+                ),
+                normalized(o),
+            )
+        })
+        .collect()
+}
+
+fn assert_same(chart: &[Value], kustomized: &[Value], what: &str) {
+    let (h, mut k) = (by_id(chart), by_id(kustomized));
+    // The base makes the namespace (with its Pod Security labels); Helm's is
+    // made by `--create-namespace` or by you.
+    let ns = k
+        .remove(&format!("Namespace /{NS}"))
+        .expect("the base makes the namespace");
+    assert_eq!(
+        ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "privileged"
+    );
+    assert_eq!(
+        h.keys().collect::<Vec<_>>(),
+        k.keys().collect::<Vec<_>>(),
+        "{what}: the same objects"
+    );
+    for (id, ho) in &h {
+        assert!(
+            ho == &k[id],
+            "{what}: {id} differs\nchart:\n{}\nkustomize:\n{}",
+            serde_json::to_string_pretty(ho).unwrap(),
+            serde_json::to_string_pretty(&k[id]).unwrap()
+        );
+    }
+}
+
+#[test]
+fn the_kustomize_base_and_eks_overlay_are_the_chart_rendered() {
+    let base = kustomize("packaging/kustomize/base");
+    assert!(check_objects(&base, "kustomize base").is_empty());
+    // The base's TLS Secret is the user's to make: the chart's "secret" mode.
+    let chart = render(&["--set", "controller.tls.mode=secret"]);
+    assert!(!kinds(&chart).contains("Secret"));
+    assert_same(&chart, &base, "base");
+    let eks = kustomize("packaging/kustomize/overlays/eks");
+    assert!(check_objects(&eks, "kustomize overlays/eks").is_empty());
+    let chart_eks = render(&[
+        "-f",
+        eks_values().to_str().unwrap(),
+        "--set",
+        "controller.tls.mode=secret",
+    ]);
+    assert_same(&chart_eks, &eks, "overlays/eks");
+}
+
+// ---------------------------------------------------------------------------
+// The chart's certificate, served by the real controller
+// ---------------------------------------------------------------------------
+
+/// Standard base64 (RFC 4648), as Secret data is written.
+fn base64_decode(s: &str) -> Vec<u8> {
+    let val = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => (c - b'A') as u32,
+            b'a'..=b'z' => (c - b'a') as u32 + 26,
+            b'0'..=b'9' => (c - b'0') as u32 + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => panic!("not base64: {c:?}"),
+        }
+    };
+    let bytes: Vec<u8> = s.bytes().filter(|c| !c.is_ascii_whitespace()).collect();
+    let mut out = Vec::new();
+    for chunk in bytes.chunks(4) {
+        let pad = chunk.iter().filter(|c| **c == b'=').count();
+        let mut n = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            n |= if *c == b'=' { 0 } else { val(*c) } << (18 - 6 * i);
+        }
+        let three = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&three[..3 - pad]);
+    }
+    out
+}
+
+/// gpu-controller run with the rendered Deployment's arguments, but
+/// listening on loopback, with `tls` (cert, key) and the API server `api`.
+fn controller_as_rendered(
+    dep: &Value,
+    api: &MockApi,
+    dir: &Path,
+    tls: (&Path, &Path),
+    env: &[(&str, &str)],
+) -> (Proc, u16) {
+    let c = container(dep, "gpu-controller");
+    let port = common::free_port();
+    let mut argv: Vec<String> = args(c)
+        .into_iter()
+        .filter(|a| {
+            !["--listen=", "--http-listen=", "--tls-cert=", "--tls-key="]
+                .iter()
+                .any(|p| a.starts_with(p))
+        })
+        .collect();
+    argv.extend([
+        format!("--listen=127.0.0.1:{port}"),
+        "--http-listen=off".into(),
+        format!("--tls-cert={}", tls.0.display()),
+        format!("--tls-key={}", tls.1.display()),
+    ]);
+    let log = dir.join("controller.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+        .args(&argv)
+        .env("KUBECONFIG", api.kubeconfig(dir))
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let p = Proc { child, log };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "gpu-controller never listened:\n{}",
+            p.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (p, port)
+}
+
+/// Opens a report stream over TLS to `port`, trusting `ca`, checking the
+/// certificate for `name`; the status the controller answers with.
+async fn dial(port: u16, ca: &[u8], name: &str, token: &str) -> Result<(), String> {
+    use gpu_agent_proto::report::v1 as pb;
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name(name);
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {}", gpu_controller::error_chain(&e)))?;
+    let hello = pb::AgentMessage {
+        seq: 1,
+        body: Some(pb::agent_message::Body::Hello(pb::Hello {
+            node_name: "gpu-node-1".into(),
+            ..Default::default()
+        })),
+    };
+    let mut req = tonic::Request::new(tokio_stream::iter(vec![hello]));
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    pb::report_client::ReportClient::new(channel)
+        .attach(req)
+        .await
+        .map(|_| ())
+        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+}
+
+#[test]
+fn the_controller_serves_agents_with_the_charts_certificate() {
+    let objs = render(&[]);
+    let secret = find(&objs, "Secret", "gpu-controller-tls");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    let dir = tempfile::tempdir().unwrap();
+    let file = |key: &str| {
+        let p = dir.path().join(key);
+        std::fs::write(&p, base64_decode(secret["data"][key].as_str().unwrap())).unwrap();
+        p
+    };
+    let (cert, key, ca) = (file("tls.crt"), file("tls.key"), file("ca.crt"));
+    let ca = std::fs::read(ca).unwrap();
+    let ds = daemonset(&objs);
+    let url = flag(&args(container(ds, "gpu-agent")), "--controller").unwrap();
+    let host = url
+        .strip_prefix("https://")
+        .and_then(|u| u.split(':').next())
+        .unwrap()
+        .to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    let dep = find(&objs, "Deployment", "gpu-controller");
+    let (mut controller, port) = controller_as_rendered(dep, &api, dir.path(), (&cert, &key), &[]);
+    // The handshake holds for the name agents dial; the controller then
+    // asks the API server about the token (unknown there: refused).
+    let got = rt.block_on(dial(port, &ca, &host, "not-a-known-token"));
+    assert_eq!(
+        got,
+        Err(
+            "Unauthenticated: the API server did not authenticate the token: invalid bearer token"
+                .into()
+        ),
+        "{}",
+        controller.log()
+    );
+    // The Service's other names are in the certificate too; a name it does
+    // not carry is refused by the client's TLS.
+    for name in [
+        format!("gpu-controller.{NS}.svc.cluster.local"),
+        format!("gpu-controller.{NS}"),
+    ] {
+        let got = rt.block_on(dial(port, &ca, &name, "x"));
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.starts_with("Unauthenticated")),
+            "{name}: {got:?}"
+        );
+    }
+    let got = rt.block_on(dial(port, &ca, "gpu-controller.elsewhere.svc", "x"));
+    assert!(
+        got.as_ref().is_err_and(|e| e.starts_with("connect:")),
+        "{got:?}"
+    );
+    controller.term();
+    // A new render makes a new CA (no cluster to find the Secret in), so
+    // the checksum that restarts the controller moves with it.
+    let again = render(&[]);
+    let sum = |o: &[Value]| {
+        find(o, "Deployment", "gpu-controller")["spec"]["template"]["metadata"]["annotations"]
+            ["checksum/tls"]
+            .clone()
+    };
+    assert_ne!(sum(&objs), sum(&again));
+}
+
+// ---------------------------------------------------------------------------
+// RBAC: what the controller does, and no more
+// ---------------------------------------------------------------------------
+
+/// A request as the API server's authorizer sees it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Attributes {
+    verb: String,
+    group: String,
+    /// With its subresource: `pods/eviction`.
+    resource: String,
+    namespace: Option<String>,
+    name: Option<String>,
+}
+
+/// The authorizer's attributes of a request (its RequestInfo rules).
+fn attributes(method: &str, uri: &str) -> Attributes {
+    let (path, query) = uri.split_once('?').unwrap_or((uri, ""));
+    let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, mut rest) = match segs.first() {
+        Some(&"api") => ("", &segs[2..]),
+        Some(&"apis") => (segs[1], &segs[3..]),
+        _ => panic!("not an API resource request: {method} {uri}"),
+    };
+    let mut namespace = None;
+    if rest.first() == Some(&"namespaces") && rest.len() >= 3 {
+        namespace = Some(rest[1].to_string());
+        rest = &rest[2..];
+    }
+    let name = rest.get(1).map(|s| s.to_string());
+    let resource = match rest.get(2) {
+        Some(sub) => format!("{}/{sub}", rest[0]),
+        None => rest[0].to_string(),
+    };
+    let watch = query
+        .split('&')
+        .any(|kv| kv == "watch=true" || kv == "watch=1");
+    let verb = match (method, name.is_some()) {
+        ("GET", _) if watch => "watch",
+        ("GET", true) => "get",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        _ => panic!("method {method}"),
+    };
+    Attributes {
+        verb: verb.into(),
+        group: group.into(),
+        resource,
+        namespace,
+        name,
+    }
+}
+
+/// One rule of a (Cluster)Role as granted to the controller: where it holds
+/// (a Role's namespace; None: everywhere, from a ClusterRole).
+#[derive(Debug)]
+struct Grant {
+    role: String,
+    namespace: Option<String>,
+    rule: Value,
+}
+
+/// The rules bound to `namespace/account` by the rendered bindings.
+fn grants(objs: &[Value], namespace: &str, account: &str) -> Vec<Grant> {
+    let mut out = Vec::new();
+    for b in objs
+        .iter()
+        .filter(|o| o["kind"] == "ClusterRoleBinding" || o["kind"] == "RoleBinding")
+    {
+        let bound = b["subjects"].as_array().unwrap().iter().any(|s| {
+            s["kind"] == "ServiceAccount" && s["name"] == account && s["namespace"] == namespace
+        });
+        if !bound {
+            continue;
+        }
+        let role = find(
+            objs,
+            b["roleRef"]["kind"].as_str().unwrap(),
+            b["roleRef"]["name"].as_str().unwrap(),
+        );
+        assert_eq!(b["roleRef"]["apiGroup"], "rbac.authorization.k8s.io");
+        let ns = (b["kind"] == "RoleBinding").then(|| {
+            let ns = b["metadata"]["namespace"].as_str().unwrap().to_string();
+            assert_eq!(
+                role["metadata"]["namespace"],
+                ns.as_str(),
+                "a RoleBinding's Role is in its namespace"
+            );
+            ns
+        });
+        for rule in role["rules"].as_array().unwrap() {
+            out.push(Grant {
+                role: format!("{} {}", role["kind"], role["metadata"]["name"]),
+                namespace: ns.clone(),
+                rule: rule.clone(),
+            });
+        }
+    }
+    out
+}
+
+fn has(list: &Value, item: &str) -> bool {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .any(|v| v == item || v == "*")
+}
+
+/// Whether the grant allows `a` (RBAC's rule matching: group, resource with
+/// subresource, verb, resourceNames; a Role only in its namespace).
+fn allows(g: &Grant, a: &Attributes) -> bool {
+    if let Some(ns) = &g.namespace
+        && a.namespace.as_deref() != Some(ns.as_str())
+    {
+        return false;
+    }
+    let names = g.rule["resourceNames"].as_array();
+    has(&g.rule["apiGroups"], &a.group)
+        && has(&g.rule["resources"], &a.resource)
+        && has(&g.rule["verbs"], &a.verb)
+        && names.is_none_or(|n| {
+            n.is_empty() || a.name.as_ref().is_some_and(|x| n.iter().any(|v| v == x))
+        })
+}
+
+/// A GPU pod a ReplicaSet runs on `node`.
+fn gpu_pod(node: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "labels": {"app": "train"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "train", "uid": "u-1", "controller": true}],
+        },
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "main", "image": "cuda:12", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+        },
+        "status": {"phase": "Running"},
+    })
+}
+
+#[test]
+fn the_controller_rbac_allows_what_it_does_and_no_more() {
+    let objs = render_with(&operator_values());
+    let dep = find(&objs, "Deployment", "gpu-controller");
+    let account = pod_spec(dep)["serviceAccountName"].as_str().unwrap();
+    let granted = grants(&objs, NS, account);
+    for g in &granted {
+        for key in ["apiGroups", "resources", "verbs", "resourceNames"] {
+            assert!(
+                !g.rule[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|v| v == "*"),
+                "{}: no wildcards ({})",
+                g.role,
+                g.rule
+            );
+        }
+    }
+    // The Lease the roles name is the one the controller takes.
+    let lease = gpu_controller::lease::Election::new(NS, "x").name;
+    assert!(
+        granted
+            .iter()
+            .any(|g| g.rule["resourceNames"] == json!([lease]))
+    );
+
+    // The scene: a node with a MIG layout label, a GPU pod on it, the
+    // chart's ClusterPolicy with a driver rollout, and an agent (Python
+    // grpcio, not ours) that upgrades on the controller's go-ahead. The
+    // controller runs with the rendered arguments, as the pod it would be.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    let mut node = kubelet_node();
+    node["metadata"]["labels"]["nvidia.com/mig.config"] = json!("all-balanced");
+    api.add_node("py-node", node);
+    let agent_account = flag(
+        &args(container(dep, "gpu-controller")),
+        "--agent-service-account",
+    )
+    .unwrap();
+    api.add_token(
+        "py-token",
+        &format!("system:serviceaccount:{agent_account}"),
+        "py-node",
+    );
+    api.add_pod("ml", "train-py", gpu_pod("py-node"));
+    let cp = find(&objs, "ClusterPolicy", "cluster-policy");
+    let target = cp["spec"]["driver"]["version"].as_str().unwrap();
+    api.set_cluster_policy("cluster-policy", cp["spec"].clone());
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = common::certs(dir.path());
+    let (mut controller, port) = controller_as_rendered(
+        dep,
+        &api,
+        dir.path(),
+        (&cert, &key),
+        &[
+            ("POD_NAMESPACE", NS),
+            ("POD_NAME", "gpu-controller-7d9f-abcde"),
+        ],
+    );
+    let out = Command::new(common::python())
+        .arg(repo().join("tests/interop/report_client.py"))
+        .arg("--proto")
+        .arg(repo().join("proto/proto/report_v1.proto"))
+        .arg("--ca")
+        .arg(&ca)
+        .args([
+            "--target",
+            &format!("localhost:{port}"),
+            "--node",
+            "py-node",
+        ])
+        .args(["--token", "py-token", "--upgrade", target, "--hold", "6"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "grpcio agent: {}\n{}\ncontroller:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        controller.log()
+    );
+    let seen = |method: &str, prefix: &str| {
+        api.requests()
+            .iter()
+            .any(|r| r.method == method && r.uri.starts_with(prefix))
+    };
+    wait_for(
+        "the rollout's end, an event, the Lease renewed and the ClusterPolicy's status",
+        Duration::from_secs(30),
+        &[&controller],
+        || {
+            api.node("py-node")["metadata"]["labels"]["nvidia.com/gpu-driver-upgrade-state"]
+                == "upgrade-done"
+                && seen("POST", "/api/v1/namespaces/default/events")
+                && seen(
+                    "PUT",
+                    &format!("/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/"),
+                )
+                && seen(
+                    "PATCH",
+                    "/apis/nvidia.com/v1/clusterpolicies/cluster-policy/status",
+                )
+        },
+    );
+    controller.term();
+    assert!(api.pods().is_empty(), "the GPU pod was evicted");
+
+    // Every request the controller made is allowed by the rendered roles...
+    let mut used: BTreeSet<(usize, String, String)> = BTreeSet::new();
+    let mut seen_attrs = BTreeSet::new();
+    for r in api.requests() {
+        let a = attributes(&r.method, &r.uri);
+        let by: Vec<usize> = (0..granted.len())
+            .filter(|i| allows(&granted[*i], &a))
+            .collect();
+        assert!(
+            !by.is_empty(),
+            "{} {} ({a:?}) is not allowed by the chart's RBAC for {NS}/{account}",
+            r.method,
+            r.uri
+        );
+        for i in by {
+            used.insert((i, a.resource.clone(), a.verb.clone()));
+        }
+        seen_attrs.insert((a.verb, a.group, a.resource, a.namespace));
+    }
+    // ...and every verb on every resource they grant was used.
+    let mut unused = Vec::new();
+    for (i, g) in granted.iter().enumerate() {
+        for res in g.rule["resources"].as_array().unwrap() {
+            for verb in g.rule["verbs"].as_array().unwrap() {
+                let key = (
+                    i,
+                    res.as_str().unwrap().to_string(),
+                    verb.as_str().unwrap().to_string(),
+                );
+                if !used.contains(&key) {
+                    unused.push(format!("{}: {verb} {res} ({})", g.role, g.rule));
+                }
+            }
+        }
+    }
+    assert!(
+        unused.is_empty(),
+        "granted but never used by the controller:\n{}\nrequests made: {seen_attrs:#?}",
+        unused.join("\n")
+    );
+}
+
+#[test]
+fn the_kustomize_tls_recipe_makes_a_certificate_the_controller_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tls");
+    let run = Command::new(repo().join("packaging/kustomize/controller-tls.sh"))
+        .arg(NS)
+        .arg(&out)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(
+        run.status.success(),
+        "controller-tls.sh: {said}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // The Secret, made by the command it prints (kubectl, client side only).
+    let create = said
+        .lines()
+        .skip_while(|l| !l.contains("create secret generic"))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('\\', " ");
+    let words: Vec<&str> = create.split_whitespace().skip(1).collect();
+    let made = Command::new(kubectl())
+        .args(&words)
+        .args(["--dry-run=client", "-o", "yaml"])
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "kubectl {words:?}: {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let secret = documents(&String::from_utf8_lossy(&made.stdout), "the Secret").remove(0);
+    check_objects(std::slice::from_ref(&secret), "the kustomize TLS Secret");
+    let base = kustomize("packaging/kustomize/base");
+    let dep = find(&base, "Deployment", "gpu-controller");
+    assert_eq!(
+        volume(dep, "tls")["secret"]["secretName"],
+        secret["metadata"]["name"]
+    );
+    assert_eq!(secret["metadata"]["namespace"], NS);
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    for key in ["tls.crt", "tls.key", "ca.crt"] {
+        assert!(secret["data"][key].is_string(), "{key} in the Secret");
+    }
+    // Served by the real controller, trusted under the name agents dial.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    let (mut controller, port) = controller_as_rendered(
+        dep,
+        &api,
+        dir.path(),
+        (&out.join("tls.crt"), &out.join("tls.key")),
+        &[],
+    );
+    let ca = base64_decode(secret["data"]["ca.crt"].as_str().unwrap());
+    let url = flag(
+        &args(container(daemonset(&base), "gpu-agent")),
+        "--controller",
+    )
+    .unwrap();
+    let host = url
+        .trim_start_matches("https://")
+        .split(':')
+        .next()
+        .unwrap()
+        .to_string();
+    let got = rt.block_on(dial(port, &ca, &host, "not-a-known-token"));
+    assert!(
+        got.as_ref()
+            .is_err_and(|e| e.starts_with("Unauthenticated")),
+        "{got:?}\n{}",
+        controller.log()
+    );
+    controller.term();
+}
+
+/// The DaemonSet's readiness probe is a command gpu-agent takes: on a host
+/// where no agent has run it says not ready (exit 1, with the reason), never
+/// a usage error (exit 2), which would keep every agent unready for good.
+#[test]
+fn the_readiness_probe_is_a_command_gpu_agent_takes() {
+    let objs = render(&[]);
+    let c = container(daemonset(&objs), "gpu-agent");
+    let argv: Vec<String> = c["readinessProbe"]["exec"]["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        argv[0], c["command"][0],
+        "the probe runs the container's gpu-agent"
+    );
+    let host = tempfile::tempdir().unwrap();
+    let probe_args: Vec<String> = argv[1..]
+        .iter()
+        .map(|a| match a.strip_prefix("--host-root=") {
+            Some(_) => format!("--host-root={}", host.path().display()),
+            None => a.clone(),
+        })
+        .collect();
+    let out = Command::new(common::agent_bin())
+        .args(&probe_args)
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "gpu-agent {probe_args:?}:\n{said}"
+    );
+    assert!(
+        !said.trim().is_empty(),
+        "the probe says why it is not ready"
+    );
+}

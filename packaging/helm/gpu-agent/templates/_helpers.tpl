@@ -1,0 +1,193 @@
+{{/*
+Names. One release per cluster: the RuntimeClass, the ClusterRole and the
+CRD are cluster-wide, and one agent runs per node.
+*/}}
+{{- define "gpu-agent.agentName" -}}
+{{- .Values.agent.name -}}
+{{- end -}}
+
+{{- define "gpu-agent.controllerName" -}}
+{{- .Values.controller.name -}}
+{{- end -}}
+
+{{/* The image both workloads run. */}}
+{{- define "gpu-agent.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "gpu-agent.labels" -}}
+app.kubernetes.io/part-of: gpu-agent
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "gpu-agent.agentSelector" -}}
+app.kubernetes.io/name: {{ include "gpu-agent.agentName" . }}
+app.kubernetes.io/component: agent
+{{- end -}}
+
+{{- define "gpu-agent.controllerSelector" -}}
+app.kubernetes.io/name: {{ include "gpu-agent.controllerName" . }}
+app.kubernetes.io/component: controller
+{{- end -}}
+
+{{/* The kubelet's root directory on the host. */}}
+{{- define "gpu-agent.kubeletRootDir" -}}
+{{- .Values.hostPaths.kubeletRootDir | default "/var/lib/kubelet" | trimSuffix "/" -}}
+{{- end -}}
+
+{{/* Where agents reach the controller, and the name its certificate carries. */}}
+{{- define "gpu-agent.controllerHost" -}}
+{{- printf "%s.%s.svc" (include "gpu-agent.controllerName" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/*
+Where the config ConfigMaps are mounted in the agent (the policy names files
+by these paths; the agent reads them in its own filesystem).
+*/}}
+{{- define "gpu-agent.devicePluginDir" -}}/etc/gpu-agent/device-plugin{{- end -}}
+{{- define "gpu-agent.migPartedDir" -}}/etc/gpu-agent/mig-parted{{- end -}}
+{{- define "gpu-agent.dcgmExporterDir" -}}/etc/gpu-agent/dcgm-exporter{{- end -}}
+
+{{/* The ConfigMaps named by the operator keys, or made by this chart. */}}
+{{- define "gpu-agent.devicePluginConfigMap" -}}
+{{- $c := .Values.devicePlugin.config -}}
+{{- if $c.create -}}
+{{- $c.name | default (printf "%s-device-plugin-config" (include "gpu-agent.agentName" .)) -}}
+{{- else -}}
+{{- $c.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.migPartedConfigMap" -}}
+{{- $c := .Values.migManager.config -}}
+{{- if $c.create -}}
+{{- $c.name | default (printf "%s-mig-parted-config" (include "gpu-agent.agentName" .)) -}}
+{{- else -}}
+{{- $c.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.dcgmExporterConfigMap" -}}
+{{- $c := .Values.dcgmExporter.config -}}
+{{- if $c.create -}}
+{{- $c.name | default (printf "%s-dcgm-exporter-config" (include "gpu-agent.agentName" .)) -}}
+{{- else -}}
+{{- $c.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The device-plugin config entry the agent reads. */}}
+{{- define "gpu-agent.devicePluginEntry" -}}
+{{- $c := .Values.devicePlugin.config -}}
+{{- if $c.default -}}
+{{- if and $c.create (not (hasKey $c.data $c.default)) -}}
+{{- fail (printf "devicePlugin.config.default: %q is not an entry of devicePlugin.config.data (it has: %s)" $c.default (keys $c.data | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- $c.default -}}
+{{- else if and $c.create (eq (len $c.data) 1) -}}
+{{- keys $c.data | first -}}
+{{- else -}}
+{{- fail "devicePlugin.config.default: name the entry of the device-plugin ConfigMap the agents use (the per-node nvidia.com/device-plugin.config label is not read)" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The agent's policy (docs/policy.md), as a dict: the operator keys, then
+agent.policy merged over them.
+*/}}
+{{- define "gpu-agent.policySpec" -}}
+{{- $v := .Values -}}
+{{- $operator := dict "runtimeClass" $v.operator.runtimeClass -}}
+{{- with $v.operator.defaultRuntime }}{{ $_ := set $operator "defaultRuntime" . }}{{ end -}}
+{{- $driver := dict "enabled" $v.driver.enabled -}}
+{{- with $v.driver.version }}{{ $_ := set $driver "version" . }}{{ end -}}
+{{- if eq $v.driver.kernelModuleType "open" }}{{ $_ := set $driver "useOpenKernelModules" true }}{{ end -}}
+{{- if eq $v.driver.kernelModuleType "proprietary" }}{{ $_ := set $driver "useOpenKernelModules" false }}{{ end -}}
+{{- $devicePlugin := dict "enabled" $v.devicePlugin.enabled -}}
+{{- $dpc := $v.devicePlugin.config -}}
+{{- if or $dpc.create $dpc.name -}}
+{{- $entry := include "gpu-agent.devicePluginEntry" . -}}
+{{- $_ := set $devicePlugin "config" (dict "name" (include "gpu-agent.devicePluginConfigMap" .) "default" $entry "file" (printf "%s/%s" (include "gpu-agent.devicePluginDir" .) $entry)) -}}
+{{- end -}}
+{{- $migManager := dict "enabled" $v.migManager.enabled -}}
+{{- $mmc := $v.migManager.config -}}
+{{- $migConfig := dict -}}
+{{- with $mmc.default }}{{ $_ := set $migConfig "default" . }}{{ end -}}
+{{- if or $mmc.create $mmc.name -}}
+{{- $_ := set $migConfig "name" (include "gpu-agent.migPartedConfigMap" .) -}}
+{{- $_ := set $migConfig "file" (printf "%s/config.yaml" (include "gpu-agent.migPartedDir" .)) -}}
+{{- end -}}
+{{- if $migConfig }}{{ $_ := set $migManager "config" $migConfig }}{{ end -}}
+{{- $dcgm := dict "enabled" $v.dcgmExporter.enabled "listen" (printf ":%d" (int $v.agent.metricsPort)) -}}
+{{- $dcc := $v.dcgmExporter.config -}}
+{{- if or $dcc.create $dcc.name -}}
+{{- $_ := set $dcgm "config" (printf "%s/dcgm-metrics.csv" (include "gpu-agent.dcgmExporterDir" .)) -}}
+{{- end -}}
+{{- $spec := dict
+  "operator" $operator
+  "driver" $driver
+  "toolkit" (dict "enabled" $v.toolkit.enabled)
+  "cdi" (dict "enabled" $v.cdi.enabled "default" $v.cdi.default)
+  "devicePlugin" $devicePlugin
+  "mig" (dict "strategy" $v.mig.strategy)
+  "migManager" $migManager
+  "dcgmExporter" $dcgm
+  "gfd" (dict "enabled" $v.gfd.enabled)
+-}}
+{{- $spec = mustMergeOverwrite $spec (deepCopy ($v.agent.policy | default dict)) -}}
+{{- toYaml $spec -}}
+{{- end -}}
+
+{{/* Checks of values that span keys (the schema checks each key alone). */}}
+{{- define "gpu-agent.validate" -}}
+{{- $v := .Values -}}
+{{- if and $v.devicePlugin.config.create (not $v.devicePlugin.config.data) -}}
+{{- fail "devicePlugin.config.data: devicePlugin.config.create makes a ConfigMap from data, which is empty" -}}
+{{- end -}}
+{{- if and $v.migManager.config.create (not (hasKey $v.migManager.config.data "config.yaml")) -}}
+{{- fail "migManager.config.data: migManager.config.create needs the layouts under the key config.yaml" -}}
+{{- end -}}
+{{- if and $v.dcgmExporter.config.create (not $v.dcgmExporter.config.data) -}}
+{{- fail "dcgmExporter.config.data: dcgmExporter.config.create makes a ConfigMap from data, which is empty" -}}
+{{- end -}}
+{{- if and $v.dcgmExporter.serviceMonitor.enabled (not $v.metricsService.enabled) -}}
+{{- fail "dcgmExporter.serviceMonitor.enabled: the ServiceMonitor scrapes the metrics Service; set metricsService.enabled too" -}}
+{{- end -}}
+{{- if and $v.dcgmExporter.serviceMonitor.enabled (not $v.dcgmExporter.enabled) -}}
+{{- fail "dcgmExporter.serviceMonitor.enabled: the agents serve no metrics (dcgmExporter.enabled is false)" -}}
+{{- end -}}
+{{- if and $v.driver.upgradePolicy (not $v.clusterPolicy.deployCR) -}}
+{{- fail "driver.upgradePolicy: gpu-controller runs rollouts from the cluster's ClusterPolicy only; set clusterPolicy.deployCR, or put upgradePolicy in your own ClusterPolicy" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The controller's TLS Secret data (tls.crt, tls.key, ca.crt; base64) in
+controller.tls.mode helm: the Secret already in the cluster when it has all
+three (so upgrades keep the certificate agents trust), else a new CA and a
+serving certificate for the controller's Service names. Called once per
+render (controller-deployment.yaml), which uses it for the Secret and the
+pods' checksum.
+*/}}
+{{- define "gpu-agent.tlsData" -}}
+{{- $old := lookup "v1" "Secret" .Release.Namespace .Values.controller.tls.secretName -}}
+{{- $oldData := (get (default dict $old) "data") | default dict -}}
+{{- if and (hasKey $oldData "tls.crt") (hasKey $oldData "tls.key") (hasKey $oldData "ca.crt") -}}
+ca.crt: {{ index $oldData "ca.crt" }}
+tls.crt: {{ index $oldData "tls.crt" }}
+tls.key: {{ index $oldData "tls.key" }}
+{{- else -}}
+{{- $host := include "gpu-agent.controllerHost" . -}}
+{{- $svc := include "gpu-agent.controllerName" . -}}
+{{- $days := int .Values.controller.tls.validityDays -}}
+{{- $ca := genCA "gpu-controller CA" $days -}}
+{{- $names := list $host (printf "%s.cluster.local" $host) $svc (printf "%s.%s" $svc .Release.Namespace) -}}
+{{- $cert := genSignedCert $host nil $names $days $ca -}}
+ca.crt: {{ $ca.Cert | b64enc }}
+tls.crt: {{ $cert.Cert | b64enc }}
+tls.key: {{ $cert.Key | b64enc }}
+{{- end -}}
+{{- end -}}
