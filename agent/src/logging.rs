@@ -51,7 +51,7 @@ pub fn init(format: LogFormat, default_level: &str) -> Option<String> {
     if want_journal {
         match tracing_journald::layer() {
             Ok(layer) => {
-                // No field prefix: `journalctl STAGE=discover GPU=GPU-...` works.
+                // No field prefix: `journalctl STAGE=discover GPU_UUID=GPU-...` works.
                 let layer = layer
                     .with_syslog_identifier("gpu-agent".into())
                     .with_field_prefix(None);

@@ -89,6 +89,10 @@ enum Command {
     Status {
         #[arg(long, short, value_enum, default_value = "table")]
         output: Output,
+        /// Exit 0 when the running agent reports every enabled stage
+        /// validated, else 1 saying why (a readiness probe).
+        #[arg(long, conflicts_with = "output")]
+        ready: bool,
     },
     /// List the node's GPUs.
     Inventory {
@@ -270,7 +274,8 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
             heartbeat,
             controller,
         } => run(&cli, *once, *heartbeat, controller),
-        Command::Status { output } => status(&cli, *output),
+        Command::Status { ready: true, .. } => status_ready(&cli),
+        Command::Status { output, .. } => status(&cli, *output),
         Command::Inventory { output } => inventory(&cli, *output),
         Command::Labels { output } => labels(&cli, *output),
         Command::Policy {
@@ -692,6 +697,45 @@ impl StatusReport {
             policy_ignored: st.policy_ignored,
         }
     }
+}
+
+/// `status --ready`: the running agent's own word, one line.
+fn status_ready(cli: &Cli) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let not = |why: String| {
+        println!("not ready: {why}");
+        Ok(ExitCode::from(1))
+    };
+    let st = match AgentState::read(&host) {
+        Ok(Some(st)) => st,
+        Ok(None) => {
+            return not(format!(
+                "no running agent ({} does not exist)",
+                host.resolve(state::STATE_FILE)?.display()
+            ));
+        }
+        Err(e) => return not(e.to_string()),
+    };
+    match st.liveness(state::now(), state::agent_running(&host)) {
+        Liveness::Live { .. } => {}
+        Liveness::Starting { pid } => return not(format!("the agent (pid {pid}) is starting")),
+        Liveness::Hung { age_secs } => {
+            return not(format!(
+                "the agent (pid {}) has not stamped its state for {age_secs} s: it hangs",
+                st.pid
+            ));
+        }
+        Liveness::Stale { .. } | Liveness::Stopped { .. } => {
+            return not(format!("the agent (pid {}) is not running", st.pid));
+        }
+    }
+    let line = gpu_agent::supervisor::notify::status_line(&st);
+    println!("{line}");
+    Ok(if st.ready {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {

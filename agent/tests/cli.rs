@@ -60,13 +60,13 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
         row(
             &out,
             "devnodes",
-            "ready",
-            "simulated node: would make 14 of 14"
+            "done",
+            "simulated node: 14 device node(s) not made (no real GPU behind them)"
         ),
         "{out}"
     );
     // Labels and mig (no layout selected) are done; metrics is ready (it takes a running agent).
-    assert!(out.contains("9 stage(s) done."), "{out}");
+    assert!(out.contains("10 stage(s) done."), "{out}");
     assert!(
         row(
             &out,
@@ -483,7 +483,7 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
     let events: Vec<Value> = err.lines().map(json).collect();
     assert!(
         events.iter().any(|e| e["fields"]["stage"] == "discover"
-            && e["fields"]["gpu"]
+            && e["fields"]["gpu_uuid"]
                 .as_str()
                 .is_some_and(|g| g.starts_with("GPU-"))),
         "{err}"

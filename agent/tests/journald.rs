@@ -36,7 +36,10 @@ kill "$journald"
         .find(|r| r["MESSAGE"] == "found GPU")
         .unwrap_or_else(|| panic!("no `found GPU` event in the journal:\n{out}"));
     assert_eq!(found["STAGE"], "discover");
-    assert_eq!(found["GPU"], "GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11");
+    assert_eq!(
+        found["GPU_UUID"],
+        "GPU-3f6e1b2a-8c4d-4b7e-9a15-6d2c8e0f4a11"
+    );
     assert_eq!(found["BUS_ID"], "0000:00:1e.0");
     assert!(
         records.iter().any(

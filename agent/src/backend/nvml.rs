@@ -437,7 +437,7 @@ impl GpuBackend for NvmlBackend {
         device
             .set_compute_mode(nvml_compute_mode(mode))
             .map_err(err("nvmlDeviceSetComputeMode"))?;
-        tracing::info!(gpu = %uuid, mode = %mode, "compute mode set");
+        tracing::info!(gpu_uuid = %uuid, mode = %mode, "compute mode set");
         Ok(())
     }
 

@@ -541,7 +541,7 @@ impl HealthMonitor {
 
     fn xid(&mut self, uuid: &str, xid: u64, source: Source, message: Option<String>, now: Instant) {
         let Some(st) = self.gpus.get_mut(uuid) else {
-            tracing::warn!(stage = "health", gpu = %uuid, xid, "XID for a GPU not in the inventory");
+            tracing::warn!(stage = "health", gpu_uuid = %uuid, xid, "XID for a GPU not in the inventory");
             return;
         };
         // The same XID from the other source a moment apart: one event.
@@ -550,7 +550,7 @@ impl HealthMonitor {
             && *from_kernel != kernel
             && now.saturating_duration_since(*at) <= SAME_EVENT_WINDOW
         {
-            tracing::debug!(stage = "health", gpu = %uuid, xid, "same XID from NVML and the kernel log: one event");
+            tracing::debug!(stage = "health", gpu_uuid = %uuid, xid, "same XID from NVML and the kernel log: one event");
             st.recent.remove(&xid);
             return;
         }
@@ -581,7 +581,7 @@ impl HealthMonitor {
         now: Instant,
     ) {
         let Some(st) = self.gpus.get_mut(uuid) else {
-            tracing::warn!(stage = "health", gpu = %uuid, %reason, "event for a GPU not in the inventory");
+            tracing::warn!(stage = "health", gpu_uuid = %uuid, %reason, "event for a GPU not in the inventory");
             return;
         };
         let advice_text = advice.as_deref().unwrap_or("");
@@ -605,12 +605,12 @@ impl HealthMonitor {
             Severity::Ignore => {}
             Severity::Log => {
                 st.events += 1;
-                tracing::info!(stage = "health", gpu = %uuid, %reason, advice = advice_text, "health event (logged only, by policy)");
+                tracing::info!(stage = "health", gpu_uuid = %uuid, %reason, advice = advice_text, "health event (logged only, by policy)");
                 self.publish();
             }
             Severity::Unhealthy => {
                 st.events += 1;
-                tracing::warn!(stage = "health", gpu = %uuid, %reason, advice = advice_text, "GPU unhealthy");
+                tracing::warn!(stage = "health", gpu_uuid = %uuid, %reason, advice = advice_text, "GPU unhealthy");
                 st.reason = Some(reason);
                 st.advice = advice;
                 st.last_critical = Some(now);
@@ -637,7 +637,7 @@ impl HealthMonitor {
             if gone && st.conditions.is_empty() {
                 // The quiet period runs from here.
                 st.last_critical = Some(now);
-                tracing::info!(stage = "health", gpu = %uuid, "NVML no longer reports a condition on this GPU");
+                tracing::info!(stage = "health", gpu_uuid = %uuid, "NVML no longer reports a condition on this GPU");
             }
             for c in new {
                 let sev = c.severity(&self.policy);
@@ -663,7 +663,7 @@ impl HealthMonitor {
                     .last_critical
                     .is_some_and(|t| now.duration_since(t) >= after)
             {
-                tracing::info!(stage = "health", gpu = %uuid, quiet_for = ?after, "GPU healthy again");
+                tracing::info!(stage = "health", gpu_uuid = %uuid, quiet_for = ?after, "GPU healthy again");
                 st.reason = None;
                 st.advice = None;
                 changed = true;

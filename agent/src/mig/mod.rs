@@ -990,7 +990,7 @@ fn create(control: &dyn MigControl, g: &GpuPlan) -> Result<(), String> {
         match create_at(control, &g.uuid, &by_gi, solution) {
             Ok(()) => return Ok(()),
             Err(e) => {
-                tracing::debug!(gpu = %g.uuid, attempt, error = %e, "placement refused; trying another");
+                tracing::debug!(gpu_uuid = %g.uuid, attempt, error = %e, "placement refused; trying another");
                 last = e.to_string();
                 clear(control, &g.uuid).map_err(|e| e.to_string())?;
             }
@@ -1072,7 +1072,7 @@ fn reset(host: &HostRoot, g: &GpuPlan) -> Result<(), String> {
     use std::io::Write;
     let file = format!("/sys/bus/pci/devices/{}/reset", g.bus_id);
     let path = host.resolve(&file).map_err(|e| e.to_string())?;
-    tracing::info!(gpu = %g.uuid, path = %file, "resetting the GPU to apply its MIG mode");
+    tracing::info!(gpu_uuid = %g.uuid, path = %file, "resetting the GPU to apply its MIG mode");
     std::fs::OpenOptions::new()
         .write(true)
         .open(&path)

@@ -322,7 +322,7 @@ fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, Res
             let resource = match strategy {
                 MigStrategy::Single => GPU_RESOURCE.to_string(),
                 _ if m.ci_slices != m.gi_slices => {
-                    tracing::warn!(stage = "plugin", gpu = %uuid, mig = %m.uuid, profile = %m.profile, "MIG device with a partial compute instance is not advertised (mixed strategy)");
+                    tracing::warn!(stage = "plugin", gpu_uuid = %uuid, mig = %m.uuid, profile = %m.profile, "MIG device with a partial compute instance is not advertised (mixed strategy)");
                     continue;
                 }
                 _ => mig_resource_name(&m.profile),

@@ -30,7 +30,7 @@ pub(super) fn discover_stage(
                 tracing::warn!(stage = "discover", "{w}");
             }
             for g in &inv.gpus {
-                tracing::info!(stage = "discover", gpu = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
+                tracing::info!(stage = "discover", gpu_uuid = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
             }
             ((super::StageState::Done, detail), Some(inv))
         }

@@ -176,7 +176,20 @@ pub fn plugin_validation(board: &[ResourceStatus]) -> Validation {
 /// Every enabled stage validated: what readiness (systemd READY, a
 /// DaemonSet's probe) means.
 pub fn ready(stages: &[StageStatus]) -> bool {
+    ready_but(stages, None)
+}
+
+/// Every enabled stage that readies the host validated: the device plugin
+/// aside, whose validation is the kubelet's word (under systemd the kubelet
+/// may start after us, so waiting for it would hold back the units ordered
+/// after gpu-agent).
+pub fn host_ready(stages: &[StageStatus]) -> bool {
+    ready_but(stages, Some(Stage::Plugin))
+}
+
+fn ready_but(stages: &[StageStatus], except: Option<Stage>) -> bool {
     stages.iter().all(|s| match s.stage {
+        s2 if Some(s2) == except => true,
         Stage::Driver | Stage::Devnodes | Stage::Runtime | Stage::Cdi | Stage::Plugin => {
             s.state == StageState::Disabled || s.validation.as_ref().is_some_and(|v| v.ok)
         }

@@ -12,6 +12,7 @@
 //! runtime worker, so the device plugin serves while a pass runs.
 
 mod mps;
+pub mod notify;
 mod policy_watch;
 
 use std::collections::BTreeMap;
@@ -181,6 +182,8 @@ struct Supervisor {
     controller_policy: Option<String>,
     /// The cluster's driver rollout: the controller's go-ahead, a failed try.
     rollout: crate::driver::Rollout,
+    /// What systemd hears (READY, STATUS, watchdog); nothing outside it.
+    systemd: notify::Systemd,
 }
 
 #[derive(Default)]
@@ -239,6 +242,7 @@ impl Supervisor {
                 controller,
                 ..Default::default()
             },
+            systemd: notify::Systemd::from_env(),
         }
     }
 
@@ -343,12 +347,27 @@ impl Supervisor {
         let mut tick = tokio::time::interval(Duration::from_secs(heartbeat.max(1)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        // systemd's watchdog (WatchdogSec=): pinged from this loop only, so
+        // a loop that hangs is restarted. No watchdog, no timer.
+        let mut watchdog = self.systemd.ping_every().map(|every| {
+            let mut i = tokio::time::interval(every);
+            i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            i
+        });
         loop {
             let beat = async {
                 if heartbeat > 0 {
                     tick.tick().await;
                 } else {
                     std::future::pending::<()>().await;
+                }
+            };
+            let ping = async {
+                match watchdog.as_mut() {
+                    Some(i) => {
+                        i.tick().await;
+                    }
+                    None => std::future::pending::<()>().await,
                 }
             };
             let restart_due = self.tasks.values().filter_map(|t| t.restart_at).min();
@@ -396,6 +415,10 @@ impl Supervisor {
                 }
             };
             tokio::select! {
+                _ = ping => {
+                    self.systemd.ping();
+                    continue;
+                }
                 _ = beat => {
                     if let Err(e) = self.file.stamp(&self.opts.host) {
                         tracing::warn!(error = %e, "cannot stamp the state file; `gpu-agent status` will think this agent hangs");
@@ -448,6 +471,7 @@ impl Supervisor {
                     next_reconcile = self.next_reconcile();
                 }
                 _ = hup.recv() => {
+                    self.systemd.reloading();
                     self.reconcile("SIGHUP", true).await;
                     next_reconcile = self.next_reconcile();
                 }
@@ -458,6 +482,7 @@ impl Supervisor {
             self.sync_state();
         }
         tracing::info!("gpu-agent stopping");
+        self.systemd.stopping();
         if let Some(k) = self.kmsg.take() {
             k.abort();
         }
@@ -1460,6 +1485,9 @@ impl Supervisor {
     }
 
     fn sync_state(&mut self) {
+        if self.st.stopped_at.is_none() {
+            self.systemd.update(&self.st);
+        }
         self.publish_report();
         crate::metrics::agent::state(&self.st);
         if let Err(e) = self.file.sync(&mut self.st, &self.opts.host) {
