@@ -2,6 +2,8 @@
 //! library, the fixture trees.
 #![allow(dead_code)]
 
+pub mod systemd;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
