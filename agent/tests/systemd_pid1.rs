@@ -161,3 +161,84 @@ fn systemd_as_pid1_runs_a_notify_unit_with_watchdog_reload_and_journal() {
         "systemd ({systemd_pid}) still runs"
     );
 }
+
+/// Writes `text` to `path` with `mode`, parents made.
+fn put(path: &std::path::Path, text: &[u8], mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// What `dpkg -i` of a package with a unit needs is in the root: a .deb
+/// built by dpkg-deb whose maintainer scripts do what debhelper's
+/// dh_installsystemd snippets do (deb-systemd-helper enable,
+/// deb-systemd-invoke start/stop) is installed, enabled and started, and
+/// removing it stops it.
+#[test]
+#[ignore = "needs root and debootstrap (scripts/test runs it)"]
+fn a_deb_with_a_unit_is_enabled_started_and_stopped_by_its_maintainer_scripts() {
+    let pkg = tempfile::tempdir().unwrap();
+    let tree = pkg.path().join("tree");
+    put(
+        &tree.join("DEBIAN/control"),
+        b"Package: pid1-demo\nVersion: 1.0\nArchitecture: all\nMaintainer: gpu-agent tests <tests@invalid>\nDescription: systemd harness demo\n",
+        0o644,
+    );
+    put(
+        &tree.join("DEBIAN/postinst"),
+        b"#!/bin/sh\nset -e\nif [ \"$1\" = configure ]; then\n  deb-systemd-helper unmask pid1-demo.service >/dev/null || true\n  deb-systemd-helper enable pid1-demo.service >/dev/null\n  if [ -d /run/systemd/system ]; then\n    systemctl --system daemon-reload >/dev/null\n    deb-systemd-invoke start pid1-demo.service\n  fi\nfi\n",
+        0o755,
+    );
+    put(
+        &tree.join("DEBIAN/prerm"),
+        b"#!/bin/sh\nset -e\nif [ -d /run/systemd/system ] && [ \"$1\" = remove ]; then\n  deb-systemd-invoke stop pid1-demo.service\nfi\n",
+        0o755,
+    );
+    put(
+        &tree.join("DEBIAN/postrm"),
+        b"#!/bin/sh\nset -e\nif [ \"$1\" = remove ] && [ -d /run/systemd/system ]; then\n  systemctl --system daemon-reload >/dev/null || true\nfi\nif [ \"$1\" = purge ]; then\n  deb-systemd-helper purge pid1-demo.service >/dev/null\nfi\n",
+        0o755,
+    );
+    put(
+        &tree.join("lib/systemd/system/pid1-demo.service"),
+        &std::fs::read(demo_file("pid1-demo.service")).unwrap(),
+        0o644,
+    );
+    put(
+        &tree.join("usr/local/bin/pid1-demo"),
+        &std::fs::read(demo_file("pid1-demo")).unwrap(),
+        0o755,
+    );
+    let deb = pkg.path().join("pid1-demo_1.0_all.deb");
+    let (code, out, err) = common::run(
+        std::process::Command::new("dpkg-deb")
+            .args(["--root-owner-group", "--build"])
+            .arg(&tree)
+            .arg(&deb),
+    );
+    assert_eq!(code, 0, "dpkg-deb: {out}{err}");
+
+    let b = Booted::start();
+    b.install_deb(&deb);
+    assert_eq!(
+        b.ok(&format!("systemctl is-enabled {UNIT}")).trim(),
+        "enabled"
+    );
+    assert_eq!(
+        b.ok(&format!("systemctl is-active {UNIT}")).trim(),
+        "active"
+    );
+    let pid = main_pid(&b).0;
+    assert_eq!(
+        b.show(UNIT, "StatusText"),
+        format!("serving: demo up in {pid}")
+    );
+
+    b.ok("dpkg --purge pid1-demo 2>&1");
+    let (_, state, _) = b.sh(&format!("systemctl is-active {UNIT}"));
+    assert_eq!(state.trim(), "inactive");
+    let (_, enabled, _) = b.sh(&format!("systemctl is-enabled {UNIT}"));
+    assert_ne!(enabled.trim(), "enabled");
+    b.poweroff();
+}
