@@ -97,8 +97,15 @@ pub struct DcgmExporterSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
     /// A dcgm-exporter counters file (`field, type, help` lines) naming
-    /// what to export; default: dcgm-exporter's default counters.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// what to export; default: dcgm-exporter's default counters. The GPU
+    /// Operator's shape, `{name: <ConfigMap>}`, is taken too: an agent on a
+    /// node cannot read a ConfigMap, so it means no file here (under the
+    /// cluster's ClusterPolicy a non-empty name is named as left out).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "counters_file"
+    )]
     pub config: Option<String>,
     /// Milliseconds between samples while someone scrapes (dcgm-exporter: 30000).
     #[serde(default = "default_collect_interval")]
@@ -199,11 +206,18 @@ impl Default for MigManagerSpec {
 }
 
 impl MigManagerSpec {
-    /// The layout selected: `default`, else ClusterPolicy's `config.default`.
+    /// The layout selected: `default`, else ClusterPolicy's `config.default`
+    /// (whose `""`, as the operator's CRD allows, selects none).
     pub fn selected_layout(&self) -> Option<&str> {
-        self.default
-            .as_deref()
-            .or_else(|| self.config.as_ref().and_then(|c| c.default.as_deref()))
+        self.default.as_deref().or_else(|| self.config_default())
+    }
+
+    /// `config.default`, `""` meaning unset.
+    fn config_default(&self) -> Option<&str> {
+        self.config
+            .as_ref()
+            .and_then(|c| c.default.as_deref())
+            .filter(|d| !d.is_empty())
     }
 }
 
@@ -362,7 +376,15 @@ pub struct DriverSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub module_dir: Option<String>,
     /// Parameters per module: `{nvidia: {NVreg_EnableGpuFirmware: "1"}}`.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    /// The GPU Operator's `name` entry (a ConfigMap of `<module>.conf`
+    /// files, `""` for none) is taken and not used: an agent on a node
+    /// cannot read a ConfigMap (under the cluster's ClusterPolicy a
+    /// non-empty name is named as left out).
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "module_parameters"
+    )]
     pub kernel_module_config: BTreeMap<String, BTreeMap<String, String>>,
     /// Also load `nvidia-drm`.
     #[serde(default)]
@@ -381,6 +403,103 @@ pub struct DriverSpec {
 
 fn upgrade_timeout() -> u64 {
     300
+}
+
+/// Where the GPU Operator's ClusterPolicy names a ConfigMap (`{name: ...}`)
+/// at a key that gpu-agent gives content instead: those ConfigMaps hold what
+/// the operator's pods mount, which an agent on a node cannot read.
+const OPERATOR_CONFIG_MAPS: [&str; 2] = [
+    "spec.driver.kernelModuleConfig.name",
+    "spec.dcgmExporter.config.name",
+];
+
+/// The operator's `name: <ConfigMap>`: a string (`""` or null: none).
+struct ConfigMapName;
+
+impl<'de> serde::de::DeserializeSeed<'de> for ConfigMapName {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = ();
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a ConfigMap name (a string)")
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+                Ok(())
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+                Ok(())
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `spec.driver.kernelModuleConfig`: `{module: {param: value}}`, where an
+/// entry `name` holding a string is the GPU Operator's ConfigMap (dropped
+/// here; "name" is no module). Each value's type is still checked, its
+/// path named.
+fn module_parameters<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, BTreeMap<String, String>>, D::Error> {
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = BTreeMap<String, BTreeMap<String, String>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(
+                "parameters per module ({nvidia: {NVreg_...: value}}) or the GPU Operator's {name: <ConfigMap>}",
+            )
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(BTreeMap::new())
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "name" {
+                    map.next_value_seed(ConfigMapName)?;
+                } else {
+                    let params = map.next_value()?;
+                    out.insert(key, params);
+                }
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(V)
+}
+
+/// `spec.dcgmExporter.config`: a counters file (a host path), or the GPU
+/// Operator's `{name: <ConfigMap>}`, which names no file here.
+fn counters_file<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct OperatorConfig {
+        #[serde(default, rename = "name")]
+        _name: Option<String>,
+    }
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a counters file (a host path) or the GPU Operator's {name: <ConfigMap>}")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            OperatorConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            Ok(None)
+        }
+    }
+    d.deserialize_any(V)
 }
 
 /// `spec.driver.onParamMismatch`.
@@ -489,8 +608,11 @@ impl Policy {
 
     /// Parses a cluster's ClusterPolicy as the GPU Operator takes it: keys
     /// gpu-agent does not know (the operator's images, sandbox workloads,
-    /// ...) are left out and named, not refused; anything else wrong is an
-    /// error as in [`Policy::from_yaml`].
+    /// ...) are left out and named, not refused, and so are the ConfigMaps
+    /// it names where gpu-agent takes the content itself
+    /// (`spec.driver.kernelModuleConfig.name`, `spec.dcgmExporter.config.name`;
+    /// an empty name names none); anything else wrong is an error as in
+    /// [`Policy::from_yaml`].
     pub fn from_cluster_yaml(text: &str, origin: &str) -> Result<(Self, Vec<String>), PolicyError> {
         let mut doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(text)
             .map_err(|e| YamlError::invalid(origin, "(document)", e.to_string()))?;
@@ -500,7 +622,19 @@ impl Policy {
             let text = serde_yaml_ng::to_string(&doc)
                 .map_err(|e| YamlError::invalid(origin, "(document)", e.to_string()))?;
             match Self::from_yaml(&text, origin) {
-                Ok(p) => return Ok((p, ignored)),
+                Ok(p) => {
+                    // Taken in the operator's shape, but not used here.
+                    for path in OPERATOR_CONFIG_MAPS {
+                        let mut at = &doc;
+                        for part in path.split('.') {
+                            at = at.get(part).unwrap_or(&serde_yaml_ng::Value::Null);
+                        }
+                        if at.as_str().is_some_and(|name| !name.is_empty()) {
+                            ignored.push(path.to_string());
+                        }
+                    }
+                    return Ok((p, ignored));
+                }
                 Err(PolicyError::Invalid(e)) if e.message.starts_with("unknown key") => {
                     if !remove_path(&mut doc, &e.path) {
                         return Err(PolicyError::Invalid(e));
@@ -582,7 +716,7 @@ impl Policy {
             if let Some(inline) = &c.inline {
                 inline.check(origin, "spec.migManager.config.inline.")?;
             }
-            if let (Some(a), Some(b)) = (&m.default, &c.default)
+            if let (Some(a), Some(b)) = (&m.default, m.config_default())
                 && a != b
             {
                 return Err(YamlError::invalid(
@@ -768,6 +902,215 @@ mod tests {
     }
 
     use super::*;
+
+    fn fixture(rel: &str) -> (String, String) {
+        let path = format!("{}/../tests/fixtures/{rel}", env!("CARGO_MANIFEST_DIR"));
+        (std::fs::read_to_string(&path).unwrap(), path)
+    }
+
+    #[test]
+    fn the_gpu_operator_charts_default_cluster_policy_is_taken() {
+        let (text, path) = fixture("policies/cluster/gpu-operator-default.yaml");
+        let (p, ignored) =
+            Policy::from_cluster_yaml(&text, &path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(p.driver.enabled && p.toolkit.enabled && p.cdi.enabled);
+        assert_eq!(p.driver.version.as_deref(), Some("595.91.07"));
+        // `kernelModuleConfig: {name: ""}`: no ConfigMap, no parameters.
+        assert!(p.driver.kernel_module_config.is_empty());
+        assert_eq!(p.operator.runtime_class, "nvidia");
+        assert_eq!(p.mig.strategy, MigStrategy::Single);
+        assert_eq!(p.mig_manager.selected_layout(), Some("all-disabled"));
+        assert!(p.dcgm_exporter.enabled && p.dcgm_exporter.config.is_none());
+        // Every key of the operator's that gpu-agent does not use (in the
+        // order they were found); the empty ConfigMap name is not among them.
+        let image = ["repository", "image", "version", "imagePullPolicy"];
+        let mut expected: Vec<String> = ["spec.hostPaths", "spec.daemonsets"]
+            .iter()
+            .map(|k| k.to_string())
+            .collect();
+        expected.extend(image.iter().map(|k| format!("spec.validator.{k}")));
+        expected.push("spec.validator.plugin".into());
+        expected.push("spec.psa".into());
+        for k in ["useNvidiaDriverCRD", "kernelModuleType", "usePrecompiled"] {
+            expected.push(format!("spec.driver.{k}"));
+        }
+        for k in [
+            "repository",
+            "image",
+            "imagePullPolicy",
+            "startupProbe",
+            "rdma",
+            "manager",
+        ] {
+            expected.push(format!("spec.driver.{k}"));
+        }
+        for k in [
+            "repoConfig",
+            "certConfig",
+            "licensingConfig",
+            "virtualTopology",
+            "upgradePolicy",
+        ] {
+            expected.push(format!("spec.driver.{k}"));
+        }
+        for k in [
+            "vgpuManager",
+            "kataManager",
+            "vfioManager",
+            "vgpuDeviceManager",
+            "ccManager",
+        ] {
+            expected.push(format!("spec.{k}"));
+        }
+        expected.extend(image.iter().map(|k| format!("spec.toolkit.{k}")));
+        expected.push("spec.toolkit.installDir".into());
+        expected.extend(image.iter().map(|k| format!("spec.devicePlugin.{k}")));
+        expected.push("spec.dcgm".into());
+        expected.extend(image.iter().map(|k| format!("spec.dcgmExporter.{k}")));
+        expected.push("spec.dcgmExporter.serviceMonitor".into());
+        expected.push("spec.dcgmExporter.service".into());
+        expected.extend(image.iter().map(|k| format!("spec.gfd.{k}")));
+        expected.extend(image.iter().map(|k| format!("spec.migManager.{k}")));
+        expected.push("spec.migManager.gpuClientsConfig".into());
+        for k in [
+            "nodeStatusExporter",
+            "gds",
+            "gdrcopy",
+            "sandboxWorkloads",
+            "sandboxDevicePlugin",
+            "kataSandboxDevicePlugin",
+        ] {
+            expected.push(format!("spec.{k}"));
+        }
+        let mut ignored = ignored;
+        ignored.sort();
+        expected.sort();
+        assert_eq!(ignored, expected);
+    }
+
+    #[test]
+    fn the_operators_config_map_keys_are_taken_and_named_as_left_out() {
+        let text = "spec:\n  driver:\n    kernelModuleConfig:\n      name: kernel-module-params\n      nvidia: {NVreg_EnableGpuFirmware: \"0\"}\n  dcgmExporter:\n    config:\n      name: custom-dcgm-metrics\n";
+        let (p, ignored) = Policy::from_cluster_yaml(text, "c").unwrap();
+        assert_eq!(
+            ignored,
+            [
+                "spec.driver.kernelModuleConfig.name",
+                "spec.dcgmExporter.config.name"
+            ]
+        );
+        // The parameters given here are used; the ConfigMap names no file.
+        assert_eq!(p.module_params()["nvidia"]["NVreg_EnableGpuFirmware"], "0");
+        assert_eq!(p.module_params().len(), 1);
+        assert_eq!(p.dcgm_exporter.config, None);
+        // A policy file takes the same shapes (the names are not read).
+        assert_eq!(Policy::from_yaml(text, "f").unwrap(), p);
+        // Empty names (and null) name no ConfigMap: nothing left out.
+        let empty = "spec:\n  driver:\n    kernelModuleConfig: {name: \"\"}\n  dcgmExporter:\n    config: {name: null}\n";
+        let (p, ignored) = Policy::from_cluster_yaml(empty, "c").unwrap();
+        assert!(ignored.is_empty(), "{ignored:?}");
+        assert_eq!(p, Policy::default());
+        // gpu-agent's own shapes are unchanged.
+        let own = "spec:\n  dcgmExporter:\n    config: /etc/gpu-agent/dcgm-metrics.csv\n";
+        let p = Policy::from_yaml(own, "f").unwrap();
+        assert_eq!(
+            p.dcgm_exporter.config.as_deref(),
+            Some("/etc/gpu-agent/dcgm-metrics.csv")
+        );
+        let round = serde_yaml_ng::to_string(&serde_json::json!({ "spec": p })).unwrap();
+        assert_eq!(Policy::from_yaml(&round, "r").unwrap(), p);
+    }
+
+    #[test]
+    fn wrong_shapes_of_the_config_map_keys_are_still_refused_naming_the_key() {
+        let cases = [
+            (
+                "driver:\n    kernelModuleConfig: nvidia\n",
+                "spec.driver.kernelModuleConfig",
+                "expected parameters per module",
+            ),
+            (
+                "driver:\n    kernelModuleConfig: [nvidia]\n",
+                "spec.driver.kernelModuleConfig",
+                "invalid type: sequence",
+            ),
+            (
+                "driver:\n    kernelModuleConfig: {name: {NVreg_X: \"1\"}}\n",
+                "spec.driver.kernelModuleConfig.name",
+                "expected a ConfigMap name (a string)",
+            ),
+            (
+                "driver:\n    kernelModuleConfig: {nvidia: \"NVreg_X=1\"}\n",
+                "spec.driver.kernelModuleConfig.nvidia",
+                "invalid type: string",
+            ),
+            (
+                "driver:\n    kernelModuleConfig: {nvidia: {NVreg_X: [1]}}\n",
+                "spec.driver.kernelModuleConfig.nvidia.NVreg_X",
+                "invalid type: sequence",
+            ),
+            (
+                "driver:\n    kernelModuleConfig: {nvidia-fs: {a: \"1\"}}\n",
+                "spec.driver.kernelModuleConfig.nvidia-fs",
+                "not a module gpu-agent loads",
+            ),
+            (
+                "dcgmExporter:\n    config: 5\n",
+                "spec.dcgmExporter.config",
+                "expected a counters file (a host path) or the GPU Operator's {name: <ConfigMap>}",
+            ),
+            (
+                "dcgmExporter:\n    config: [a.csv]\n",
+                "spec.dcgmExporter.config",
+                "invalid type: sequence",
+            ),
+            (
+                "dcgmExporter:\n    config: {name: [x]}\n",
+                "spec.dcgmExporter.config.name",
+                "invalid type: sequence",
+            ),
+        ];
+        for (spec, path, message) in cases {
+            let text = format!("spec:\n  {spec}");
+            for err in [
+                Policy::from_yaml(&text, "p").unwrap_err().to_string(),
+                Policy::from_cluster_yaml(&text, "p")
+                    .unwrap_err()
+                    .to_string(),
+            ] {
+                assert!(err.starts_with(&format!("p: {path}: ")), "{path}: {err}");
+                assert!(err.contains(message), "{path}: {err}");
+            }
+        }
+        // A key the operator's `{name}` does not have: refused in a file,
+        // left out and named under the cluster's ClusterPolicy.
+        let text = "spec:\n  dcgmExporter:\n    config: {name: m, data: x}\n";
+        let err = Policy::from_yaml(text, "p").unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "p: spec.dcgmExporter.config.data: unknown key (expected one of: name)"
+            ),
+            "{err}"
+        );
+        let (_, ignored) = Policy::from_cluster_yaml(text, "p").unwrap();
+        assert_eq!(
+            ignored,
+            [
+                "spec.dcgmExporter.config.data",
+                "spec.dcgmExporter.config.name"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_empty_mig_config_default_selects_no_layout() {
+        let text = "spec:\n  migManager:\n    config: {name: \"\", default: \"\"}\n";
+        let p = Policy::from_yaml(text, "p").unwrap();
+        assert_eq!(p.mig_manager.selected_layout(), None);
+        let text = "spec:\n  migManager:\n    default: all-balanced\n    config: {default: \"\"}\n";
+        let p = Policy::from_yaml(text, "p").unwrap();
+        assert_eq!(p.mig_manager.selected_layout(), Some("all-balanced"));
+    }
 
     #[test]
     fn empty_policy_is_all_defaults() {

@@ -894,3 +894,26 @@ fn liveness_is_the_agents_lock() {
         "{out}"
     );
 }
+
+#[test]
+fn policy_check_takes_the_operators_config_map_shapes_and_uses_only_gpu_agents_keys() {
+    let (code, out, err) = run(bin()
+        .args(["policy", "check", "--effective"])
+        .arg(fixture("policies/valid/operator-config-maps.yaml")));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("valid policy"), "{out}");
+    // The parameters are used; the ConfigMap names are not (a node's agent
+    // cannot read them), so the effective policy has neither name.
+    assert!(out.contains("NVreg_EnableGpuFirmware: '0'"), "{out}");
+    assert!(!out.contains("kernel-module-params"), "{out}");
+    assert!(!out.contains("custom-dcgm-metrics"), "{out}");
+    // A wrong type at a key gpu-agent uses is still refused, naming it.
+    let (code, _, err) = run(bin().args(["policy", "check"]).arg(fixture(
+        "policies/invalid/driver-kernel-module-config-name.yaml",
+    )));
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("spec.driver.kernelModuleConfig.name: invalid type"),
+        "{err}"
+    );
+}
