@@ -53,6 +53,10 @@ pub struct Entry {
 struct Manifest {
     format: u32,
     entries: Vec<Entry>,
+    /// Directories that did not exist before gpu-agent wrote into them (host
+    /// paths, parents first): restoring removes them again when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    created_dirs: Vec<String>,
 }
 
 /// Errors changing host files. Each names the file.
@@ -138,7 +142,7 @@ impl<'h> ManagedFiles<'h> {
         let Some(text) = self.host.read_optional(MANIFEST)? else {
             return Ok(Manifest {
                 format: 1,
-                entries: Vec::new(),
+                ..Manifest::default()
             });
         };
         serde_json::from_str(&text).map_err(|e| ManagedError::Manifest {
@@ -150,10 +154,19 @@ impl<'h> ManagedFiles<'h> {
         })
     }
 
-    fn save_manifest(&self, m: &Manifest) -> Result<(), ManagedError> {
+    fn save_manifest(&self, m: &mut Manifest) -> Result<(), ManagedError> {
+        // The first manifest makes gpu-agent's own directories: noted too.
+        if !self.host.resolve(MANIFEST)?.exists() {
+            self.note_new_dirs(m, MANIFEST)?;
+        }
         let json = serde_json::to_vec_pretty(m).expect("manifest serialises");
         self.host.write_atomic(MANIFEST, &json, 0o600)?;
         Ok(())
+    }
+
+    /// The directories gpu-agent made (host paths, parents first).
+    pub fn created_dirs(&self) -> Result<Vec<String>, ManagedError> {
+        Ok(self.manifest()?.created_dirs)
     }
 
     /// Every file gpu-agent has changed and not restored.
@@ -186,6 +199,15 @@ impl<'h> ManagedFiles<'h> {
             return Ok(false);
         }
         let mut manifest = self.manifest()?;
+        let mut new_dirs = false;
+        if !self.host.resolve(MANIFEST)?.exists() {
+            // The backup directory is about to be made, before the manifest.
+            new_dirs |= self.note_new_dirs(&mut manifest, MANIFEST)?;
+        }
+        new_dirs |= self.note_new_dirs(&mut manifest, path)?;
+        if new_dirs {
+            self.save_manifest(&mut manifest)?;
+        }
         if !manifest.entries.iter().any(|e| e.path == path) {
             let original = match (&current, &meta) {
                 (Some(bytes), Some(m)) => {
@@ -209,7 +231,7 @@ impl<'h> ManagedFiles<'h> {
                 original,
             });
             // The original is safe before the file is touched.
-            self.save_manifest(&manifest)?;
+            self.save_manifest(&mut manifest)?;
         }
         let mode = meta
             .as_ref()
@@ -220,6 +242,46 @@ impl<'h> ManagedFiles<'h> {
         }
         tracing::info!(file = %path, "wrote host file");
         Ok(true)
+    }
+
+    /// Notes in `manifest` the parents of the host file `path` that do not
+    /// exist yet (the write is about to make them); true if any was new.
+    fn note_new_dirs(&self, manifest: &mut Manifest, path: &str) -> Result<bool, ManagedError> {
+        let mut missing = Vec::new();
+        let mut dir = std::path::Path::new(path).parent();
+        while let Some(d) = dir {
+            if d.as_os_str().is_empty() || d == std::path::Path::new("/") {
+                break;
+            }
+            let real = self.host.resolve(d)?;
+            if real.exists() {
+                break;
+            }
+            missing.push(d.to_string_lossy().into_owned());
+            dir = d.parent();
+        }
+        let mut added = false;
+        for d in missing.into_iter().rev() {
+            if !manifest.created_dirs.contains(&d) {
+                manifest.created_dirs.push(d);
+                added = true;
+            }
+        }
+        Ok(added)
+    }
+
+    /// Makes the host directory `path` (and its parents), noting the ones
+    /// it creates so that [`ManagedFiles::restore`] removes them again.
+    pub fn create_dir(&self, path: &str) -> Result<(), ManagedError> {
+        let mut manifest = self.manifest()?;
+        let probe = format!("{}/.", path.trim_end_matches('/'));
+        if self.note_new_dirs(&mut manifest, &probe)? {
+            manifest.format = 1;
+            self.save_manifest(&mut manifest)?;
+        }
+        let real = self.host.resolve(path)?;
+        fs::create_dir_all(&real).map_err(|e| HostError::io(&real, e))?;
+        Ok(())
     }
 
     /// Gives a rewritten file (now owned by us) back to its owner, when that differs.
@@ -285,6 +347,20 @@ impl<'h> ManagedFiles<'h> {
             Err(err) if err.kind() == io::ErrorKind::NotFound => {}
             Err(err) => return Err(HostError::io(real, err).into()),
         }
+        // The directories gpu-agent made, deepest first, where they are
+        // empty now (a file someone else put there keeps its directory).
+        for d in manifest.created_dirs.iter().rev() {
+            let real = self.host.resolve(d)?;
+            match fs::remove_dir(&real) {
+                Ok(()) => done.push(Restored::Removed(format!("{d}/"))),
+                Err(err)
+                    if matches!(
+                        err.kind(),
+                        io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
+                    ) => {}
+                Err(err) => return Err(HostError::io(real, err).into()),
+            }
+        }
         Ok(done)
     }
 }
@@ -335,9 +411,17 @@ mod tests {
             restored,
             [
                 Restored::Removed("/etc/containerd/conf.d/99-gpu-agent.toml".into()),
-                Restored::Rewritten("/etc/containerd/config.toml".into())
+                Restored::Rewritten("/etc/containerd/config.toml".into()),
+                // The directories it made, deepest first; /etc/containerd was there.
+                Restored::Removed("/etc/containerd/conf.d/".into()),
+                Restored::Removed("/var/lib/gpu-agent/backup/".into()),
+                Restored::Removed("/var/lib/gpu-agent/".into()),
+                Restored::Removed("/var/lib/".into()),
+                Restored::Removed("/var/".into()),
             ]
         );
+        assert!(d.path().join("etc/containerd").is_dir());
+        assert!(!d.path().join("var").exists());
         assert_eq!(fs::read(&cfg).unwrap(), original);
         assert_eq!(
             fs::metadata(&cfg).unwrap().permissions().mode() & 0o777,
