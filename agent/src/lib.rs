@@ -22,6 +22,7 @@ pub mod source;
 pub mod stages;
 pub mod state;
 pub mod supervisor;
+pub mod uninstall;
 #[cfg(test)]
 pub(crate) mod test_support;
 pub mod workload;

@@ -154,6 +154,15 @@ enum Command {
         #[arg(long)]
         keep: bool,
     },
+    /// Leave the host as it was before gpu-agent: put back every host file
+    /// it changed (byte for byte), remove every file and directory it made.
+    /// Loaded kernel modules and their device nodes stay. The agent must be
+    /// stopped first.
+    Uninstall {
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -288,6 +297,7 @@ fn dispatch(cli: Cli) -> Result<ExitCode, Failure> {
         Command::CdiHook { command } => cdi_hook(command),
         Command::HostExec { shm, argv } => host_exec(&cli, shm.as_deref(), argv),
         Command::Driver { command } => driver_cli::command(&cli, command),
+        Command::Uninstall { no_wait } => uninstall(&cli, *no_wait),
         Command::Demo { node, keep } => {
             demo::run(node, *keep, &mut std::io::stdout().lock())
                 .map_err(bad_input_if_description)?;
@@ -697,6 +707,19 @@ impl StatusReport {
             policy_ignored: st.policy_ignored,
         }
     }
+}
+
+fn uninstall(cli: &Cli, no_wait: bool) -> Result<ExitCode, Failure> {
+    let host = host_root(cli)?;
+    let done = gpu_agent::uninstall::uninstall(&host, &hostlib::LinuxSyscalls, !no_wait)?;
+    if done.is_empty() {
+        println!("nothing to undo: gpu-agent has changed nothing on this host");
+    }
+    for d in done {
+        println!("{d}");
+    }
+    println!("kernel modules, and their device nodes, are left as they are");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `status --ready`: the running agent's own word, one line.
