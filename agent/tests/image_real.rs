@@ -1,10 +1,13 @@
 //! The container image (scripts/image, packaging/image/build.py) against
 //! peers we did not write.
 //!
-//! - `build_py_*`: the builder, run on busybox-static (any static ELF
-//!   serves): the same bytes twice, a layer GNU tar lists as we mean it,
-//!   digests that match, skopeo (Debian's, containers/image) reading and
-//!   copying the archive; a dynamically linked binary refused, named.
+//! - `build_py_*`: the builder, run on busybox-static (any ELF whose needs
+//!   the image meets serves): the same bytes twice, a layer GNU tar lists as
+//!   we mean it (the binaries and the glibc runtime from this machine's
+//!   libc6 and libgcc-s1, with their versions and copyright files), digests
+//!   that match, skopeo (Debian's, containers/image) reading and copying the
+//!   archive; a binary needing a library or a loader the image lacks is
+//!   refused, naming the binary and what is missing.
 //! - `containerd_runs_the_image` (root: runc): the image scripts/image built
 //!   (`target/image/gpu-agent-<version>.oci.tar`; this test does not build
 //!   it and fails, saying so, when it is missing) imported by a real
@@ -12,7 +15,11 @@
 //!   `ctr images import`, and run with Debian's runc: `gpu-agent --host-root
 //!   /host inventory` over a host fixture bound read-only at `/host` gives
 //!   what the binary gives run directly on the fixture, with and without a
-//!   libnvidia-ml on the host; `gpu-controller --help` runs as uid 65532 on a
+//!   libnvidia-ml on the host (with one, the fake at the host's
+//!   `/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1`, found by the default
+//!   lookup and loaded by the image's glibc: the NVML backend answers); the
+//!   image's own loader resolves every library gpu-agent and the fake need
+//!   (`ld.so --list`); `gpu-controller --help` runs as uid 65532 on a
 //!   read-only root, as the Helm chart runs it.
 
 mod common;
@@ -43,6 +50,47 @@ fn sha256(bytes: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect();
     format!("sha256:{hex}")
+}
+
+/// The glibc runtime build.py puts in the image: (path in the image, the
+/// file on this machine it is taken from).
+const RUNTIME: &[(&str, &str)] = &[
+    (
+        "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+        "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    ),
+    (
+        "lib/x86_64-linux-gnu/libc.so.6",
+        "/lib/x86_64-linux-gnu/libc.so.6",
+    ),
+    (
+        "lib/x86_64-linux-gnu/libdl.so.2",
+        "/lib/x86_64-linux-gnu/libdl.so.2",
+    ),
+    (
+        "lib/x86_64-linux-gnu/libgcc_s.so.1",
+        "/lib/x86_64-linux-gnu/libgcc_s.so.1",
+    ),
+    (
+        "lib/x86_64-linux-gnu/libm.so.6",
+        "/lib/x86_64-linux-gnu/libm.so.6",
+    ),
+    (
+        "lib/x86_64-linux-gnu/libpthread.so.0",
+        "/lib/x86_64-linux-gnu/libpthread.so.0",
+    ),
+    (
+        "lib/x86_64-linux-gnu/librt.so.1",
+        "/lib/x86_64-linux-gnu/librt.so.1",
+    ),
+];
+
+/// `dpkg-query`'s version of an installed package.
+fn package_version(package: &str) -> String {
+    let (code, out, err) =
+        run(Command::new("dpkg-query").args(["-W", "-f", "${Version}", package]));
+    assert_eq!(code, 0, "dpkg-query {package}: {err}");
+    out
 }
 
 /// Debian's busybox-static: a static ELF to build a test image from.
@@ -181,20 +229,102 @@ fn build_py_writes_the_same_image_twice_as_peers_read_it() {
         .lines()
         .map(|l| l.split_whitespace().map(str::to_string).collect())
         .collect();
-    let size = fs::metadata(&elf).unwrap().len().to_string();
-    let expected = [
-        ("drwxrwxrwt", "0", "tmp/"),
-        ("drwxr-xr-x", "0", "usr/"),
-        ("drwxr-xr-x", "0", "usr/bin/"),
-        ("-rwxr-xr-x", size.as_str(), "usr/bin/gpu-agent"),
-        ("-rwxr-xr-x", size.as_str(), "usr/bin/gpu-controller"),
-    ];
-    assert_eq!(listing.len(), expected.len(), "{listing:?}");
-    for (entry, (mode, size, path)) in listing.iter().zip(expected) {
+    let size = |p: &str| fs::metadata(p).unwrap().len().to_string();
+    let elf_size = size(elf.to_str().unwrap());
+    let dir = |p: &'static str| ("drwxr-xr-x".to_string(), "0".to_string(), p.to_string());
+    let file = |mode: &str, size: String, p: &str| (mode.to_string(), size, p.to_string());
+    let mut expected = vec![dir("lib/"), dir("lib/x86_64-linux-gnu/")];
+    expected.extend(
+        RUNTIME
+            .iter()
+            .map(|(image, host)| file("-rwxr-xr-x", size(host), image)),
+    );
+    expected.extend([
+        dir("lib64/"),
+        file("lrwxrwxrwx", "0".into(), "lib64/ld-linux-x86-64.so.2"),
+        file("drwxrwxrwt", "0".into(), "tmp/"),
+        dir("usr/"),
+        dir("usr/bin/"),
+        file("-rwxr-xr-x", elf_size.clone(), "usr/bin/gpu-agent"),
+        file("-rwxr-xr-x", elf_size, "usr/bin/gpu-controller"),
+        dir("usr/share/"),
+        dir("usr/share/doc/"),
+        dir("usr/share/doc/gpu-agent/"),
+        file(
+            "-rw-r--r--",
+            // Its contents are checked below.
+            listing
+                .iter()
+                .find(|e| e[5] == "usr/share/doc/gpu-agent/runtime-packages")
+                .map_or_else(String::new, |e| e[2].clone()),
+            "usr/share/doc/gpu-agent/runtime-packages",
+        ),
+        dir("usr/share/doc/libc6/"),
+        file(
+            "-rw-r--r--",
+            size("/usr/share/doc/libc6/copyright"),
+            "usr/share/doc/libc6/copyright",
+        ),
+        dir("usr/share/doc/libgcc-s1/"),
+        file(
+            "-rw-r--r--",
+            size("/usr/share/doc/libgcc-s1/copyright"),
+            "usr/share/doc/libgcc-s1/copyright",
+        ),
+    ]);
+    assert_eq!(listing.len(), expected.len(), "{listing:#?}");
+    for (entry, (mode, size, path)) in listing.iter().zip(&expected) {
         assert_eq!(
             entry[..6],
             [mode, "0/0", size, "1970-01-01", "00:00:00", path],
-            "{listing:?}"
+            "{listing:#?}"
+        );
+    }
+    let loader = listing
+        .iter()
+        .find(|e| e[5] == "lib64/ld-linux-x86-64.so.2")
+        .unwrap();
+    assert_eq!(
+        loader[6..],
+        ["->", "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"],
+        "{loader:?}"
+    );
+
+    // The packages the runtime came from, with this machine's versions, in
+    // the image (with their copyright files, checked by size above) and in
+    // build.py's facts.
+    let unpack = tempfile::tempdir().unwrap();
+    let status = Command::new("tar")
+        .arg("-xzf")
+        .arg(&layer_path)
+        .arg("-C")
+        .arg(unpack.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (libc6, libgcc) = (package_version("libc6"), package_version("libgcc-s1"));
+    let recorded = fs::read_to_string(
+        unpack
+            .path()
+            .join("usr/share/doc/gpu-agent/runtime-packages"),
+    )
+    .unwrap();
+    assert!(
+        recorded.contains(&format!("\nlibc6 {libc6} amd64 (source glibc {libc6})\n")),
+        "{recorded}"
+    );
+    assert!(
+        recorded.contains(&format!("\nlibgcc-s1 {libgcc} amd64 (source gcc-")),
+        "{recorded}"
+    );
+    assert_eq!(facts["runtime_packages"][0]["package"], "libc6");
+    assert_eq!(facts["runtime_packages"][0]["version"], libc6.as_str());
+    assert_eq!(facts["runtime_packages"][1]["package"], "libgcc-s1");
+    assert_eq!(facts["runtime_packages"][1]["version"], libgcc.as_str());
+    for (image, host) in RUNTIME {
+        assert!(
+            fs::read(unpack.path().join(image)).unwrap() == fs::read(host).unwrap(),
+            "{image} is not this machine's {host}"
         );
     }
 
@@ -225,17 +355,73 @@ fn build_py_writes_the_same_image_twice_as_peers_read_it() {
     assert!(copied.exists(), "skopeo's copy has no {}", copied.display());
 }
 
+/// The ELF's DT_NEEDED libraries, as binutils' readelf reads them.
+fn needed(elf: &Path) -> Vec<String> {
+    let (code, out, err) = run(Command::new("readelf").arg("-dW").arg(elf));
+    assert_eq!(code, 0, "readelf -d {}: {err}", elf.display());
+    out.lines()
+        .filter(|l| l.contains("(NEEDED)"))
+        .filter_map(|l| {
+            Some(
+                l.split_once("Shared library: [")?
+                    .1
+                    .trim_end_matches(']')
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
 #[test]
-fn build_py_refuses_a_dynamically_linked_binary_naming_it() {
-    // The test build of gpu-agent is dynamically linked.
-    let dynamic = Path::new(env!("CARGO_BIN_EXE_gpu-agent"));
+fn build_py_refuses_a_binary_whose_loader_or_library_the_image_lacks() {
     let out = tempfile::tempdir().unwrap();
-    let (code, _, err) = build(dynamic, &static_elf(), out.path());
+    let have: Vec<&str> = RUNTIME
+        .iter()
+        .map(|(image, _)| image.rsplit('/').next().unwrap())
+        .collect();
+
+    // Debian's python3 needs libraries beyond glibc's (libz, libexpat): the
+    // first of them that the image lacks is named, with the binary.
+    let python = fs::canonicalize("/usr/bin/python3").unwrap();
+    let missing = needed(&python)
+        .into_iter()
+        .find(|lib| !have.contains(&lib.as_str()))
+        .expect("python3 needs only glibc's libraries: pick another binary");
+    let (code, _, err) = build(&python, &static_elf(), out.path());
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains(&format!(
-            "{}: dynamically linked (PT_INTERP /lib",
-            dynamic.display()
+            "{}: needs {missing} (DT_NEEDED), which the image does not have",
+            python.display()
+        )),
+        "{err}"
+    );
+    assert!(!archive_in(out.path()).exists());
+
+    // The test build of gpu-agent (dynamic: glibc and libgcc_s, all in the
+    // image) with its interpreter renamed to one the image does not have.
+    let agent = fs::read(env!("CARGO_BIN_EXE_gpu-agent")).unwrap();
+    assert!(
+        needed(Path::new(env!("CARGO_BIN_EXE_gpu-agent")))
+            .iter()
+            .all(|lib| have.contains(&lib.as_str())),
+        "gpu-agent needs a library the image lacks"
+    );
+    let interp = b"/lib64/ld-linux-x86-64.so.2\0";
+    let at = agent
+        .windows(interp.len())
+        .position(|w| w == interp)
+        .expect("gpu-agent has no PT_INTERP /lib64/ld-linux-x86-64.so.2");
+    let mut renamed = agent;
+    renamed[at + interp.len() - 2] = b'3';
+    let odd = out.path().join("gpu-agent-odd-loader");
+    fs::write(&odd, renamed).unwrap();
+    let (code, _, err) = build(&odd, &static_elf(), out.path());
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains(&format!(
+            "{}: its ELF interpreter (PT_INTERP) /lib64/ld-linux-x86-64.so.3 is not in the image",
+            odd.display()
         )),
         "{err}"
     );
@@ -479,24 +665,24 @@ fn containerd_runs_the_image() {
         }
     }
 
-    // A host with a libnvidia-ml (the fake): the static agent in the image
-    // cannot load it (no libc in the image for the library's own needs), and
-    // says so, still listing the GPUs from sysfs.
+    // A host with a libnvidia-ml (the fake, in the host's multiarch library
+    // directory, where the agent looks under --host-root when no --nvml-lib
+    // is given): the agent in the image loads it with the image's glibc and
+    // the NVML backend answers, the same as the binary run directly on the
+    // same fixture.
     let with_nvml = copy_host_fixture("h100-sxm-8");
     let libdir = with_nvml.path().join("usr/lib/x86_64-linux-gnu");
     fs::create_dir_all(&libdir).unwrap();
     let (_lib_dir, fake) = fake_nvml();
-    fs::copy(
-        fs::canonicalize(&fake).unwrap(),
-        libdir.join("libnvidia-ml.so.1"),
-    )
-    .unwrap();
+    let fake = fs::canonicalize(&fake).unwrap();
+    fs::copy(&fake, libdir.join("libnvidia-ml.so.1")).unwrap();
+    let nvml_host = bind_ro(with_nvml.path(), "/host");
     let (code, inside, err) = c.run_image(
         "inventory-nvml",
         &[
             "--read-only",
             "--mount",
-            &bind_ro(with_nvml.path(), "/host"),
+            &nvml_host,
             "--env",
             "FAKE_NVML_NODE=h100-sxm-8",
         ],
@@ -516,12 +702,53 @@ fn containerd_runs_the_image() {
         c.log()
     );
     let inv = json(&inside);
-    assert_eq!(inv["gpus"].as_array().unwrap().len(), 8, "{inv:#}");
-    let backend_error = inv["backend"]["error"].as_str().unwrap_or_default();
-    assert!(
-        backend_error.contains("cannot load the NVML library"),
+    assert_eq!(
+        inv["backend"],
+        serde_json::json!({"name": "nvml", "driver_version": "550.127.08", "error": null}),
         "{inv:#}"
     );
+    let gpus = inv["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8, "{inv:#}");
+    assert!(
+        gpus.iter().all(|g| g["model"] == "NVIDIA H100 80GB HBM3"
+            && g["uuid"].as_str().is_some_and(|u| u.starts_with("GPU-"))
+            && g["telemetry"]["temperature_c"].is_number()),
+        "{inv:#}"
+    );
+    let (code, direct, err) = run(at(with_nvml.path())
+        .args(["inventory", "-o", "json"])
+        .env("FAKE_NVML_NODE", "h100-sxm-8"));
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        inv,
+        json(&direct),
+        "inventory with NVML: image and binary differ"
+    );
+
+    // The image's own loader finds every library gpu-agent and the host's
+    // libnvidia-ml need (the stubs libpthread, libdl and librt included: the
+    // real libnvidia-ml names them), all from the image, none missing.
+    for elf in [
+        "/usr/bin/gpu-agent",
+        "/host/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+        "/lib/x86_64-linux-gnu/libpthread.so.0",
+        "/lib/x86_64-linux-gnu/libdl.so.2",
+        "/lib/x86_64-linux-gnu/librt.so.1",
+    ] {
+        let (code, out, err) = c.run_image(
+            "loader-list",
+            &["--read-only", "--mount", &nvml_host],
+            &["/lib64/ld-linux-x86-64.so.2", "--list", elf],
+        );
+        assert_eq!(code, 0, "ld.so --list {elf}: {out}{err}");
+        assert!(!out.contains("not found"), "ld.so --list {elf}:\n{out}");
+        for line in out.lines().filter(|l| l.contains("=>")) {
+            assert!(
+                line.contains("=> /lib/x86_64-linux-gnu/"),
+                "ld.so --list {elf}: a library from outside the image's runtime:\n{out}"
+            );
+        }
+    }
 
     // The controller, as the Helm chart runs it: uid 65532, read-only root.
     let (code, out, err) = c.run_image(
