@@ -22,9 +22,9 @@ pub mod source;
 pub mod stages;
 pub mod state;
 pub mod supervisor;
-pub mod uninstall;
 #[cfg(test)]
 pub(crate) mod test_support;
+pub mod uninstall;
 pub mod workload;
 
 pub use inventory::Inventory;
