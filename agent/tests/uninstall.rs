@@ -77,7 +77,10 @@ fn host() -> tempfile::TempDir {
     )
     .unwrap();
     install_containerd_2(h);
-    fs::create_dir_all(h.join("var/lib/kubelet/device-plugins")).unwrap();
+    // Every Linux host has /var/lib (gpu-agent's own caches go under it
+    // before anything records what it made). No kubelet yet: the agent
+    // makes its plugin directory, and uninstall must remove it again.
+    fs::create_dir_all(h.join("var/lib")).unwrap();
     // No service manager in the sandbox: the runtime is not restarted.
     fs::write(
         h.join("policy.yaml"),
@@ -155,6 +158,7 @@ fn uninstall_leaves_the_host_tree_as_it_was_before_the_agent() {
         "new: run/nvidia/validations/toolkit-ready",
         "new: run/gpu-agent/state.json",
         "new: var/lib/gpu-agent/backup/manifest.json",
+        "new: var/lib/kubelet/device-plugins",
     ] {
         assert!(
             changed.iter().any(|c| c.starts_with(want)),
@@ -190,12 +194,12 @@ fn the_checksum_sees_what_uninstall_must_undo() {
     let h = dir.path();
     let before = tree(h);
     fs::write(h.join("etc/containerd/config.toml"), "version = 2\n").unwrap();
-    fs::set_permissions(h.join("var/lib/kubelet"), fs::Permissions::from_mode(0o700)).unwrap();
+    fs::set_permissions(h.join("run/nvidia"), fs::Permissions::from_mode(0o700)).unwrap();
     fs::create_dir_all(h.join("etc/cdi")).unwrap();
     let d = differences(&before, &tree(h));
     assert_eq!(d.len(), 3, "{d:#?}");
     assert!(d[0].starts_with("changed: etc/containerd/config.toml: file 640"));
-    assert!(d[1].starts_with("changed: var/lib/kubelet: dir 755"));
+    assert!(d[1].starts_with("changed: run/nvidia: dir 755"), "{d:#?}");
     assert_eq!(
         d[2],
         "new: etc/cdi (dir 755 0:0)".replace("0:0", &{

@@ -274,7 +274,8 @@ impl<'h> ManagedFiles<'h> {
     /// it creates so that [`ManagedFiles::restore`] removes them again.
     pub fn create_dir(&self, path: &str) -> Result<(), ManagedError> {
         let mut manifest = self.manifest()?;
-        let probe = format!("{}/.", path.trim_end_matches('/'));
+        // A name inside: its missing parents are the directory and up.
+        let probe = format!("{}/-", path.trim_end_matches('/'));
         if self.note_new_dirs(&mut manifest, &probe)? {
             manifest.format = 1;
             self.save_manifest(&mut manifest)?;

@@ -1022,6 +1022,15 @@ impl Supervisor {
             return;
         };
         let health = self.health.as_ref().map(|h| h.view.clone());
+        // The kubelet makes its plugin directory; where it has not yet, we
+        // make it, noted so that `gpu-agent uninstall` removes it again.
+        if !manager::plugin_dir(&self.opts.host).is_ok_and(|d| d.is_dir())
+            && let Err(e) =
+                hostlib::managed::ManagedFiles::lock(&self.opts.host, &hostlib::LinuxSyscalls, true)
+                    .and_then(|f| f.create_dir(manager::DEVICE_PLUGIN_DIR))
+        {
+            tracing::warn!(stage = "plugin", error = %e, "cannot make the kubelet's plugin directory");
+        }
         match RunningPlugin::start(&self.opts.host, plan, inv, self.changed.clone(), health) {
             Ok(p) => {
                 self.plugin = Some(p);
