@@ -80,15 +80,8 @@ pub fn uninstall(
     dirs.sort_by_key(|d| std::cmp::Reverse(d.matches('/').count()));
     dirs.dedup();
     for d in dirs {
-        let real = host.resolve(&d)?;
-        match std::fs::remove_dir(&real) {
-            Ok(()) => done.push(format!("removed {d}/")),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
-                ) => {}
-            Err(e) => return Err(HostError::io(real, e).into()),
+        if hostlib::managed::remove_dir_if_empty(host, &d)? {
+            done.push(format!("removed {d}/"));
         }
     }
     Ok(done)

@@ -351,18 +351,29 @@ impl<'h> ManagedFiles<'h> {
         // The directories gpu-agent made, deepest first, where they are
         // empty now (a file someone else put there keeps its directory).
         for d in manifest.created_dirs.iter().rev() {
-            let real = self.host.resolve(d)?;
-            match fs::remove_dir(&real) {
-                Ok(()) => done.push(Restored::Removed(format!("{d}/"))),
-                Err(err)
-                    if matches!(
-                        err.kind(),
-                        io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
-                    ) => {}
-                Err(err) => return Err(HostError::io(real, err).into()),
+            if remove_dir_if_empty(self.host, d)? {
+                done.push(Restored::Removed(format!("{d}/")));
             }
         }
         Ok(done)
+    }
+}
+
+/// Removes the host directory `path` when it is empty; true if it did
+/// (gone already, or holding something: false).
+pub fn remove_dir_if_empty(host: &HostRoot, path: &str) -> Result<bool, HostError> {
+    let real = host.resolve(path)?;
+    match fs::remove_dir(&real) {
+        Ok(()) => Ok(true),
+        Err(err)
+            if matches!(
+                err.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
+            ) =>
+        {
+            Ok(false)
+        }
+        Err(err) => Err(HostError::io(real, err)),
     }
 }
 
