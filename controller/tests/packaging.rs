@@ -1416,21 +1416,12 @@ fn the_controller_rbac_allows_what_it_does_and_no_more() {
             ("POD_NAME", "gpu-controller-7d9f-abcde"),
         ],
     );
-    let out = Command::new(common::python())
-        .arg(repo().join("tests/interop/report_client.py"))
-        .arg("--proto")
-        .arg(repo().join("proto/proto/report_v1.proto"))
-        .arg("--ca")
-        .arg(&ca)
-        .args([
-            "--target",
-            &format!("localhost:{port}"),
-            "--node",
-            "py-node",
-        ])
-        .args(["--token", "py-token", "--upgrade", target, "--hold", "6"])
-        .output()
-        .unwrap();
+    let out = common::report_client(
+        port,
+        &ca,
+        "py-node",
+        &["--token", "py-token", "--upgrade", target, "--hold", "6"],
+    );
     assert!(
         out.status.success(),
         "grpcio agent: {}\n{}\ncontroller:\n{}",

@@ -8,13 +8,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use common::{MockApi, Proc, kubelet_node, python, start_controller, wait_for};
+use common::{MockApi, Proc, kubelet_node, report_client, start_controller, wait_for};
 use serde_json::Value;
-
-use common::repo;
 
 /// gpu-agent on a copy of the 8x H100 fixture (simulated GPUs, driver and
 /// toolkit off as on EKS), reporting with `token` as `node`.
@@ -53,21 +50,12 @@ fn a_grpcio_client_is_served_and_refused_by_the_same_rules() {
     api.add_token("elsewhere-token", account, "gpu-node-9");
     let dir = tempfile::tempdir().unwrap();
     let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
-    let out = Command::new(python())
-        .arg(repo().join("tests/interop/report_client.py"))
-        .arg("--proto")
-        .arg(repo().join("proto/proto/report_v1.proto"))
-        .arg("--ca")
-        .arg(&ca)
-        .args([
-            "--target",
-            &format!("localhost:{port}"),
-            "--node",
-            "py-node",
-        ])
-        .args(["--token", "py-token", "--other-token", "elsewhere-token"])
-        .output()
-        .unwrap();
+    let out = report_client(
+        port,
+        &ca,
+        "py-node",
+        &["--token", "py-token", "--other-token", "elsewhere-token"],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -420,21 +420,12 @@ fn a_grpcio_agent_is_given_the_go_ahead_by_the_running_controller() {
     );
     let dir = tempfile::tempdir().unwrap();
     let (mut controller, port, ca) = common::start_controller(&api, dir.path(), None);
-    let out = std::process::Command::new(common::python())
-        .arg(common::repo().join("tests/interop/report_client.py"))
-        .arg("--proto")
-        .arg(common::repo().join("proto/proto/report_v1.proto"))
-        .arg("--ca")
-        .arg(&ca)
-        .args([
-            "--target",
-            &format!("localhost:{port}"),
-            "--node",
-            "py-node",
-        ])
-        .args(["--token", "py-token", "--upgrade", NEW, "--hold", "6"])
-        .output()
-        .unwrap();
+    let out = common::report_client(
+        port,
+        &ca,
+        "py-node",
+        &["--token", "py-token", "--upgrade", NEW, "--hold", "6"],
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

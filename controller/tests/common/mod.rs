@@ -902,6 +902,22 @@ pub fn python() -> PathBuf {
     py
 }
 
+/// Runs the Python grpcio agent (tests/interop/report_client.py, a client
+/// we did not write the stack of) against the controller on `port`, trusting
+/// `ca`, reporting for `node`; `args` are the scenario's own (`--token`, ...).
+pub fn report_client(port: u16, ca: &Path, node: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(python())
+        .arg(repo().join("tests/interop/report_client.py"))
+        .arg("--proto")
+        .arg(repo().join("proto/proto/report_v1.proto"))
+        .arg("--ca")
+        .arg(ca)
+        .args(["--target", &format!("localhost:{port}"), "--node", node])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
 /// A stand-in agent (our tonic client, not gpu-agent): Hello, `report` as
 /// its snapshot, then `events`; the stream stays open while this lives.
 pub struct FakeAgent {
