@@ -5,18 +5,24 @@
 //! next one (an idle agent does nothing). A scrape renders the last sample
 //! and never waits on NVML or the kubelet.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, Semaphore, watch};
+use tokio::sync::{Notify, watch};
 
 use super::fields::FieldSet;
 use super::pods::{self, PodMap};
@@ -29,9 +35,20 @@ use crate::policy::DcgmExporterSpec;
 pub const IDLE_AFTER: Duration = Duration::from_secs(300);
 /// A connection that sends no complete request head for this long (a slow
 /// client, or an idle keep-alive connection) is closed.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections served at once; more are closed on accept.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection whose response makes no progress for this long (a client
+/// that does not read) is closed.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once. When all are taken, a new connection closes
+/// the oldest one that is not being answered (waiting for its request, as
+/// a slow or idle client does); when every one is being answered, the new
+/// one is closed on accept.
 pub const MAX_CONNECTIONS: usize = 32;
+/// Each connection's read and write buffer (hyper's smallest is 8 KiB); a
+/// request head larger than this is refused (431).
+pub const MAX_BUF_BYTES: usize = 16 * 1024;
+/// Header fields taken in one request.
+pub const MAX_HEADERS: usize = 64;
 
 /// dcgm-exporter's listen address variable, read when the policy names none.
 pub const LISTEN_ENV: &str = "DCGM_EXPORTER_LISTEN";
@@ -239,8 +256,163 @@ async fn sample_once(
     }
 }
 
+/// One open connection, as the accept loop sees it.
+#[derive(Debug, Default)]
+struct Conn {
+    /// Answering a request now (from its head until its body is handed over).
+    busy: AtomicBool,
+    /// Told when the connection is to be closed to make room.
+    close: Notify,
+}
+
+/// The open connections, oldest first.
+#[derive(Debug, Default)]
+struct Conns {
+    next: u64,
+    open: BTreeMap<u64, Arc<Conn>>,
+}
+
+impl Conns {
+    /// A place for a new connection: free, or made by closing the oldest
+    /// connection that is not being answered. None when all are answering.
+    fn admit(&mut self) -> Option<(u64, Arc<Conn>)> {
+        if self.open.len() >= MAX_CONNECTIONS {
+            let idle = self
+                .open
+                .iter()
+                .find(|(_, c)| !c.busy.load(Ordering::Acquire))
+                .map(|(id, _)| *id)?;
+            if let Some(c) = self.open.remove(&idle) {
+                c.close.notify_one();
+            }
+        }
+        let id = self.next;
+        self.next += 1;
+        let conn = Arc::new(Conn::default());
+        self.open.insert(id, conn.clone());
+        Some((id, conn))
+    }
+}
+
+/// A response body that marks its connection busy while it lives.
+struct Answer {
+    body: Full<Bytes>,
+    _busy: Busy,
+}
+
+struct Busy(Arc<Conn>);
+
+impl Busy {
+    fn new(conn: Arc<Conn>) -> Self {
+        conn.busy.store(true, Ordering::Release);
+        Busy(conn)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.store(false, Ordering::Release);
+    }
+}
+
+impl hyper::body::Body for Answer {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A socket whose writes fail with `TimedOut` once they have made no
+/// progress for [`WRITE_TIMEOUT`] (a client that does not read).
+struct WriteDeadline<T> {
+    io: T,
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> WriteDeadline<T> {
+    fn new(io: T) -> Self {
+        WriteDeadline { io, stalled: None }
+    }
+
+    fn progress<R>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        if p.is_ready() {
+            self.stalled = None;
+            return p;
+        }
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_TIMEOUT)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the client read nothing for {WRITE_TIMEOUT:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for WriteDeadline<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.progress(cx, p)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.progress(cx, p)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let p = Pin::new(&mut self.io).poll_flush(cx);
+        self.progress(cx, p)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let p = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.progress(cx, p)
+    }
+}
+
 async fn accept(listener: TcpListener, shared: Arc<Shared>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let conns = Arc::new(Mutex::new(Conns::default()));
+    // Connections closed on accept so far (logged at 1, 2, 4, 8...).
+    let mut refused = 0u64;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -251,24 +423,44 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(stage = "metrics", %peer, "too many connections; closing this one");
+        let admitted = conns.lock().unwrap_or_else(|p| p.into_inner()).admit();
+        let Some((id, conn)) = admitted else {
+            refused += 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(stage = "metrics", %peer, limit = MAX_CONNECTIONS, refused, "every connection is being answered; closing this one");
+            }
             continue;
         };
-        let shared = shared.clone();
+        let (shared, conns) = (shared.clone(), conns.clone());
         tokio::spawn(async move {
+            let on_request = conn.clone();
             let service = hyper::service::service_fn(move |req| {
                 let shared = shared.clone();
-                async move { Ok::<_, Infallible>(answer(&shared, &req)) }
+                let busy = Busy::new(on_request.clone());
+                async move {
+                    let r = answer(&shared, &req);
+                    Ok::<_, Infallible>(r.map(|body| Answer { body, _busy: busy }))
+                }
             });
-            let conn = hyper::server::conn::http1::Builder::new()
+            let served = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service);
-            if let Err(e) = conn.await {
-                tracing::debug!(stage = "metrics", %peer, error = %e, "connection ended");
+                .max_buf_size(MAX_BUF_BYTES)
+                .max_headers(MAX_HEADERS)
+                .serve_connection(TokioIo::new(WriteDeadline::new(stream)), service);
+            tokio::select! {
+                r = served => if let Err(e) = r {
+                    tracing::debug!(stage = "metrics", %peer, error = %e, "connection ended");
+                },
+                () = conn.close.notified() => {
+                    tracing::debug!(stage = "metrics", %peer, "closed an idle connection to make room for a new one");
+                }
             }
-            drop(slot);
+            conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .open
+                .remove(&id);
         });
     }
 }
@@ -328,7 +520,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn answers_get_on_its_paths_only_and_caps_connections() {
+    async fn answers_get_on_its_paths_only_and_makes_room_by_closing_idle_connections() {
         let (_d, sys, backend) = crate::test_support::sim_node("a10g-1");
         let inv = crate::inventory::discover(&sys, &backend).unwrap();
         let spec = DcgmExporterSpec {
@@ -358,7 +550,8 @@ mod tests {
         assert!(post.contains("allow: GET"), "{post}");
         let missing = get(port, "GET /debug/pprof HTTP/1.0\r\n\r\n").await;
         assert!(missing.starts_with("HTTP/1.0 404"), "{missing}");
-        // Idle connections hold every slot: the next one is closed at once.
+        // Idle connections hold every slot: the next one closes the oldest
+        // and is answered.
         let mut held = Vec::new();
         for _ in 0..MAX_CONNECTIONS {
             held.push(
@@ -366,30 +559,23 @@ mod tests {
                     .await
                     .unwrap(),
             );
+            // Accepted in this order.
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let refused = tokio::time::timeout(
+        let served = tokio::time::timeout(
             Duration::from_secs(5),
-            try_get(port, "GET /metrics HTTP/1.0\r\n\r\n"),
+            get(port, "GET /metrics HTTP/1.0\r\n\r\n"),
         )
         .await
-        .expect("an over-limit connection is closed, not left hanging");
-        // Closed unanswered: an empty read, or a reset when the request
-        // was still unread at the close.
-        match refused {
-            Ok(text) => assert_eq!(text, ""),
-            Err(e) => assert!(
-                matches!(
-                    e.kind(),
-                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
-                ),
-                "{e}"
-            ),
-        }
+        .expect("a scrape is answered while idle connections hold every slot");
+        assert!(served.starts_with("HTTP/1.0 200 OK"), "{served}");
+        let mut oldest = held.remove(0);
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), oldest.read_to_end(&mut rest))
+            .await
+            .expect("the oldest idle connection was closed");
+        assert!(matches!(closed, Ok(0)), "{closed:?}");
         drop(held);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        let again = get(port, "GET /metrics HTTP/1.0\r\n\r\n").await;
-        assert!(again.starts_with("HTTP/1.0 200 OK"), "{again}");
         task.abort();
     }
 }

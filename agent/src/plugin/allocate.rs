@@ -25,6 +25,11 @@ pub const CONTROL_NODES: &[&str] = &[
     "/dev/nvidia-modeset",
 ];
 
+/// The longest device ID taken in a request, in bytes. Ours are at most
+/// about 60 (`GPU-<UUID>::<replica>`, `MIG-<UUID>`); a longer one cannot
+/// match and is refused before it is compared, logged or echoed.
+pub const MAX_ID_BYTES: usize = 256;
+
 /// A request the plugin refuses; nothing is allocated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AllocateError {
@@ -32,6 +37,34 @@ pub enum AllocateError {
     Unknown { resource: String, id: String },
     #[error("{resource}: device ID {id:?} requested twice")]
     Duplicate { resource: String, id: String },
+    /// More IDs than the resource advertises (replicas included): no
+    /// request the kubelet makes can be larger.
+    #[error(
+        "{resource}: {asked} device IDs in one {what}; this resource advertises {limit}, the most a request can name"
+    )]
+    TooManyIds {
+        resource: String,
+        what: &'static str,
+        asked: usize,
+        limit: usize,
+    },
+    #[error(
+        "{resource}: {asked} container requests in one {what}; at most {limit} (one device each, {limit} devices advertised)"
+    )]
+    TooManyContainers {
+        resource: String,
+        what: &'static str,
+        asked: usize,
+        limit: usize,
+    },
+    #[error(
+        "{resource}: a device ID of {len} bytes ({prefix:?}...); device IDs are at most {MAX_ID_BYTES} bytes"
+    )]
+    IdTooLong {
+        resource: String,
+        len: usize,
+        prefix: String,
+    },
     #[error("{resource}: empty request")]
     Empty { resource: String },
     /// `failRequestsGreaterThanOne`: NVIDIA's words, and the key.
@@ -39,6 +72,48 @@ pub enum AllocateError {
         "{resource}: maximum request size for shared resources is 1 (asked for {asked}; failRequestsGreaterThanOne)"
     )]
     TooManyShared { resource: String, asked: usize },
+}
+
+/// Checks the size of a whole request before anything in it is looked at:
+/// `containers` is its container requests' count and `lists` every list of
+/// device IDs in it (`what` names the call in the error). No request the
+/// kubelet makes names more containers or IDs than the resource
+/// advertises, nor an ID longer than [`MAX_ID_BYTES`].
+pub fn check_size<'a>(
+    resource: &Resource,
+    what: &'static str,
+    containers: usize,
+    lists: impl IntoIterator<Item = &'a [String]>,
+) -> Result<(), AllocateError> {
+    let limit = resource.devices.len();
+    if containers > limit.max(1) {
+        return Err(AllocateError::TooManyContainers {
+            resource: resource.name.clone(),
+            what,
+            asked: containers,
+            limit,
+        });
+    }
+    let mut asked = 0usize;
+    for list in lists {
+        asked += list.len();
+        if let Some(long) = list.iter().find(|id| id.len() > MAX_ID_BYTES) {
+            return Err(AllocateError::IdTooLong {
+                resource: resource.name.clone(),
+                len: long.len(),
+                prefix: long.chars().take(32).collect(),
+            });
+        }
+    }
+    if asked > limit {
+        return Err(AllocateError::TooManyIds {
+            resource: resource.name.clone(),
+            what,
+            asked,
+            limit,
+        });
+    }
+    Ok(())
 }
 
 /// Checks a container's requested IDs against the resource and returns its
@@ -52,6 +127,7 @@ pub fn validate<'r>(
             resource: resource.name.clone(),
         });
     }
+    check_size(resource, "container request", 1, [ids])?;
     let mut seen = BTreeSet::new();
     let mut out = Vec::with_capacity(ids.len());
     for id in ids {
@@ -299,6 +375,58 @@ mod tests {
         assert!(matches!(
             container_response(&r, &s, &root, &[]),
             Err(AllocateError::Empty { .. })
+        ));
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_naming_count_and_limit() {
+        let r = gpu_resource();
+        let root = HostRoot::system();
+        let s = PluginSettings::default();
+        let many: Vec<String> = (0..100_000).map(|i| format!("GPU-{i}")).collect();
+        let err = container_response(&r, &s, &root, &many).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "nvidia.com/gpu: 100000 device IDs in one container request; this resource advertises 8, the most a request can name"
+        );
+        // Nine copies of one ID: too many before they are found twice.
+        let dup = vec![r.devices[0].id.clone(); 9];
+        assert!(matches!(
+            container_response(&r, &s, &root, &dup),
+            Err(AllocateError::TooManyIds {
+                asked: 9,
+                limit: 8,
+                ..
+            })
+        ));
+        let long = "G".repeat(1 << 20);
+        let err = container_response(&r, &s, &root, &[long]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "nvidia.com/gpu: a device ID of 1048576 bytes (\"{}\"...); device IDs are at most 256 bytes",
+                "G".repeat(32)
+            )
+        );
+        // Across a whole request: containers and IDs together.
+        let one = [r.devices[0].id.clone()];
+        let lists = [&one[..]; 9];
+        assert!(matches!(
+            check_size(&r, "Allocate", 9, lists.iter().copied()),
+            Err(AllocateError::TooManyContainers {
+                asked: 9,
+                limit: 8,
+                ..
+            })
+        ));
+        let all: Vec<String> = r.devices.iter().map(|d| d.id.clone()).collect();
+        assert_eq!(
+            check_size(&r, "Allocate", 2, [&all[..4], &all[4..]]),
+            Ok(())
+        );
+        assert!(matches!(
+            check_size(&r, "Allocate", 2, [&all[..], &all[..1]]),
+            Err(AllocateError::TooManyIds { asked: 9, .. })
         ));
     }
 

@@ -16,14 +16,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_server::DevicePluginServer;
 use hostlib::HostRoot;
 use inotify::{EventMask, Inotify, WatchMask};
 use serde::{Deserialize, Serialize};
-use tokio::net::UnixListener;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio_stream::StreamExt;
-use tonic::transport::Server;
 
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
@@ -394,10 +391,11 @@ impl PluginManager {
             let _ = stop.send(());
         }
         let _ = std::fs::remove_file(&p.socket);
-        let listener = UnixListener::bind(&p.socket).map_err(|source| PluginError::Bind {
-            path: p.socket.clone(),
-            source,
-        })?;
+        let listener =
+            super::socket::bind_private(&p.socket).map_err(|source| PluginError::Bind {
+                path: p.socket.clone(),
+                source,
+            })?;
         let (stop, stopped) = oneshot::channel::<()>();
         let (board, changed, resource) = (self.board.clone(), self.changed.clone(), p.name.clone());
         let svc = PluginService::new(
@@ -420,8 +418,8 @@ impl PluginManager {
         let name = p.name.clone();
         tokio::spawn(async move {
             let incoming = crate::grpc::incoming(listener);
-            if let Err(e) = Server::builder()
-                .add_service(DevicePluginServer::new(svc))
+            if let Err(e) = super::server::transport()
+                .add_service(super::server::grpc_service(svc))
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = stopped.await;
                 })

@@ -2,8 +2,12 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 
-use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_server::DevicePlugin;
+use gpu_agent_proto::deviceplugin::v1beta1::device_plugin_server::{
+    DevicePlugin, DevicePluginServer,
+};
 use gpu_agent_proto::deviceplugin::v1beta1::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
     DevicePluginOptions, Empty, HEALTHY, ListAndWatchResponse, NumaNode, PreStartContainerRequest,
@@ -13,12 +17,36 @@ use gpu_agent_proto::deviceplugin::v1beta1::{
 use hostlib::HostRoot;
 use tokio::sync::watch;
 use tokio_stream::Stream;
+use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 
 use super::allocate;
 use super::preferred;
 use super::resources::{PluginSettings, Resource};
 use crate::inventory::Inventory;
+
+/// `ListAndWatch` streams one plugin server (one socket) serves at once;
+/// the next is refused with `ResourceExhausted`. The kubelet opens one per
+/// registration, and every registration is on a new socket with a new
+/// server, so a client holding streams never keeps the kubelet out.
+pub const MAX_LIST_STREAMS: usize = 64;
+/// The largest request message a plugin server decodes (tonic refuses a
+/// larger one by its length prefix, `OutOfRange`, before buffering it).
+/// Over 20,000 device IDs of our longest shape fit; the ID count is then
+/// bounded by the devices advertised ([`allocate::check_size`]).
+pub const MAX_REQUEST_BYTES: usize = 1 << 20;
+/// HTTP/2 streams (calls) one connection may have open at once.
+pub const MAX_CALLS_PER_CONNECTION: u32 = 256;
+
+/// The tonic service for `svc`, with its message limits.
+pub fn grpc_service(svc: PluginService) -> DevicePluginServer<PluginService> {
+    DevicePluginServer::new(svc).max_decoding_message_size(MAX_REQUEST_BYTES)
+}
+
+/// The transport every plugin server runs on, with its HTTP/2 limits.
+pub fn transport() -> tonic::transport::Server {
+    tonic::transport::Server::builder().max_concurrent_streams(MAX_CALLS_PER_CONNECTION)
+}
 
 /// The options every gpu-agent plugin announces.
 pub fn options() -> DevicePluginOptions {
@@ -54,6 +82,10 @@ pub struct PluginService {
     settings: Arc<PluginSettings>,
     dev_root: HostRoot,
     on_list: ListHook,
+    /// `ListAndWatch` streams open now (shared by the clones tonic makes).
+    streams: Arc<AtomicUsize>,
+    /// `ListAndWatch` streams refused so far (logged at 1, 2, 4, 8...).
+    refused: Arc<AtomicUsize>,
 }
 
 /// Called when a `ListAndWatch` stream opens (the kubelet lists the devices).
@@ -83,6 +115,8 @@ impl PluginService {
             settings,
             dev_root,
             on_list: ListHook::default(),
+            streams: Arc::default(),
+            refused: Arc::default(),
         }
     }
 
@@ -110,22 +144,27 @@ impl DevicePlugin for PluginService {
         &self,
         _: Request<Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
-        let mut rx = self.resource.clone();
+        let slot = StreamSlot::take(&self.streams).ok_or_else(|| {
+            let name = self.resource.borrow().name.clone();
+            let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(resource = %name, limit = MAX_LIST_STREAMS, refused, "refused a ListAndWatch stream: too many open");
+            }
+            Status::resource_exhausted(format!(
+                "{name}: {MAX_LIST_STREAMS} ListAndWatch streams are open on this socket, the most served at once"
+            ))
+        })?;
         if let Some(hook) = &self.on_list.0 {
             hook();
         }
-        let stream = async_stream(move |tx| async move {
-            loop {
-                let resp = list_response(&rx.borrow_and_update());
-                if tx.send(Ok(resp)).await.is_err() {
-                    return;
-                }
-                if rx.changed().await.is_err() {
-                    return;
-                }
-            }
-        });
-        Ok(Response::new(stream))
+        // No task and no queue per stream: the stream is polled when the
+        // connection can send, and a client that reads slowly gets the
+        // latest list, not every one in between.
+        let stream = Counted {
+            inner: WatchStream::new(self.resource.clone()),
+            _slot: slot,
+        };
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn get_preferred_allocation(
@@ -133,11 +172,34 @@ impl DevicePlugin for PluginService {
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let resource = self.resource.borrow().clone();
+        let request = request.into_inner();
+        let refuse = |e: allocate::AllocateError| {
+            tracing::warn!(resource = %resource.name, error = %e, "refused a preferred allocation");
+            Status::invalid_argument(e.to_string())
+        };
+        allocate::check_size(
+            &resource,
+            "GetPreferredAllocation",
+            request.container_requests.len(),
+            [],
+        )
+        .map_err(refuse)?;
         let mut out = PreferredAllocationResponse::default();
-        for req in request.into_inner().container_requests {
+        for req in request.container_requests {
+            for list in [&req.available_device_i_ds, &req.must_include_device_i_ds] {
+                allocate::check_size(&resource, "GetPreferredAllocation", 1, [list.as_slice()])
+                    .map_err(refuse)?;
+            }
             let size = usize::try_from(req.allocation_size).map_err(|_| {
                 Status::invalid_argument(format!("{}: negative allocation size", resource.name))
             })?;
+            if size > resource.devices.len() {
+                return Err(Status::invalid_argument(format!(
+                    "{}: allocation size {size}; this resource advertises {}",
+                    resource.name,
+                    resource.devices.len()
+                )));
+            }
             let ids = preferred::preferred(
                 &resource,
                 &self.inventory,
@@ -158,9 +220,23 @@ impl DevicePlugin for PluginService {
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         let resource = self.resource.borrow().clone();
+        let request = request.into_inner();
+        allocate::check_size(
+            &resource,
+            "Allocate",
+            request.container_requests.len(),
+            request
+                .container_requests
+                .iter()
+                .map(|c| c.devices_ids.as_slice()),
+        )
+        .map_err(|e| {
+            tracing::warn!(resource = %resource.name, error = %e, "refused an allocation");
+            Status::invalid_argument(e.to_string())
+        })?;
         let mut out = AllocateResponse::default();
         let mut devices: Vec<String> = Vec::new();
-        for req in request.into_inner().container_requests {
+        for req in request.container_requests {
             devices.push(req.devices_ids.join(","));
             let resp = allocate::container_response(
                 &resource,
@@ -193,13 +269,40 @@ impl DevicePlugin for PluginService {
     }
 }
 
-/// A stream fed by a task: `f` gets the sending half of a channel.
-fn async_stream<F, Fut>(f: F) -> ListStream
-where
-    F: FnOnce(tokio::sync::mpsc::Sender<Result<ListAndWatchResponse, Status>>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tokio::spawn(f(tx));
-    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+/// One of a server's [`MAX_LIST_STREAMS`]; given back when the stream is
+/// dropped (the client went away or the server stopped).
+#[derive(Debug)]
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl StreamSlot {
+    fn take(count: &Arc<AtomicUsize>) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_LIST_STREAMS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| StreamSlot(count.clone()))
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A resource's lists, holding a stream slot while it lives.
+struct Counted {
+    inner: WatchStream<Resource>,
+    _slot: StreamSlot,
+}
+
+impl Stream for Counted {
+    type Item = Result<ListAndWatchResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.inner)
+            .poll_next(cx)
+            .map(|r| r.map(|r| Ok(list_response(&r))))
+    }
 }
