@@ -360,15 +360,17 @@ pub fn apply(
     let files = hostlib::managed::ManagedFiles::lock(host, sys, wait_for_lock)?;
     let mut changed = Vec::new();
     if cdi.hook_path == crate::policy::INSTALLED_HOOK_PATH {
-        let me = std::env::current_exe().map_err(|source| CdiError::SelfCopy {
-            path: "/proc/self/exe".into(),
-            source,
-        })?;
+        // The running program itself, through /proc/self/exe: its file may
+        // have been replaced since it started (a package upgrade before the
+        // restart), and a path would then name another build or nothing.
+        let me = std::path::Path::new("/proc/self/exe");
         // The same build already installed: nothing to read or write (a
         // byte-for-byte compare would read 7 MB twice at every start).
-        if !same_build(&me, &host.resolve(&cdi.hook_path)?) {
-            let bytes = std::fs::read(&me).map_err(|source| CdiError::SelfCopy {
-                path: me.display().to_string(),
+        if !same_build(me, &host.resolve(&cdi.hook_path)?) {
+            let bytes = std::fs::read(me).map_err(|source| CdiError::SelfCopy {
+                path: std::env::current_exe()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|_| "/proc/self/exe".into()),
                 source,
             })?;
             if files.write(&cdi.hook_path, &bytes, 0o755)? {

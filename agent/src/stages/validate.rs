@@ -159,7 +159,7 @@ pub fn plugin_validation(board: &[ResourceStatus]) -> Validation {
         .collect();
     Validation {
         ok: not.is_empty(),
-        detail: if not.is_empty() {
+        detail: if !not.is_empty() {
             not.join("; ")
         } else if board.is_empty() {
             "no devices to advertise".into()
@@ -209,4 +209,44 @@ pub fn driver_ready_text(host: &HostRoot, policy: &Policy) -> String {
         "IS_HOST_DRIVER={}\nNVIDIA_DRIVER_ROOT=/\nDRIVER_ROOT_CTR_PATH={seen}\nNVIDIA_DEV_ROOT=/\nDEV_ROOT_CTR_PATH={seen}\n",
         !policy.driver.enabled
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resource(registered: bool, lists: u64) -> ResourceStatus {
+        ResourceStatus {
+            resource: "nvidia.com/gpu".into(),
+            socket: "/var/lib/kubelet/device-plugins/nvidia-gpu.sock".into(),
+            devices: 8,
+            unhealthy: 0,
+            registered,
+            registrations: u64::from(registered),
+            last_error: None,
+            lists,
+        }
+    }
+
+    #[test]
+    fn plugin_validation_says_what_holds_and_what_does_not() {
+        let good = plugin_validation(&[resource(true, 1)]);
+        assert!(good.ok);
+        assert_eq!(
+            good.detail,
+            "1 resource(s) registered and listed by the kubelet"
+        );
+        let unlisted = plugin_validation(&[resource(true, 0)]);
+        assert!(!unlisted.ok);
+        assert_eq!(
+            unlisted.detail,
+            "nvidia.com/gpu: the kubelet has not listed its devices"
+        );
+        let unregistered = plugin_validation(&[resource(false, 0)]);
+        assert!(!unregistered.ok);
+        assert_eq!(unregistered.detail, "nvidia.com/gpu not registered");
+        let none = plugin_validation(&[]);
+        assert!(none.ok);
+        assert_eq!(none.detail, "no devices to advertise");
+    }
 }

@@ -775,19 +775,24 @@ pub fn repo() -> PathBuf {
 
 /// A copy of the 8x H100 host fixture at `host`.
 pub fn h100_host(host: &Path) {
+    fixture_host("h100-sxm-8", host)
+}
+
+/// A copy of the host fixture `name` (tests/fixtures/hosts/NAME) at `host`.
+pub fn fixture_host(name: &str, host: &Path) {
     std::fs::create_dir_all(host).unwrap();
     let ok = Command::new("cp")
         .arg("-a")
         .arg(format!(
             "{}/.",
-            repo().join("tests/fixtures/hosts/h100-sxm-8").display()
+            repo().join("tests/fixtures/hosts").join(name).display()
         ))
         .arg(host)
         .status()
         .unwrap();
     assert!(
         ok.success(),
-        "cannot copy the h100-sxm-8 fixture to {}",
+        "cannot copy the {name} fixture to {}",
         host.display()
     );
 }
