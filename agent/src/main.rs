@@ -649,6 +649,9 @@ pub(crate) struct StatusReport {
     /// Why the host was inspected, or which agent answered.
     note: String,
     held_caps: Vec<String>,
+    /// Held capabilities with their reasons, what was dropped (running agent only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    privileges: Option<gpu_agent::caps::Privileges>,
     stages: Vec<StageStatus>,
     inventory: Option<Inventory>,
     /// The device plugin's resources (running agent only).
@@ -693,6 +696,7 @@ impl StatusReport {
                     .unwrap_or_default()
             ),
             held_caps: st.held_caps,
+            privileges: st.privileges,
             stages: st.stages,
             inventory: st.inventory,
             plugin: st.plugin,
@@ -802,6 +806,7 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         source: "host-inspection",
         note,
         held_caps: caps.names(),
+        privileges: None,
         stages: pass.stages,
         inventory: pass.inventory,
         plugin: Vec::new(),
@@ -891,6 +896,10 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     if !report.plugin.is_empty() {
         out.push('\n');
         out.push_str(&render::plugin_resources(&report.plugin));
+    }
+    if let Some(p) = &report.privileges {
+        out.push('\n');
+        out.push_str(&render::privileges(p));
     }
     if report.health.iter().any(|g| !g.healthy || g.events > 0) {
         out.push('\n');

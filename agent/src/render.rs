@@ -213,6 +213,58 @@ pub fn stages(stages: &[StageStatus]) -> String {
     out
 }
 
+/// The capabilities the running agent holds, each with the stages that
+/// use it and what for; what it dropped at start and why.
+pub fn privileges(p: &crate::caps::Privileges) -> String {
+    let rows: Vec<Vec<String>> = p
+        .held
+        .iter()
+        .map(|h| {
+            vec![
+                h.name.clone(),
+                if h.stages.is_empty() {
+                    "-".into()
+                } else {
+                    h.stages.join(", ")
+                },
+                h.why.clone(),
+            ]
+        })
+        .collect();
+    let mut out = if rows.is_empty() {
+        "capabilities: none held\n".to_string()
+    } else {
+        table(&["CAPABILITY", "USED BY", "WHY"], &rows)
+    };
+    for d in &p.dropped {
+        let _ = writeln!(out, "dropped at start: {}, because {}", d.name, d.because);
+    }
+    if p.dropped_count > 0 {
+        let _ = write!(
+            out,
+            "{} capabilities dropped at start in all",
+            p.dropped_count
+        );
+        let held: std::collections::BTreeSet<&str> =
+            p.held.iter().map(|h| h.name.as_str()).collect();
+        match &p.bounding {
+            Some(b)
+                if b.iter()
+                    .map(String::as_str)
+                    .collect::<std::collections::BTreeSet<_>>()
+                    != held =>
+            {
+                let _ = writeln!(out, "; bounding set: {}", b.join(", "));
+            }
+            _ => out.push_str("; the bounding set holds no more than the above\n"),
+        }
+    }
+    for n in &p.notes {
+        let _ = writeln!(out, "capabilities: {n}");
+    }
+    out
+}
+
 /// `12 s ago`, `5 min ago`, `3 h ago`.
 pub fn ago(now: u64, then: u64) -> String {
     let d = now.saturating_sub(then);
@@ -291,5 +343,39 @@ mod tests {
             ],
         );
         assert_eq!(t, "A    LONGER\nxyz  1\nq    22\n");
+    }
+
+    #[test]
+    fn privileges_name_stages_reasons_and_what_was_dropped() {
+        use crate::caps::{DroppedCap, HeldCap, Privileges};
+        let p = Privileges {
+            held: vec![
+                HeldCap {
+                    name: "CAP_MKNOD".into(),
+                    stages: vec!["devnodes".into()],
+                    why: "make nodes (mknod)".into(),
+                },
+                HeldCap {
+                    name: "CAP_NET_ADMIN".into(),
+                    stages: vec![],
+                    why: "no enabled stage uses it".into(),
+                },
+            ],
+            dropped: vec![DroppedCap {
+                name: "CAP_SYS_MODULE".into(),
+                because: "driver was disabled (spec.driver.enabled is false)".into(),
+            }],
+            dropped_count: 38,
+            bounding: Some(vec!["CAP_MKNOD".into(), "CAP_NET_ADMIN".into()]),
+            notes: vec![],
+        };
+        assert_eq!(
+            privileges(&p),
+            "CAPABILITY     USED BY   WHY\n\
+             CAP_MKNOD      devnodes  make nodes (mknod)\n\
+             CAP_NET_ADMIN  -         no enabled stage uses it\n\
+             dropped at start: CAP_SYS_MODULE, because driver was disabled (spec.driver.enabled is false)\n\
+             38 capabilities dropped at start in all; the bounding set holds no more than the above\n"
+        );
     }
 }

@@ -9,6 +9,12 @@
 //! dies. With `run --heartbeat SECS` the agent also stamps the file's
 //! modification time (no data, no fsync) so that `status` can tell a hung
 //! agent from a live one.
+//!
+//! Modes: the directory is made 0700 and both files are 0600, so no other
+//! user can read the state or take the lock (a shared `flock` held by
+//! anyone who can open the lock file would keep the agent from starting).
+//! `status` runs as root, as the agent does; run by another user it cannot
+//! read the state and inspects the host instead, saying why.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -24,6 +30,8 @@ use crate::stages::StageStatus;
 pub const STATE_FILE: &str = "/run/gpu-agent/state.json";
 /// The lock a running agent holds, as a host path.
 pub const LOCK_FILE: &str = "/run/gpu-agent/agent.lock";
+/// The state file's and the lock's mode; their directory's is 0700.
+pub const STATE_MODE: u32 = 0o600;
 /// The format written; a reader refuses others.
 pub const FORMAT: u32 = 1;
 
@@ -47,6 +55,10 @@ pub struct AgentState {
     /// The node description, when GPUs are simulated.
     pub simulated: Option<String>,
     pub held_caps: Vec<String>,
+    /// Each held capability with the stages that use it, and what was
+    /// dropped at start (`run` only; see caps.rs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privileges: Option<crate::caps::Privileges>,
     pub stages: Vec<StageStatus>,
     pub inventory: Option<Inventory>,
     /// The device plugin's resources: socket, registration, device health.
@@ -147,10 +159,11 @@ impl AgentLock {
     pub fn take(host: &HostRoot) -> Result<Self, LockError> {
         use nix::fcntl::{Flock, FlockArg};
         use std::io::{Seek, Write};
+        use std::os::unix::fs::OpenOptionsExt;
         use std::os::unix::fs::PermissionsExt;
         let path = host.resolve(LOCK_FILE)?;
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| HostError::io(dir, e))?;
+            private_dir(dir)?;
         }
         let io = |e| HostError::io(&path, e);
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
@@ -159,6 +172,8 @@ impl AgentLock {
                 .create(true)
                 .truncate(false)
                 .write(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(&path)
                 .map_err(io)?;
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -176,14 +191,50 @@ impl AgentLock {
                 Err((_, errno)) => return Err(io(std::io::Error::from(errno)).into()),
             }
         };
-        // Readable by `status` whatever the umask; says who holds it.
-        lock.set_permissions(std::fs::Permissions::from_mode(0o644))
+        // Root's alone (a lock file of an older agent may be wider); it
+        // says who holds it.
+        lock.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(io)?;
         lock.set_len(0).map_err(io)?;
         lock.rewind().map_err(io)?;
         writeln!(lock, "{}", std::process::id()).map_err(io)?;
         Ok(AgentLock { _lock: lock })
     }
+}
+
+/// Makes the agent's own directory `dir` with mode 0700 (its parents as
+/// usual); one that exists, owned by this user with group or other bits
+/// (made by an older agent, or by a command before the agent ran), is
+/// narrowed to 0700 through a descriptor opened without following a link.
+pub fn private_dir(dir: &std::path::Path) -> Result<(), HostError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let io = |e| HostError::io(dir, e);
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| HostError::io(parent, e))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(e)),
+    }
+    let fd = nix::fcntl::open(
+        dir,
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| io(e.into()))?;
+    let f = std::fs::File::from(fd);
+    let meta = f.metadata().map_err(io)?;
+    let mode = meta.mode() & 0o7777;
+    if meta.uid() == nix::unistd::geteuid().as_raw() && mode & 0o077 != 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(0o700))
+            .map_err(io)?;
+        tracing::info!(path = %dir.display(), was = format!("{mode:o}"), "narrowed the agent's directory to 0700");
+    }
+    Ok(())
 }
 
 /// The pid written by the live agent that holds the lock on this host
@@ -219,6 +270,7 @@ impl AgentState {
             policy: None,
             simulated: None,
             held_caps,
+            privileges: None,
             stages: Vec::new(),
             inventory: None,
             plugin: Vec::new(),
@@ -255,10 +307,10 @@ impl AgentState {
         }
     }
 
-    /// Writes the state atomically (mode 0644: status runs unprivileged).
+    /// Writes the state atomically, mode 0600 (see the module docs).
     pub fn write(&self, host: &HostRoot) -> Result<(), HostError> {
         let json = serde_json::to_vec_pretty(self).expect("state serialises");
-        host.write_atomic(STATE_FILE, &json, 0o644)?;
+        host.write_atomic(STATE_FILE, &json, STATE_MODE)?;
         Ok(())
     }
 
@@ -345,6 +397,7 @@ mod tests {
             policy: None,
             simulated: None,
             held_caps: vec![],
+            privileges: None,
             stages: vec![],
             inventory: None,
             plugin: vec![],

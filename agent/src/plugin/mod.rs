@@ -10,6 +10,7 @@ pub mod mps;
 pub mod preferred;
 pub mod resources;
 pub mod server;
+pub mod socket;
 
 use hostlib::strict::YamlError;
 

@@ -383,7 +383,13 @@ pub fn run_pass(ctx: &Context<'_>) -> Pass {
         let (state, detail) = if let Some(gated) =
             gate(stage, stage.implemented(), ctx.policy, &missing, &stages)
         {
-            gated
+            match gated {
+                // A capability dropped at start says so (caps.rs).
+                (StageState::Blocked, _) => {
+                    (StageState::Blocked, ctx.caps.blocked_detail(&missing))
+                }
+                other => other,
+            }
         } else {
             let _span = tracing::info_span!("stage", stage = stage.name()).entered();
             match stage {

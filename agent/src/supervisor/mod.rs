@@ -98,7 +98,15 @@ pub struct TaskStatus {
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns
 /// whether no stage failed (the last pass).
-pub fn run(opts: Options) -> Result<bool, SupervisorError> {
+pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
+    // Least privilege (caps.rs): only what the enabled stages use is kept,
+    // before any other thread starts (capabilities belong to a thread) and
+    // before any stage runs. A reload cannot have a dropped one back.
+    let (held, privileges) = crate::caps::restrict(&crate::caps::Setting {
+        policy: &opts.policy,
+        host_is_system: opts.host.is_system(),
+    });
+    opts.caps = held;
     // One agent per host; `status` knows it lives by this lock.
     let _lock = state::AgentLock::take(&opts.host)?;
     tracing::info!(
@@ -109,6 +117,7 @@ pub fn run(opts: Options) -> Result<bool, SupervisorError> {
         "gpu-agent starting"
     );
     let mut sup = Supervisor::new(opts);
+    sup.st.privileges = Some(privileges);
     if sup.opts.once {
         let pass = sup.first_pass();
         let ok = pass.ok();
