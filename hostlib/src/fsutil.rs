@@ -1,17 +1,61 @@
 //! Atomic file writes: a temp file in the same directory, fsync, rename,
 //! fsync of the directory. A reader (or a crash) sees the old file or the
 //! whole new one, never a part.
+//!
+//! Every step after the directory is opened is made relative to that
+//! directory's descriptor (`openat`, `renameat`, `unlinkat`), so nothing
+//! resolves a path again once the directory is open: a symbolic link
+//! swapped in on the way cannot move the write elsewhere. [`crate::HostRoot`]
+//! opens the directory so that it cannot lie outside the host root.
 
+use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use nix::unistd::UnlinkatFlags;
+
+/// Temp files of one process get numbers of their own: two threads writing
+/// the same file never share one.
+static TEMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// What went wrong in [`write_atomic_at`]: the write itself, or the
+/// caller's step before the rename (which is given back unchanged).
+#[derive(Debug)]
+pub enum AtomicError<E> {
+    Io(io::Error),
+    Then(E),
+}
+
+impl From<AtomicError<io::Error>> for io::Error {
+    fn from(e: AtomicError<io::Error>) -> Self {
+        match e {
+            AtomicError::Io(e) | AtomicError::Then(e) => e,
+        }
+    }
+}
+
+/// Opens the directory `dir` (by its path) for [`write_atomic_at`] and the
+/// other calls relative to it.
+pub fn open_dir(dir: &Path) -> io::Result<OwnedFd> {
+    Ok(nix::fcntl::open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?)
+}
 
 /// Writes `contents` to `path` atomically with permission bits `mode`.
 ///
-/// The temp file is `.<name>.gpu-agent-tmp.<pid>` beside the target, so the
-/// rename never crosses a filesystem. On error the temp file is removed and
-/// the target is untouched.
+/// The temp file is `.<name>.gpu-agent-tmp.<pid>.<n>` beside the target, so
+/// the rename never crosses a filesystem. On error the temp file is removed
+/// and the target is untouched.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
     let dir = path
         .parent()
@@ -20,28 +64,65 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp: PathBuf = dir.join(format!(
-        ".{}.gpu-agent-tmp.{}",
-        name.to_string_lossy(),
-        std::process::id()
+    let dir = open_dir(dir)?;
+    Ok(write_atomic_at(dir.as_fd(), name, contents, mode, |_| {
+        Ok::<(), io::Error>(())
+    })?)
+}
+
+/// Writes `contents` to the file `name` in the open directory `dir`
+/// atomically with permission bits `mode`. `then` sees the complete temp
+/// file before it is renamed over `name` (to give it an owner, say).
+///
+/// The temp file is made new (`O_EXCL`, never through a link), written,
+/// given `mode` exactly (not masked by the umask), passed to `then`,
+/// fsynced and renamed within `dir`; then `dir` is fsynced. On error the
+/// temp file is removed and `name` is untouched.
+pub fn write_atomic_at<E>(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    contents: &[u8],
+    mode: u32,
+    then: impl FnOnce(&fs::File) -> Result<(), E>,
+) -> Result<(), AtomicError<E>> {
+    if name.is_empty() || name.as_bytes().contains(&b'/') || name == "." || name == ".." {
+        return Err(AtomicError::Io(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a file name",
+        )));
+    }
+    let mut tmp = OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(
+        ".gpu-agent-tmp.{}.{}",
+        std::process::id(),
+        TEMP_SEQ.fetch_add(1, Ordering::Relaxed)
     ));
+    let tmp = tmp.as_os_str();
+    // Left by a process of the same pid that died: never anyone's file.
+    let _ = nix::unistd::unlinkat(dir, tmp, UnlinkatFlags::NoRemoveDir);
     let result = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(mode)
-            .open(&tmp)?;
-        f.write_all(contents)?;
+        let fd = nix::fcntl::openat(
+            dir,
+            tmp,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(mode & 0o777),
+        )
+        .map_err(|e| AtomicError::Io(e.into()))?;
+        let mut f = fs::File::from(fd);
+        let io = AtomicError::Io;
+        f.write_all(contents).map_err(io)?;
         // The mode given to open() is masked by the umask; set it exactly.
-        f.set_permissions(fs::Permissions::from_mode(mode))?;
-        f.sync_all()?;
+        f.set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(io)?;
+        then(&f).map_err(AtomicError::Then)?;
+        f.sync_all().map_err(io)?;
         drop(f);
-        fs::rename(&tmp, path)?;
-        fs::File::open(dir)?.sync_all()
+        nix::fcntl::renameat(dir, tmp, dir, name).map_err(|e| AtomicError::Io(e.into()))?;
+        nix::unistd::fsync(dir).map_err(|e| AtomicError::Io(e.into()))
     })();
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = nix::unistd::unlinkat(dir, tmp, UnlinkatFlags::NoRemoveDir);
     }
     result
 }
@@ -74,5 +155,29 @@ mod tests {
         assert!(write_atomic(&p, b"new", 0o644).is_err());
         assert_eq!(fs::read_to_string(p.join("inner")).unwrap(), "x");
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_failing_step_before_the_rename_leaves_the_target_and_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("f"), "old").unwrap();
+        let d = open_dir(dir.path()).unwrap();
+        let err = write_atomic_at(d.as_fd(), OsStr::new("f"), b"new", 0o600, |f| {
+            // The complete temp file, with its exact mode.
+            assert_eq!(f.metadata().unwrap().len(), 3);
+            assert_eq!(f.metadata().unwrap().permissions().mode() & 0o777, 0o600);
+            Err("refused")
+        })
+        .unwrap_err();
+        assert!(matches!(err, AtomicError::Then("refused")));
+        assert_eq!(fs::read_to_string(dir.path().join("f")).unwrap(), "old");
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A name with a slash is refused: it would be resolved again.
+        assert!(matches!(
+            write_atomic_at(d.as_fd(), OsStr::new("a/b"), b"x", 0o644, |_| Ok::<(), ()>(
+                ()
+            )),
+            Err(AtomicError::Io(_))
+        ));
     }
 }

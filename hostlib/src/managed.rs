@@ -4,18 +4,27 @@
 //! The original of a file is saved (with a manifest entry, both written
 //! atomically) before the file itself is first replaced, so a crash at any
 //! point leaves the file either original or complete, and `restore` still
-//! finds the original. One process at a time holds the lock.
+//! finds the original. One process at a time holds the lock
+//! ([`HostFilesLock`]): the runtime, CDI and label writers, driver installs
+//! and upgrades, uninstall.
+//!
+//! Every change goes through [`HostRoot`]'s descriptor-based calls, so a
+//! symbolic link swapped in on the way cannot lead a write (or a restore,
+//! or a removal) outside the host root.
 
+use std::cell::RefCell;
+use std::fmt;
 use std::fs;
-use std::io;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::PathBuf;
+use std::io::{self, Read};
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::rc::{Rc, Weak};
 
 use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::fsutil;
 use crate::root::{HostError, HostRoot};
 use crate::syscalls::{SyscallError, Syscalls};
 
@@ -65,9 +74,14 @@ pub enum ManagedError {
     #[error(transparent)]
     Host(#[from] HostError),
     #[error(
-        "{path}: another gpu-agent is changing host files (it holds this lock); try again when it is done"
+        "{path}: another gpu-agent is changing host files ({}); try again when it is done",
+        holder_text(.holder)
     )]
-    Locked { path: PathBuf },
+    Locked {
+        path: PathBuf,
+        /// Who holds it, as it wrote in the lock file.
+        holder: Option<Holder>,
+    },
     #[error("{path}: the backup manifest is damaged: {message}")]
     Manifest { path: PathBuf, message: String },
     #[error("{path}: the saved original of {of} does not match its checksum; not restoring it")]
@@ -85,13 +99,173 @@ pub enum Restored {
     Removed(String),
 }
 
+/// Who holds the host-files lock, as the holder wrote it in the file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub pid: u32,
+    /// What it is doing (`driver upgrade 560.35.03`).
+    pub what: String,
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {}: {}", self.pid, self.what)
+    }
+}
+
+fn holder_text(h: &Option<Holder>) -> String {
+    match h {
+        Some(h) => format!("{h}, holds this lock"),
+        None => "it holds this lock and has not written its pid yet".into(),
+    }
+}
+
+/// The lock file held by this process: emptied before it is let go, so
+/// that what it says is never a past holder's.
+#[derive(Debug)]
+struct Held {
+    root: PathBuf,
+    lock: Flock<fs::File>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let _ = self.lock.set_len(0);
+    }
+}
+
+thread_local! {
+    /// The host-files locks this thread holds, by host root.
+    static HELD: RefCell<Vec<Weak<Held>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The lock on a host's files ([`LOCK_FILE`], `flock`), which records the
+/// holder's pid and what it does so that a second one can say who it
+/// waits for. Taken again on the thread that holds it, it is the same lock
+/// (a driver upgrade writing managed files does not wait for itself);
+/// another thread or process waits or is refused. Not `Send`: it stays on
+/// the thread that took it.
+#[derive(Clone, Debug)]
+pub struct HostFilesLock {
+    _held: Rc<Held>,
+}
+
+impl HostFilesLock {
+    /// Takes the lock for `what` (`driver install 560.35.03`): when another
+    /// holds it, waits (logging who) when `wait`, else fails with
+    /// [`ManagedError::Locked`] naming the holder.
+    pub fn take(host: &HostRoot, what: &str, wait: bool) -> Result<Self, ManagedError> {
+        let mine = HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            h.retain(|w| w.strong_count() > 0);
+            h.iter()
+                .filter_map(Weak::upgrade)
+                .find(|held| held.root == host.path())
+        });
+        if let Some(held) = mine {
+            tracing::debug!(what, "the host-files lock is already this thread's");
+            return Ok(HostFilesLock { _held: held });
+        }
+        let file = host.open_or_create(LOCK_FILE, 0o644)?;
+        let path = host.resolve(LOCK_FILE)?;
+        let io_err = |errno: nix::errno::Errno| -> ManagedError {
+            HostError::io(&path, io::Error::from(errno)).into()
+        };
+        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(l) => l,
+            Err((file, nix::errno::Errno::EWOULDBLOCK)) => {
+                let holder = read_holder(&path);
+                if !wait {
+                    return Err(ManagedError::Locked { path, holder });
+                }
+                let (pid, doing) = holder
+                    .as_ref()
+                    .map_or((0, "unknown"), |h| (h.pid, h.what.as_str()));
+                tracing::info!(
+                    lock = %path.display(),
+                    holder_pid = pid,
+                    holder = doing,
+                    what,
+                    "waiting for the host-files lock: another process is changing host files"
+                );
+                Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err(e))?
+            }
+            Err((_, errno)) => return Err(io_err(errno)),
+        };
+        // Readable whatever the umask: says who holds it.
+        let line = format!("{} {}\n", std::process::id(), what.replace('\n', " "));
+        lock.set_permissions(fs::Permissions::from_mode(0o644))
+            .and_then(|()| lock.set_len(0))
+            .and_then(|()| lock.write_all_at(line.as_bytes(), 0))
+            .map_err(|e| HostError::io(&path, e))?;
+        let held = Rc::new(Held {
+            root: host.path().to_path_buf(),
+            lock,
+        });
+        HELD.with(|h| h.borrow_mut().push(Rc::downgrade(&held)));
+        Ok(HostFilesLock { _held: held })
+    }
+
+    /// Who holds the lock on `host` now (`None`: nobody, or a holder that
+    /// has not written itself yet).
+    pub fn holder(host: &HostRoot) -> Option<Holder> {
+        let path = host.resolve(LOCK_FILE).ok()?;
+        let file = fs::File::open(&path).ok()?;
+        match Flock::lock(file, FlockArg::LockSharedNonblock) {
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => read_holder(&path),
+            _ => None,
+        }
+    }
+}
+
+/// The holder line of the lock file at `path` (`<pid> <what>`).
+fn read_holder(path: &Path) -> Option<Holder> {
+    let mut text = String::new();
+    fs::File::open(path)
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    let (pid, what) = text.trim_end().split_once(' ')?;
+    Some(Holder {
+        pid: pid.parse().ok()?,
+        what: what.to_string(),
+    })
+}
+
+/// What this process is, for the lock file when the caller does not say:
+/// its command line.
+fn this_process() -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let mut text = match args.split_first() {
+        Some((first, rest)) => {
+            let name = Path::new(first)
+                .file_name()
+                .map_or(first.clone(), |n| n.to_string_lossy().into_owned());
+            std::iter::once(name)
+                .chain(rest.iter().cloned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+        None => "a process".into(),
+    };
+    if text.len() > 200 {
+        let mut end = 200;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
 /// The managed files of a host, locked for this process while it lives.
 #[derive(Debug)]
 pub struct ManagedFiles<'h> {
     host: &'h HostRoot,
     /// Owners are given back through the one door for privileged calls.
     sys: &'h dyn Syscalls,
-    _lock: Flock<fs::File>,
+    _lock: HostFilesLock,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -102,40 +276,25 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 impl<'h> ManagedFiles<'h> {
-    /// Takes the lock: waits for another holder when `wait`, else fails
-    /// with [`ManagedError::Locked`].
+    /// Takes the lock (see [`HostFilesLock`]; the lock file says this
+    /// process's command line): waits for another holder when `wait`, else
+    /// fails with [`ManagedError::Locked`].
     pub fn lock(
         host: &'h HostRoot,
         sys: &'h dyn Syscalls,
         wait: bool,
     ) -> Result<Self, ManagedError> {
-        let path = host.resolve(LOCK_FILE)?;
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir).map_err(|e| HostError::io(dir, e))?;
-        }
-        let file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| HostError::io(&path, e))?;
-        let arg = if wait {
-            FlockArg::LockExclusive
-        } else {
-            FlockArg::LockExclusiveNonblock
-        };
-        let lock = Flock::lock(file, arg).map_err(|(_, errno)| {
-            if errno == nix::errno::Errno::EWOULDBLOCK {
-                ManagedError::Locked { path: path.clone() }
-            } else {
-                HostError::io(&path, io::Error::from(errno)).into()
-            }
-        })?;
-        Ok(ManagedFiles {
+        let lock = HostFilesLock::take(host, &this_process(), wait)?;
+        Ok(Self::with_lock(host, sys, lock))
+    }
+
+    /// The managed files under a lock the caller took.
+    pub fn with_lock(host: &'h HostRoot, sys: &'h dyn Syscalls, lock: HostFilesLock) -> Self {
+        ManagedFiles {
             host,
             sys,
             _lock: lock,
-        })
+        }
     }
 
     fn manifest(&self) -> Result<Manifest, ManagedError> {
@@ -176,25 +335,33 @@ impl<'h> ManagedFiles<'h> {
 
     /// The file's current bytes, or `None` when it does not exist.
     pub fn current(&self, path: &str) -> Result<Option<Vec<u8>>, ManagedError> {
-        let real = self.host.resolve(path)?;
-        match fs::read(&real) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(HostError::io(real, e).into()),
-        }
+        Ok(self.read(path)?.map(|(bytes, _)| bytes))
+    }
+
+    /// The file's bytes and metadata (one open file: both are the same
+    /// file's), or `None` when it does not exist.
+    fn read(&self, path: &str) -> Result<Option<(Vec<u8>, fs::Metadata)>, ManagedError> {
+        let mut f = match self.host.open(path) {
+            Ok(f) => f,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let shown = || self.host.resolve(path).unwrap_or_else(|_| path.into());
+        let meta = f.metadata().map_err(|e| HostError::io(shown(), e))?;
+        let mut bytes = Vec::new();
+        f.read_to_end(&mut bytes)
+            .map_err(|e| HostError::io(shown(), e))?;
+        Ok(Some((bytes, meta)))
     }
 
     /// Writes `contents` to the host file `path` unless it already holds
     /// exactly that; returns whether it changed. The first change keeps the
     /// original. A new file gets `mode`; an existing one keeps its mode and owner.
     pub fn write(&self, path: &str, contents: &[u8], mode: u32) -> Result<bool, ManagedError> {
-        let real = self.host.resolve(path)?;
-        let meta = match fs::metadata(&real) {
-            Ok(m) => Some(m),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-            Err(e) => return Err(HostError::io(&real, e).into()),
+        let (current, meta) = match self.read(path)? {
+            Some((bytes, meta)) => (Some(bytes), Some(meta)),
+            None => (None, None),
         };
-        let current = self.current(path)?;
         if current.as_deref() == Some(contents) {
             return Ok(false);
         }
@@ -236,10 +403,11 @@ impl<'h> ManagedFiles<'h> {
         let mode = meta
             .as_ref()
             .map_or(mode, |m| m.permissions().mode() & 0o7777);
-        let written = self.host.write_atomic(path, contents, mode)?;
-        if let Some(m) = &meta {
-            self.keep_owner(&written, m.uid(), m.gid())?;
-        }
+        let owner = meta.as_ref().map(|m| (m.uid(), m.gid()));
+        self.host
+            .write_atomic_then(path, contents, mode, |f, real| {
+                self.keep_owner(f, real, owner)
+            })?;
         tracing::info!(file = %path, "wrote host file");
         Ok(true)
     }
@@ -280,16 +448,24 @@ impl<'h> ManagedFiles<'h> {
             manifest.format = 1;
             self.save_manifest(&mut manifest)?;
         }
-        let real = self.host.resolve(path)?;
-        fs::create_dir_all(&real).map_err(|e| HostError::io(&real, e))?;
+        self.host.create_dir_all(path)?;
         Ok(())
     }
 
-    /// Gives a rewritten file (now owned by us) back to its owner, when that differs.
-    fn keep_owner(&self, path: &std::path::Path, uid: u32, gid: u32) -> Result<(), ManagedError> {
-        let now = fs::metadata(path).map_err(|e| HostError::io(path, e))?;
+    /// Gives the new file `f` (owned by us), about to replace `path`, the
+    /// old one's owner when that differs.
+    fn keep_owner(
+        &self,
+        f: &fs::File,
+        path: &Path,
+        owner: Option<(u32, u32)>,
+    ) -> Result<(), ManagedError> {
+        let Some((uid, gid)) = owner else {
+            return Ok(());
+        };
+        let now = f.metadata().map_err(|e| HostError::io(path, e))?;
         if (now.uid(), now.gid()) != (uid, gid) {
-            self.sys.chown(path, Some(uid), Some(gid))?;
+            self.sys.fchown(f.as_fd(), path, Some(uid), Some(gid))?;
         }
         Ok(())
     }
@@ -302,11 +478,8 @@ impl<'h> ManagedFiles<'h> {
         for e in manifest.entries.iter().rev() {
             match &e.original {
                 Original::Absent => {
-                    let real = self.host.resolve(&e.path)?;
-                    match fs::remove_file(&real) {
-                        Ok(()) => done.push(Restored::Removed(e.path.clone())),
-                        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                        Err(err) => return Err(HostError::io(real, err).into()),
+                    if self.host.remove_file(&e.path)? {
+                        done.push(Restored::Removed(e.path.clone()));
                     }
                 }
                 Original::Saved {
@@ -316,20 +489,26 @@ impl<'h> ManagedFiles<'h> {
                     uid,
                     gid,
                 } => {
-                    let backup_path = self.host.resolve(format!("{BACKUP_DIR}/{backup}"))?;
-                    let bytes =
-                        fs::read(&backup_path).map_err(|err| HostError::io(&backup_path, err))?;
+                    let backup_host = format!("{BACKUP_DIR}/{backup}");
+                    let Some(bytes) = self.current(&backup_host)? else {
+                        return Err(HostError::io(
+                            self.host.resolve(&backup_host)?,
+                            io::Error::from(io::ErrorKind::NotFound),
+                        )
+                        .into());
+                    };
                     if &sha256_hex(&bytes) != sha256 {
                         return Err(ManagedError::BadBackup {
-                            path: backup_path,
+                            path: self.host.resolve(&backup_host)?,
                             of: e.path.clone(),
                         });
                     }
-                    let real = self.host.resolve(&e.path)?;
-                    if fs::read(&real).ok().as_deref() != Some(&bytes[..]) {
-                        fsutil::write_atomic(&real, &bytes, *mode)
-                            .map_err(|err| HostError::io(&real, err))?;
-                        self.keep_owner(&real, *uid, *gid)?;
+                    let now = self.current(&e.path).ok().flatten();
+                    if now.as_deref() != Some(&bytes[..]) {
+                        self.host
+                            .write_atomic_then(&e.path, &bytes, *mode, |f, real| {
+                                self.keep_owner(f, real, Some((*uid, *gid)))
+                            })?;
                         done.push(Restored::Rewritten(e.path.clone()));
                     }
                 }
@@ -338,16 +517,10 @@ impl<'h> ManagedFiles<'h> {
         // Forget the originals only once every file is back.
         for e in &manifest.entries {
             if let Original::Saved { backup, .. } = &e.original {
-                let p = self.host.resolve(format!("{BACKUP_DIR}/{backup}"))?;
-                let _ = fs::remove_file(p);
+                let _ = self.host.remove_file(format!("{BACKUP_DIR}/{backup}"));
             }
         }
-        let real = self.host.resolve(MANIFEST)?;
-        match fs::remove_file(&real) {
-            Ok(()) => {}
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-            Err(err) => return Err(HostError::io(real, err).into()),
-        }
+        self.host.remove_file(MANIFEST)?;
         // The directories gpu-agent made, deepest first, where they are
         // empty now (a file someone else put there keeps its directory).
         for d in manifest.created_dirs.iter().rev() {
@@ -362,18 +535,14 @@ impl<'h> ManagedFiles<'h> {
 /// Removes the host directory `path` when it is empty; true if it did
 /// (gone already, or holding something: false).
 pub fn remove_dir_if_empty(host: &HostRoot, path: &str) -> Result<bool, HostError> {
-    let real = host.resolve(path)?;
-    match fs::remove_dir(&real) {
-        Ok(()) => Ok(true),
-        Err(err)
-            if matches!(
-                err.kind(),
-                io::ErrorKind::NotFound | io::ErrorKind::DirectoryNotEmpty
-            ) =>
+    match host.remove_dir(path) {
+        Err(HostError::Io { source, .. })
+            if source.kind() == io::ErrorKind::DirectoryNotEmpty
+                || source.raw_os_error() == Some(libc::EEXIST) =>
         {
             Ok(false)
         }
-        Err(err) => Err(HostError::io(real, err)),
+        other => other,
     }
 }
 
@@ -489,16 +658,59 @@ mod tests {
     }
 
     #[test]
-    fn a_second_holder_is_told_so() {
+    fn a_second_holder_is_told_who_holds_the_lock() {
         let (_d, h) = host();
-        let _first = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
-        let err = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap_err();
-        assert!(matches!(err, ManagedError::Locked { .. }), "{err}");
+        let first = HostFilesLock::take(&h, "driver upgrade 560.35.03", false).unwrap();
+        // Another thread is another holder (as another process would be).
+        let err = std::thread::scope(|s| {
+            s.spawn(|| ManagedFiles::lock(&h, &LinuxSyscalls, false).map(|_| ()))
+                .join()
+                .unwrap()
+        })
+        .unwrap_err();
+        let pid = std::process::id();
         assert!(
-            err.to_string()
-                .contains("host-files.lock: another gpu-agent"),
+            matches!(&err, ManagedError::Locked { holder: Some(Holder { pid: p, what }), .. }
+                if *p == pid && what == "driver upgrade 560.35.03"),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(&format!(
+                "host-files.lock: another gpu-agent is changing host files (pid {pid}: driver upgrade 560.35.03, holds this lock)"
+            )),
             "{err}"
         );
+        assert_eq!(
+            HostFilesLock::holder(&h),
+            Some(Holder {
+                pid,
+                what: "driver upgrade 560.35.03".into()
+            })
+        );
+        // The holder's own thread takes it again without waiting for itself.
+        let again = ManagedFiles::lock(&h, &LinuxSyscalls, false).unwrap();
+        drop(first);
+        assert!(HostFilesLock::holder(&h).is_some(), "still held by `again`");
+        drop(again);
+        // Let go: nobody holds it, and the file no longer names anyone.
+        assert_eq!(HostFilesLock::holder(&h), None);
+        let path = h.resolve(LOCK_FILE).unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "");
+        // A waiting taker takes it once the holder lets go.
+        let first = HostFilesLock::take(&h, "runtime configure", false).unwrap();
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                HostFilesLock::take(&h, "second", true).map(|_| std::time::Instant::now())
+            });
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let released = std::time::Instant::now();
+            drop(first);
+            let taken = waiter.join().unwrap().unwrap();
+            assert!(
+                taken >= released,
+                "the waiter took the lock while it was held"
+            );
+        });
     }
 
     #[test]

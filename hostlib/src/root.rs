@@ -21,14 +21,41 @@
 //! swapped in). Where it refuses or fails (an absolute link or a `..` on the
 //! way, a missing file, a kernel without openat2), the walk above decides,
 //! so results and errors are the walk's.
+//!
+//! Changes (writes, removals, new directories) are decided by the walk (its
+//! errors are the answer: [`HostError::Escapes`] for a path that climbs
+//! out) and then made through descriptors: the directory that holds the
+//! file is opened with `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`
+//! from the root's descriptor (missing directories made one at a time with
+//! `mkdirat` in their opened parent), and the file itself is created,
+//! renamed or removed relative to that directory (`openat`, `renameat`,
+//! `unlinkat`; never following a link in the last name). A link swapped in
+//! after the walk is resolved by the kernel with the root as `/`, so
+//! whatever it points at, the change lands inside the root. On a kernel
+//! without openat2 (Linux before 5.6), or with [`HostRoot::walk_only`], the
+//! directory is opened by the walk's path instead: the fallback.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fs;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
 
 use crate::fsutil;
+
+/// Set when `openat2` answered `ENOSYS`: this kernel has none, every change
+/// takes the walk's way from then on.
+static NO_OPENAT2: AtomicBool = AtomicBool::new(false);
+
+/// Times `openat2` is asked again when it answers `EAGAIN` (a rename on
+/// the system raced its checks).
+const OPENAT2_RETRIES: usize = 16;
 
 /// Symbolic links followed for one path before giving up (Linux's own limit).
 const MAX_SYMLINK_HOPS: usize = 40;
@@ -74,7 +101,28 @@ impl HostError {
 pub struct HostRoot {
     root: PathBuf,
     /// The root, opened (O_PATH) for `openat2`; `None` for `/`.
-    dir: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    dir: Option<std::sync::Arc<OwnedFd>>,
+    /// Never use `openat2`, as on a kernel without it (see [`HostRoot::walk_only`]).
+    walk_only: bool,
+}
+
+/// A host directory opened for changes in it (see [`HostRoot::dir`]).
+#[derive(Debug)]
+pub struct HostDir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl HostDir {
+    /// The open directory, for calls relative to it (`openat`, `renameat`).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Where the walk found it (this process's path), for messages.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }
 
 impl PartialEq for HostRoot {
@@ -111,13 +159,152 @@ impl HostRoot {
             .ok()
             .map(std::sync::Arc::new)
         };
-        Ok(HostRoot { root, dir })
+        Ok(HostRoot {
+            root,
+            dir,
+            walk_only: false,
+        })
+    }
+
+    /// This root as on a kernel without `openat2`: reads and changes take
+    /// the walk's path (the fallback), for tests and comparisons.
+    pub fn walk_only(mut self) -> Self {
+        self.walk_only = true;
+        self
+    }
+
+    /// The root's descriptor when changes go through `openat2`.
+    fn kernel_root(&self) -> Option<&OwnedFd> {
+        if self.walk_only || NO_OPENAT2.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.dir.as_deref()
+    }
+
+    /// `openat2(root, rel, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`: links
+    /// on the way (absolute ones, `..`) are resolved with the root as `/`.
+    fn open_in_root(root: &OwnedFd, rel: &Path, flags: OFlag) -> nix::Result<OwnedFd> {
+        let rel = if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
+        };
+        let how = OpenHow::new()
+            .flags(flags | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        // EAGAIN: a rename elsewhere raced the kernel's `..` checks; it
+        // asks to be called again. A few times, then it is the answer.
+        let mut r = nix::fcntl::openat2(root, rel, how);
+        for _ in 0..OPENAT2_RETRIES {
+            if !matches!(r, Err(Errno::EAGAIN)) {
+                break;
+            }
+            std::thread::yield_now();
+            r = nix::fcntl::openat2(root, rel, how);
+        }
+        if matches!(r, Err(Errno::ENOSYS)) && !NO_OPENAT2.swap(true, Ordering::Relaxed) {
+            tracing::info!("this kernel has no openat2: host paths are opened by the walk's path");
+        }
+        r
+    }
+
+    /// Opens the directory at `real` (a path the walk gave: under the
+    /// root), making it and its missing parents when `create`.
+    fn open_real_dir(&self, real: &Path, create: bool) -> Result<OwnedFd, HostError> {
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY;
+        if let Some(root) = self.kernel_root() {
+            let rel = real
+                .strip_prefix(&self.root)
+                .expect("the walk keeps every path under the root");
+            match Self::open_in_root(root, rel, flags) {
+                Ok(fd) => return Ok(fd),
+                Err(Errno::ENOSYS) => {}
+                Err(Errno::ENOENT) if create => {
+                    return self.make_dirs_in_root(root, rel, flags);
+                }
+                Err(e) => return Err(HostError::io(real, e.into())),
+            }
+        }
+        if create {
+            fs::create_dir_all(real).map_err(|e| HostError::io(real, e))?;
+        }
+        fsutil::open_dir(real).map_err(|e| HostError::io(real, e))
+    }
+
+    /// Makes the missing directories of `rel` one at a time: each with
+    /// `mkdirat` in its parent, opened in the root (so never outside it).
+    fn make_dirs_in_root(
+        &self,
+        root: &OwnedFd,
+        rel: &Path,
+        flags: OFlag,
+    ) -> Result<OwnedFd, HostError> {
+        let mut prefix = PathBuf::new();
+        let mut cur = Self::open_in_root(root, &prefix, flags)
+            .map_err(|e| HostError::io(&self.root, e.into()))?;
+        for c in rel.components() {
+            prefix.push(c);
+            let shown = || self.root.join(&prefix);
+            cur = match Self::open_in_root(root, &prefix, flags) {
+                Ok(fd) => fd,
+                Err(Errno::ENOENT) => {
+                    match nix::sys::stat::mkdirat(
+                        &cur,
+                        c.as_os_str(),
+                        Mode::from_bits_truncate(0o777),
+                    ) {
+                        Ok(()) | Err(Errno::EEXIST) => {}
+                        Err(e) => return Err(HostError::io(shown(), e.into())),
+                    }
+                    Self::open_in_root(root, &prefix, flags)
+                        .map_err(|e| HostError::io(shown(), e.into()))?
+                }
+                Err(e) => return Err(HostError::io(shown(), e.into())),
+            };
+        }
+        Ok(cur)
+    }
+
+    /// The directory that holds `host_path`, opened for a change, with the
+    /// last name and the path the walk resolved (for messages).
+    fn parent_of(
+        &self,
+        host_path: &Path,
+        follow_last: bool,
+        create: bool,
+    ) -> Result<(HostDir, OsString, PathBuf), HostError> {
+        let real = self.resolve_inner(host_path, follow_last)?;
+        // The root itself has no parent to change it in (above it is not ours).
+        let (Some(dir), Some(name), false) = (real.parent(), real.file_name(), real == self.root)
+        else {
+            return Err(HostError::io(
+                host_path,
+                io::Error::new(io::ErrorKind::InvalidInput, "not a file in a directory"),
+            ));
+        };
+        let fd = self.open_real_dir(dir, create)?;
+        let dir = HostDir {
+            fd,
+            path: dir.to_path_buf(),
+        };
+        Ok((dir, name.to_os_string(), real))
+    }
+
+    /// Opens the host directory `host_path` for changes in it (made, with
+    /// its parents, when `create`); see the module docs.
+    pub fn dir(&self, host_path: impl AsRef<Path>, create: bool) -> Result<HostDir, HostError> {
+        let real = self.resolve(host_path)?;
+        let fd = self.open_real_dir(&real, create)?;
+        Ok(HostDir { fd, path: real })
     }
 
     /// Opens `host_path` beneath the root in one `openat2` call, or `None`
     /// when the kernel did not (the caller walks; see the module docs).
     fn open_beneath(&self, host_path: &Path, flags: nix::fcntl::OFlag) -> Option<fs::File> {
         use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+        if self.walk_only {
+            return None;
+        }
         let dir = self.dir.as_ref()?;
         let rel = host_path.strip_prefix("/").ok()?;
         if rel.as_os_str().is_empty() {
@@ -126,9 +313,14 @@ impl HostRoot {
         let how = OpenHow::new()
             .flags(flags | OFlag::O_CLOEXEC)
             .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-        nix::fcntl::openat2(dir.as_ref(), rel, how)
-            .ok()
-            .map(fs::File::from)
+        match nix::fcntl::openat2(dir.as_ref(), rel, how) {
+            Ok(fd) => Some(fs::File::from(fd)),
+            Err(Errno::ENOSYS) => {
+                NO_OPENAT2.store(true, Ordering::Relaxed);
+                None
+            }
+            Err(_) => None,
+        }
     }
 
     /// The real `/`: bare metal.
@@ -136,6 +328,7 @@ impl HostRoot {
         HostRoot {
             root: PathBuf::from("/"),
             dir: None,
+            walk_only: false,
         }
     }
 
@@ -299,26 +492,95 @@ impl HostRoot {
     /// Sets the file's modification time to now: a sign of life that
     /// writes no data (no fsync).
     pub fn touch(&self, host_path: impl AsRef<Path>) -> Result<(), HostError> {
-        let path = self.resolve(host_path)?;
-        fs::File::open(&path)
-            .and_then(|f| f.set_modified(std::time::SystemTime::now()))
-            .map_err(|e| HostError::io(&path, e))
+        let (dir, name, real) = self.parent_of(host_path.as_ref(), true, false)?;
+        nix::fcntl::openat(
+            dir.fd(),
+            name.as_os_str(),
+            OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(io::Error::from)
+        .and_then(|fd| fs::File::from(fd).set_modified(std::time::SystemTime::now()))
+        .map_err(|e| HostError::io(&real, e))
     }
 
-    /// Writes a host file atomically (see [`fsutil::write_atomic`]),
-    /// creating its parent directories.
+    /// Writes a host file atomically (see [`fsutil::write_atomic_at`]),
+    /// creating its parent directories; returns the path it resolved to.
     pub fn write_atomic(
         &self,
         host_path: impl AsRef<Path>,
         contents: &[u8],
         mode: u32,
     ) -> Result<PathBuf, HostError> {
-        let path = self.resolve(host_path)?;
-        if let Some(parent) = path.parent() {
-            fs::create_dir_all(parent).map_err(|e| HostError::io(parent, e))?;
+        self.write_atomic_then(host_path, contents, mode, |_, _| Ok::<(), HostError>(()))
+    }
+
+    /// Like [`write_atomic`](Self::write_atomic); `then` sees the complete
+    /// new file (and the resolved path, for messages) before it replaces
+    /// the old one: to give it an owner, say.
+    pub fn write_atomic_then<E: From<HostError>>(
+        &self,
+        host_path: impl AsRef<Path>,
+        contents: &[u8],
+        mode: u32,
+        then: impl FnOnce(&fs::File, &Path) -> Result<(), E>,
+    ) -> Result<PathBuf, E> {
+        let (dir, name, real) = self.parent_of(host_path.as_ref(), true, true)?;
+        match fsutil::write_atomic_at(dir.fd(), &name, contents, mode, |f| then(f, &real)) {
+            Ok(()) => Ok(real),
+            Err(fsutil::AtomicError::Io(e)) => Err(HostError::io(real, e).into()),
+            Err(fsutil::AtomicError::Then(e)) => Err(e),
         }
-        fsutil::write_atomic(&path, contents, mode).map_err(|e| HostError::io(&path, e))?;
-        Ok(path)
+    }
+
+    /// Opens the host file `host_path` for writing, creating it (with
+    /// `mode`, umask applied) and its parents when missing; never through
+    /// a link in its last name. Not truncated: for lock files.
+    pub fn open_or_create(
+        &self,
+        host_path: impl AsRef<Path>,
+        mode: u32,
+    ) -> Result<fs::File, HostError> {
+        let (dir, name, real) = self.parent_of(host_path.as_ref(), true, true)?;
+        nix::fcntl::openat(
+            dir.fd(),
+            name.as_os_str(),
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(mode),
+        )
+        .map(fs::File::from)
+        .map_err(|e| HostError::io(real, e.into()))
+    }
+
+    /// Removes the host file `host_path` (a link in its last name is
+    /// followed, as [`resolve`](Self::resolve) does); false when there was none.
+    pub fn remove_file(&self, host_path: impl AsRef<Path>) -> Result<bool, HostError> {
+        self.unlink(host_path.as_ref(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+    }
+
+    /// Removes the empty host directory `host_path`; false when there was
+    /// none (one that is not empty is an error, `DirectoryNotEmpty`).
+    pub fn remove_dir(&self, host_path: impl AsRef<Path>) -> Result<bool, HostError> {
+        self.unlink(host_path.as_ref(), nix::unistd::UnlinkatFlags::RemoveDir)
+    }
+
+    fn unlink(&self, host_path: &Path, how: nix::unistd::UnlinkatFlags) -> Result<bool, HostError> {
+        let (dir, name, real) = match self.parent_of(host_path, true, false) {
+            Ok(found) => found,
+            Err(e) if e.is_not_found() => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        match nix::unistd::unlinkat(dir.fd(), name.as_os_str(), how) {
+            Ok(()) => Ok(true),
+            Err(Errno::ENOENT) => Ok(false),
+            Err(e) => Err(HostError::io(real, e.into())),
+        }
+    }
+
+    /// Makes the host directory `host_path` and its missing parents; returns
+    /// the path it resolved to.
+    pub fn create_dir_all(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
+        Ok(self.dir(host_path, true)?.path)
     }
 }
 
@@ -544,5 +806,96 @@ mod tests {
             fs::metadata(&path).unwrap().permissions().mode() & 0o777,
             0o640
         );
+    }
+
+    #[test]
+    fn changes_land_where_the_walk_says_with_or_without_openat2() {
+        for walk_only in [false, true] {
+            let (d, r) = root();
+            let r = if walk_only { r.walk_only() } else { r };
+            let base = r.path().to_path_buf();
+            fs::create_dir_all(base.join("usr/lib")).unwrap();
+            // An absolute link on the way: re-anchored at the root.
+            symlink("/usr/lib", base.join("lib")).unwrap();
+            let real = r.write_atomic("/lib/new/dir/f.conf", b"x", 0o600).unwrap();
+            assert_eq!(
+                real,
+                base.join("usr/lib/new/dir/f.conf"),
+                "walk_only {walk_only}"
+            );
+            assert_eq!(fs::read(&real).unwrap(), b"x");
+            // A link in the last name is followed (the file it names is written).
+            symlink("f.conf", base.join("usr/lib/new/dir/alias")).unwrap();
+            r.write_atomic("/lib/new/dir/alias", b"y", 0o600).unwrap();
+            assert_eq!(fs::read(&real).unwrap(), b"y");
+            assert!(
+                fs::symlink_metadata(base.join("usr/lib/new/dir/alias"))
+                    .unwrap()
+                    .is_symlink()
+            );
+            r.touch("/lib/new/dir/f.conf").unwrap();
+            assert_eq!(
+                r.create_dir_all("/lib/made/here").unwrap(),
+                base.join("usr/lib/made/here")
+            );
+            assert!(base.join("usr/lib/made/here").is_dir());
+            let err = r.remove_dir("/lib/made").unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("usr/lib/made: Directory not empty"),
+                "{err}"
+            );
+            assert!(r.remove_dir("/lib/made/here").unwrap());
+            assert!(!r.remove_dir("/lib/made/here").unwrap());
+            assert!(r.remove_file("/lib/new/dir/f.conf").unwrap());
+            assert!(!r.remove_file("/lib/new/dir/f.conf").unwrap());
+            assert!(!r.remove_file("/nowhere/at/all").unwrap());
+            // A file the lock takes: made once, opened again after.
+            let f = r.open_or_create("/run/x.lock", 0o644).unwrap();
+            drop(f);
+            r.open_or_create("/run/x.lock", 0o644).unwrap();
+            // Climbing out is refused, naming the path; nothing is made outside.
+            let outside = d.path().parent().unwrap().to_path_buf();
+            let before = fs::read_dir(&outside).unwrap().count();
+            symlink("../../out", base.join("usr/up")).unwrap();
+            for err in [
+                r.write_atomic("/usr/up/f", b"x", 0o644).unwrap_err(),
+                r.create_dir_all("/usr/up/d").unwrap_err(),
+                r.remove_file("/usr/up/f").unwrap_err(),
+                r.write_atomic("/../f", b"x", 0o644).unwrap_err(),
+            ] {
+                assert!(matches!(err, HostError::Escapes { .. }), "{err}");
+            }
+            assert_eq!(fs::read_dir(&outside).unwrap().count(), before);
+            // The root itself is no file.
+            assert!(r.write_atomic("/", b"x", 0o644).is_err());
+        }
+    }
+
+    #[test]
+    fn a_link_swapped_in_after_the_walk_is_resolved_inside_the_root() {
+        // What the walk cannot see: the directory it resolved is replaced
+        // by a link out before the change is made.
+        let (_d, r) = root();
+        let base = r.path().to_path_buf();
+        let outside = tempfile::tempdir().unwrap();
+        let out = fs::canonicalize(outside.path()).unwrap();
+        fs::create_dir_all(base.join("etc/d")).unwrap();
+        let real = r.resolve("/etc/d/sub/f").unwrap();
+        fs::remove_dir(base.join("etc/d")).unwrap();
+        symlink(&out, base.join("etc/d")).unwrap();
+        // The link leads nowhere inside the root: refused, naming the path.
+        let err = r.open_real_dir(real.parent().unwrap(), true).unwrap_err();
+        assert!(err.to_string().contains("etc/d"), "{err}");
+        // Where it leads somewhere inside the root, the change goes there.
+        let inside = base.join(out.strip_prefix("/").unwrap());
+        fs::create_dir_all(&inside).unwrap();
+        let fd = r.open_real_dir(real.parent().unwrap(), true).unwrap();
+        fsutil::write_atomic_at(fd.as_fd(), std::ffi::OsStr::new("f"), b"x", 0o644, |_| {
+            Ok::<(), ()>(())
+        })
+        .unwrap();
+        assert_eq!(fs::read(inside.join("sub/f")).unwrap(), b"x");
+        assert_eq!(fs::read_dir(&out).unwrap().count(), 0, "nothing outside");
     }
 }

@@ -69,6 +69,15 @@ pub trait Syscalls: Send + Sync + fmt::Debug {
     fn umount(&self, target: &Path, detach: bool) -> Result<(), SyscallError>;
     /// `chown(path, uid, gid)`; `None` leaves that id unchanged.
     fn chown(&self, path: &Path, uid: Option<u32>, gid: Option<u32>) -> Result<(), SyscallError>;
+    /// `fchown(file, uid, gid)` on an open file; `path` names it (for
+    /// errors and records: a [`Call::Chown`]). Nothing resolves a path.
+    fn fchown(
+        &self,
+        file: std::os::fd::BorrowedFd<'_>,
+        path: &Path,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<(), SyscallError>;
     /// `chmod(path, mode)`.
     fn chmod(&self, path: &Path, mode: u32) -> Result<(), SyscallError>;
     /// `unshare(CLONE_NEWNS)`: this process gets a mount namespace of its own.
@@ -142,6 +151,21 @@ impl Syscalls for LinuxSyscalls {
     fn chown(&self, path: &Path, uid: Option<u32>, gid: Option<u32>) -> Result<(), SyscallError> {
         nix::unistd::chown(
             path,
+            uid.map(nix::unistd::Uid::from_raw),
+            gid.map(nix::unistd::Gid::from_raw),
+        )
+        .map_err(|e| SyscallError::new("chown", path.display(), e))
+    }
+
+    fn fchown(
+        &self,
+        file: std::os::fd::BorrowedFd<'_>,
+        path: &Path,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<(), SyscallError> {
+        nix::unistd::fchown(
+            file,
             uid.map(nix::unistd::Uid::from_raw),
             gid.map(nix::unistd::Gid::from_raw),
         )
@@ -346,6 +370,16 @@ impl Syscalls for RecordingSyscalls {
             uid,
             gid,
         })
+    }
+
+    fn fchown(
+        &self,
+        _file: std::os::fd::BorrowedFd<'_>,
+        path: &Path,
+        uid: Option<u32>,
+        gid: Option<u32>,
+    ) -> Result<(), SyscallError> {
+        self.chown(path, uid, gid)
     }
 
     fn chmod(&self, path: &Path, mode: u32) -> Result<(), SyscallError> {
