@@ -350,56 +350,53 @@ fn real_containerd_1_6_sees_the_nvidia_runtime() {
 }
 
 /// Crash safety: `runtime configure` killed with SIGKILL at 200 points in
-/// its run. Each time the config is either the original or the complete new
-/// file, never a part, and `restore` still gives the original byte for byte.
+/// its run (common::crash). Each time the config is either the original or
+/// the complete new file, never a part, and `restore` still gives the
+/// original byte for byte.
 #[test]
 fn sigkill_at_random_points_never_leaves_a_partial_file() {
-    let original = fs::read(fixture_path("valid/v2-custom.toml")).unwrap();
-    let complete = fs::read(fixture_path("golden/v2-custom.toml@1.7.2.toml")).unwrap();
-    // How long one run takes here, to spread the kills over it.
-    let t = std::time::Instant::now();
-    let probe = host_with(Some("valid/v2-custom.toml"), true);
-    assert_eq!(configure(probe.path(), "1.7.2", &[]).0, 0);
-    let span_us = t.elapsed().as_micros().max(1000) as u64;
-    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
-    let (mut saw_original, mut saw_complete) = (0, 0);
-    for trial in 0..200 {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let delay = (seed >> 33) % (span_us * 12 / 10);
-        let host = host_with(Some("valid/v2-custom.toml"), true);
-        let mut child = at(host.path())
-            .args(["runtime", "configure", "--containerd-version", "1.7.2"])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_micros(delay));
-        let _ = child.kill();
-        let _ = child.wait();
-        let now = fs::read(host.path().join(CONFIG)).unwrap();
-        if now == original {
-            saw_original += 1;
-        } else if now == complete {
-            saw_complete += 1;
-        } else {
-            panic!(
-                "trial {trial} (kill after {delay} µs): the config is neither the original nor the complete new file"
-            );
-        }
-        let (code, _, err) = run(at(host.path()).args(["runtime", "restore"]));
-        assert_eq!(code, 0, "trial {trial}: {err}");
-        assert_eq!(
-            fs::read(host.path().join(CONFIG)).unwrap(),
-            original,
-            "trial {trial}: restore did not give the original back"
-        );
+    struct Configure {
+        original: Vec<u8>,
+        complete: Vec<u8>,
     }
-    eprintln!(
-        "200 SIGKILL trials over {span_us} µs runs: {saw_original} left the original, {saw_complete} the complete new file, 0 partial"
-    );
-    assert_eq!(saw_original + saw_complete, 200);
+    impl common::crash::Writer for Configure {
+        type Host = tempfile::TempDir;
+        fn prepare(&mut self, _: usize) -> Self::Host {
+            host_with(Some("valid/v2-custom.toml"), true)
+        }
+        fn command(&mut self, host: &Self::Host) -> std::process::Command {
+            let mut c = at(host.path());
+            c.args(["runtime", "configure", "--containerd-version", "1.7.2"]);
+            c
+        }
+        fn check(&mut self, host: &Self::Host) -> Result<String, String> {
+            let now = fs::read(host.path().join(CONFIG)).unwrap();
+            if now == self.original {
+                Ok("the original".into())
+            } else if now == self.complete {
+                Ok("the complete new file".into())
+            } else {
+                Err("the config is neither the original nor the complete new file".into())
+            }
+        }
+        fn repair(&mut self, host: &Self::Host) -> Result<(), String> {
+            let (code, _, err) = run(at(host.path()).args(["runtime", "restore"]));
+            if code != 0 {
+                return Err(err);
+            }
+            if fs::read(host.path().join(CONFIG)).unwrap() != self.original {
+                return Err("restore did not give the original back".into());
+            }
+            Ok(())
+        }
+    }
+    let mut w = Configure {
+        original: fs::read(fixture_path("valid/v2-custom.toml")).unwrap(),
+        complete: fs::read(fixture_path("golden/v2-custom.toml@1.7.2.toml")).unwrap(),
+    };
+    let tally = common::crash::sigkill_trials(&mut w, 200, 1);
+    eprintln!("runtime configure: {tally}");
+    assert_eq!(tally.seen.values().sum::<usize>(), 200);
 }
 
 fn policy_for(host: &Path, runtime: &str) -> PathBuf {

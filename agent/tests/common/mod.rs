@@ -2,6 +2,7 @@
 //! library, the fixture trees.
 #![allow(dead_code)]
 
+pub mod crash;
 pub mod systemd;
 
 use std::path::{Path, PathBuf};
