@@ -11,7 +11,7 @@
 use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::{self, Write};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -119,12 +119,48 @@ pub fn write_atomic_at<E>(
         f.sync_all().map_err(io)?;
         drop(f);
         nix::fcntl::renameat(dir, tmp, dir, name).map_err(|e| AtomicError::Io(e.into()))?;
+        remove_stale_temps(dir, name);
         nix::unistd::fsync(dir).map_err(|e| AtomicError::Io(e.into()))
     })();
     if result.is_err() {
         let _ = nix::unistd::unlinkat(dir, tmp, UnlinkatFlags::NoRemoveDir);
     }
     result
+}
+
+/// Removes the temp files of `name` that writers killed before their
+/// rename left in `dir` (a partial copy of a 200 MB program, say): those of
+/// other processes that are gone. Called once `name` is whole again, so
+/// nothing they held is lost; a live writer's temp file is left alone.
+fn remove_stale_temps(dir: BorrowedFd<'_>, name: &OsStr) {
+    let mut prefix = b".".to_vec();
+    prefix.extend_from_slice(name.as_bytes());
+    prefix.extend_from_slice(b".gpu-agent-tmp.");
+    let me = std::process::id();
+    // The directory's entries through its descriptor (std lists by path).
+    let Ok(entries) = fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd())) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(rest) = file.as_bytes().strip_prefix(prefix.as_slice()) else {
+            continue;
+        };
+        // `<pid>.<n>`, or `<pid>` as older versions named them.
+        let pid = rest.split(|b| *b == b'.').next().unwrap_or_default();
+        let Some(pid) = std::str::from_utf8(pid)
+            .ok()
+            .and_then(|p| p.parse::<i32>().ok())
+            .filter(|p| *p > 0)
+        else {
+            continue;
+        };
+        let gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+            == Err(nix::errno::Errno::ESRCH);
+        if pid as u32 != me && gone {
+            let _ = nix::unistd::unlinkat(dir, file.as_os_str(), UnlinkatFlags::NoRemoveDir);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -143,6 +179,38 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("f")]);
+    }
+
+    #[test]
+    fn a_write_removes_temp_files_that_dead_writers_left() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        // A process that is gone, and one that lives (init).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        for left in [
+            format!(".f.gpu-agent-tmp.{dead}.0"),
+            format!(".f.gpu-agent-tmp.{dead}"),
+            ".f.gpu-agent-tmp.1.0".to_string(),
+            format!(".g.gpu-agent-tmp.{dead}.0"),
+        ] {
+            fs::write(dir.path().join(left), "part").unwrap();
+        }
+        write_atomic(&p, b"new", 0o644).unwrap();
+        let mut names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                ".f.gpu-agent-tmp.1.0".to_string(),
+                format!(".g.gpu-agent-tmp.{dead}.0"),
+                "f".to_string()
+            ]
+        );
     }
 
     #[test]
