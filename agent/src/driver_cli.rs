@@ -83,6 +83,7 @@ fn map_driver(e: DriverError) -> Failure {
             | BundleError::Sidecar { .. }
             | BundleError::Manifest { .. }
             | BundleError::Entry { .. }
+            | BundleError::TooLarge { .. }
             | BundleError::Kernel { .. },
         ) => bad_input(e),
         other => other.into(),

@@ -34,6 +34,23 @@ pub const DRIVERS_DIR: &str = "/var/lib/gpu-agent/drivers";
 pub const FORMAT: u32 = 1;
 /// The largest manifest accepted (a driver has a few hundred files).
 const MANIFEST_MAX: u64 = 4 << 20;
+/// How many bytes of tar stream a bundle may unpack to per byte of its own:
+/// driver files compress a few times over, deflate up to about a thousand
+/// (a gzip bomb), which is refused before it fills the disk or memory.
+pub const MAX_EXPANSION: u64 = 32;
+/// Unpacked bytes every bundle may have whatever its size (tar's headers
+/// and padding for a small one).
+const UNPACKED_FLOOR: u64 = 1 << 20;
+
+/// The most bytes of tar stream a bundle of `compressed` bytes may unpack
+/// to (headers included, so every file written is smaller). The tar reader
+/// keeps long names and extended headers in memory, so this bounds memory
+/// as well as disk.
+pub fn max_unpacked(compressed: u64) -> u64 {
+    compressed
+        .saturating_mul(MAX_EXPANSION)
+        .saturating_add(UNPACKED_FLOOR)
+}
 
 /// Kernel module flavour.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -195,6 +212,10 @@ pub enum BundleError {
         kernels: Vec<String>,
         running: String,
     },
+    #[error(
+        "{bundle}: unpacks to more than {limit} bytes ({MAX_EXPANSION} times its size): refused as a gzip bomb; nothing was installed"
+    )]
+    TooLarge { bundle: PathBuf, limit: u64 },
     #[error("{dir}: {message}")]
     Installed { dir: String, message: String },
     #[error("{path}: {source}")]
@@ -377,6 +398,30 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
+/// A reader that refuses to give more than `limit` bytes (the unpacked
+/// stream of a bundle, see [`max_unpacked`]).
+struct Limited<R> {
+    inner: R,
+    left: u64,
+    exceeded: bool,
+}
+
+impl<R: Read> Read for Limited<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // One byte past the limit tells "exactly at it" from "over it".
+        let want = buf
+            .len()
+            .min(usize::try_from(self.left.saturating_add(1)).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n as u64 > self.left {
+            self.exceeded = true;
+            return Err(io::Error::other("the bundle unpacks to more than allowed"));
+        }
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
 /// Verifies `bundle` (a path on this machine) against `expected` sha256 and
 /// unpacks it under the host's [`DRIVERS_DIR`] for the running `kernel`.
 /// Does not switch `current`; see [`switch`].
@@ -420,7 +465,12 @@ pub fn install(
         report: 0,
         progress,
     };
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(counting));
+    let limit = max_unpacked(total);
+    let mut archive = tar::Archive::new(Limited {
+        inner: flate2::read::GzDecoder::new(counting),
+        left: limit,
+        exceeded: false,
+    });
     let mut u = Unpacker {
         bundle: bundle.to_path_buf(),
         kernel: kernel.to_string(),
@@ -431,10 +481,18 @@ pub fn install(
         links: BTreeSet::new(),
         files: 0,
         bytes: 0,
+        limit,
     };
-    let result = u.run(&mut archive);
+    let mut result = u.run(&mut archive);
+    let limited = archive.into_inner();
+    if limited.exceeded && result.is_err() {
+        result = Err(BundleError::TooLarge {
+            bundle: bundle.to_path_buf(),
+            limit,
+        });
+    }
     // The gzip trailer may be left unread: say the whole file was read.
-    let mut counting = archive.into_inner().into_inner();
+    let mut counting = limited.inner.into_inner();
     (counting.progress)(Progress::Unpacking { done: total, total });
     // An already-unpacked bundle stops before staging; only a refused one leaves it.
     if let Some(staging) = &u.staging
@@ -465,6 +523,8 @@ struct Unpacker {
     links: BTreeSet<String>,
     files: usize,
     bytes: u64,
+    /// The most bytes the bundle may unpack to.
+    limit: u64,
 }
 
 impl Unpacker {
@@ -525,6 +585,17 @@ impl Unpacker {
                     path: parent.to_path_buf(),
                     source,
                 })?;
+            }
+            if entry.size() > self.limit {
+                // Refused before a byte of it is written.
+                return Err(self.entry_err(
+                    &shown,
+                    format!(
+                        "{} bytes, more than the {} this bundle may unpack to ({MAX_EXPANSION} times its size)",
+                        entry.size(),
+                        self.limit
+                    ),
+                ));
             }
             match kind {
                 tar::EntryType::Regular | tar::EntryType::Continuous => {
