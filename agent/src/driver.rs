@@ -27,6 +27,9 @@ pub enum DriverError {
     Host(#[from] HostError),
     #[error(transparent)]
     State(#[from] hostlib::driver::DriverError),
+    /// The host-files lock (driver installs and upgrades take it).
+    #[error(transparent)]
+    Lock(#[from] hostlib::managed::ManagedError),
     #[error(
         "no NVIDIA driver is loaded and there is nothing to load: set spec.driver.bundle (or install one: gpu-agent driver install), spec.driver.moduleDir, or spec.driver.enabled: false to use the host's driver"
     )]

@@ -8,6 +8,7 @@ use clap::Subcommand;
 use gpu_agent::driver::{self, DriverError, NothingAdvertised, Upgrade};
 use gpu_agent::{Inventory, render};
 use hostlib::HostRoot;
+use hostlib::managed::{HostFilesLock, ManagedError};
 use kmod::bundle::{self, BundleError, Progress};
 use kmod::modules::{self, LoadOutcome};
 
@@ -25,6 +26,9 @@ pub(crate) enum DriverCommand {
         /// The bundle's sha256 (default: the `<bundle>.sha256` file beside it).
         #[arg(long, value_name = "HEX")]
         sha256: Option<String>,
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
     },
     /// Load the modules (policy's parameters) from the current driver or
     /// --module-dir, then make the device nodes and check the version.
@@ -45,11 +49,23 @@ pub(crate) enum DriverCommand {
         to: String,
         #[arg(long, value_name = "HEX")]
         sha256: Option<String>,
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
     },
     /// Go back to the previous driver (an upgrade to it when one is loaded).
-    Rollback,
+    Rollback {
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Delete an unpacked driver that is neither current nor previous.
-    Remove { name: String },
+    Remove {
+        name: String,
+        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
+        #[arg(long)]
+        no_wait: bool,
+    },
     /// Make a bundle from a directory of kernel modules (built for one
     /// kernel, one flavour), with its `<out>.sha256` beside it.
     Pack {
@@ -229,6 +245,32 @@ fn pack(
     Ok(ExitCode::SUCCESS)
 }
 
+/// The host-files lock for `what` (driver installs and upgrades change the
+/// host as the runtime, CDI and label writers do: one at a time). When
+/// another process holds it: says who and waits, or with `no_wait` fails
+/// naming it.
+fn lock_host_files(host: &HostRoot, what: &str, no_wait: bool) -> Result<HostFilesLock, Failure> {
+    match HostFilesLock::take(host, what, false) {
+        Ok(lock) => Ok(lock),
+        Err(ManagedError::Locked { path, holder }) if !no_wait => {
+            let who = holder.map_or_else(
+                || "another process (its pid is not written yet)".to_string(),
+                |h| h.to_string(),
+            );
+            eprintln!("gpu-agent: waiting for {}: held by {who}", path.display());
+            Ok(HostFilesLock::take(host, what, true)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What a file or name is called in the lock file.
+fn shown(to: &str) -> String {
+    Path::new(to)
+        .file_name()
+        .map_or_else(|| to.to_string(), |n| n.to_string_lossy().into_owned())
+}
+
 pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failure> {
     if let DriverCommand::Pack {
         dir,
@@ -247,7 +289,10 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
         DriverCommand::Install {
             bundle: file,
             sha256,
+            no_wait,
         } => {
+            let what = format!("driver install {}", shown(&file.to_string_lossy()));
+            let _lock = lock_host_files(&e.host, &what, *no_wait)?;
             let name = install_file(&e, file, sha256.as_deref())?;
             let loaded = hostlib::driver::DriverState::read(&e.host)?.is_loaded();
             let current = bundle::current(&e.host).map_err(map_bundle)?;
@@ -318,7 +363,13 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             nodes(&e, &sys)?;
             Ok(ExitCode::SUCCESS)
         }
-        DriverCommand::Upgrade { to, sha256 } => {
+        DriverCommand::Upgrade {
+            to,
+            sha256,
+            no_wait,
+        } => {
+            let _lock =
+                lock_host_files(&e.host, &format!("driver upgrade {}", shown(to)), *no_wait)?;
             let name = if Path::new(to).is_file() {
                 install_file(&e, Path::new(to), sha256.as_deref())?
             } else {
@@ -326,7 +377,8 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             };
             upgrade(&e, &sys, &name)
         }
-        DriverCommand::Rollback => {
+        DriverCommand::Rollback { no_wait } => {
+            let _lock = lock_host_files(&e.host, "driver rollback", *no_wait)?;
             let Some(prev) = bundle::previous(&e.host).map_err(map_bundle)? else {
                 return Err(anyhow::anyhow!(
                     "no previous driver to roll back to ({} has no `previous` link)",
@@ -343,7 +395,8 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             }
         }
         DriverCommand::Pack { .. } => unreachable!("handled above"),
-        DriverCommand::Remove { name } => {
+        DriverCommand::Remove { name, no_wait } => {
+            let _lock = lock_host_files(&e.host, &format!("driver remove {name}"), *no_wait)?;
             bundle::remove(&e.host, name).map_err(map_bundle)?;
             println!("removed {name}");
             Ok(ExitCode::SUCCESS)

@@ -147,7 +147,7 @@ thread_local! {
 /// the thread that took it.
 #[derive(Clone, Debug)]
 pub struct HostFilesLock {
-    _held: Rc<Held>,
+    held: Rc<Held>,
 }
 
 impl HostFilesLock {
@@ -164,7 +164,7 @@ impl HostFilesLock {
         });
         if let Some(held) = mine {
             tracing::debug!(what, "the host-files lock is already this thread's");
-            return Ok(HostFilesLock { _held: held });
+            return Ok(HostFilesLock { held });
         }
         let file = host.open_or_create(LOCK_FILE, 0o644)?;
         let path = host.resolve(LOCK_FILE)?;
@@ -193,17 +193,27 @@ impl HostFilesLock {
             Err((_, errno)) => return Err(io_err(errno)),
         };
         // Readable whatever the umask: says who holds it.
-        let line = format!("{} {}\n", std::process::id(), what.replace('\n', " "));
         lock.set_permissions(fs::Permissions::from_mode(0o644))
-            .and_then(|()| lock.set_len(0))
-            .and_then(|()| lock.write_all_at(line.as_bytes(), 0))
             .map_err(|e| HostError::io(&path, e))?;
         let held = Rc::new(Held {
             root: host.path().to_path_buf(),
             lock,
         });
-        HELD.with(|h| h.borrow_mut().push(Rc::downgrade(&held)));
-        Ok(HostFilesLock { _held: held })
+        let this = HostFilesLock { held };
+        this.doing(what).map_err(|e| HostError::io(&path, e))?;
+        HELD.with(|h| h.borrow_mut().push(Rc::downgrade(&this.held)));
+        Ok(this)
+    }
+
+    /// Says in the lock file what the holder does now (`driver upgrade
+    /// 560.35.03` once the install is done). The file is the lock itself
+    /// (`flock` holds its inode), so it is rewritten in place, one short
+    /// write; a reader may find it empty for a moment, never another's words.
+    pub fn doing(&self, what: &str) -> io::Result<()> {
+        let line = format!("{} {}\n", std::process::id(), what.replace('\n', " "));
+        let f: &fs::File = &self.held.lock;
+        f.set_len(0)?;
+        f.write_all_at(line.as_bytes(), 0)
     }
 
     /// Who holds the lock on `host` now (`None`: nobody, or a holder that

@@ -95,6 +95,9 @@ pub(super) fn driver_apply(
     let mut notes = Vec::new();
     // The policy's bundle, unpacked (once) beside the others.
     let mut wanted: Option<String> = None;
+    // Installs and upgrades change host files: one writer at a time (a
+    // `gpu-agent driver` command, another agent), held to the end.
+    let mut lock: Option<hostlib::managed::HostFilesLock> = None;
     if let Some(b) = &d.bundle {
         let path = ctx.host.resolve(b)?;
         if ctx.apply.is_none() {
@@ -103,6 +106,11 @@ pub(super) fn driver_apply(
                 format!("would install {b} and load its modules"),
             ));
         }
+        lock = Some(hostlib::managed::HostFilesLock::take(
+            ctx.host,
+            &format!("driver install {b} (the driver stage)"),
+            true,
+        )?);
         let expected = bundle::expected_sha256(&path, d.bundle_sha256.as_deref())?;
         let installed = bundle::install(
             ctx.host,
@@ -139,6 +147,12 @@ pub(super) fn driver_apply(
         if &want_version != have || current.as_ref() != Some(want) {
             if !ctx.upgrade.may_upgrade(&want_version) {
                 return Ok((StageState::Done, ctx.upgrade.hold(have, &want_version)));
+            }
+            if let Some(l) = &lock
+                && let Err(e) =
+                    l.doing(&format!("driver upgrade {want_version} (the driver stage)"))
+            {
+                tracing::warn!(stage = "driver", error = %e, "cannot say in the host-files lock what it is held for");
             }
             let up = driver::Upgrade {
                 host: ctx.host,

@@ -96,6 +96,15 @@ pub struct TaskStatus {
     pub restart_at: Option<u64>,
 }
 
+/// The host-files lock for a pass, waited for while another process holds
+/// it (its pid and what it does are logged). `None` when it cannot be
+/// taken at all: the writers then take it (or fail) each on their own.
+fn host_files_lock(host: &HostRoot, what: &str) -> Option<hostlib::managed::HostFilesLock> {
+    hostlib::managed::HostFilesLock::take(host, what, true)
+        .inspect_err(|e| tracing::warn!(error = %e, "cannot take the host-files lock for the pass"))
+        .ok()
+}
+
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns
 /// whether no stage failed (the last pass).
 pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
@@ -283,10 +292,12 @@ impl Supervisor {
 
     fn first_pass(&mut self) -> stages::Pass {
         let started = std::time::Instant::now();
+        let host_files = host_files_lock(&self.opts.host, "the first pass");
         let ctx = self.context(!self.opts.once);
         let pass = stages::run_pass(&ctx);
         let upgrade = ctx.upgrade.out.take();
         drop(ctx);
+        drop(host_files);
         self.took_upgrade(upgrade);
         self.st.mig = keep_mig_since(self.st.mig.take(), pass.mig.clone());
         self.st.stages = pass.stages.clone();
@@ -580,12 +591,16 @@ impl Supervisor {
         let mig_hold = self
             .prepare_mig_change(trigger == "SIGHUP" || policy_changed)
             .await;
+        // Not while another process changes host files (a driver upgrade):
+        // the pass waits for it, and holds the lock to its end.
+        let host_files = host_files_lock(&self.opts.host, &format!("reconcile ({trigger})"));
         let (mut pass, upgrade) = {
             let mut ctx = self.context(false);
             ctx.mig_hold = mig_hold;
             let pass = stages::run_pass(&ctx);
             (pass, ctx.upgrade.out.take())
         };
+        drop(host_files);
         self.took_upgrade(upgrade);
         self.st.mig = keep_mig_since(self.st.mig.take(), pass.mig.take());
         let now = state::now();
