@@ -172,6 +172,11 @@ pub const GRANTS: &[Grant] = &[
                 why: "give an MPS control daemon a mount namespace with its own /dev/shm (unshare, mount)",
                 unless: always,
             },
+            Use {
+                stage: Stage::Metrics,
+                why: "sample the profiling fields through NVML's GPM (the driver keeps GPU profiling to CAP_SYS_ADMIN unless NVreg_RestrictProfilingToAdminUsers=0)",
+                unless: always,
+            },
         ],
     },
     Grant {
@@ -315,11 +320,17 @@ fn why_not_wanted(cap: Capability, setting: &Setting<'_>) -> Option<String> {
     let grant = GRANTS.iter().find(|g| g.cap == cap)?;
     let mut reasons: Vec<String> = Vec::new();
     for u in grant.uses {
-        let off = u
-            .stage
-            .disabled_by(setting.policy)
-            .or_else(|| (u.unless)(setting))?;
-        let line = format!("{} was disabled ({off})", u.stage.name());
+        let line = match u.stage.disabled_by(setting.policy) {
+            Some(off) => format!("{} was disabled ({off})", u.stage.name()),
+            // A policy switch turned this use off; a fact of the host
+            // (the host root is `/`) means the stage never needs it.
+            None => match (u.unless)(setting)? {
+                off if off.starts_with("spec.") => {
+                    format!("{} was disabled ({off})", u.stage.name())
+                }
+                off => format!("{} does not need it ({off})", u.stage.name()),
+            },
+        };
         if !reasons.contains(&line) {
             reasons.push(line);
         }
@@ -631,6 +642,12 @@ mod tests {
         );
         assert!(!names.contains(&"CAP_SETPCAP".to_string()));
         assert!(!names.contains(&"CAP_NET_ADMIN".to_string()));
+        assert!(
+            why_not_wanted(Capability::CAP_SYS_CHROOT, &setting(&p, true))
+                .unwrap()
+                .starts_with("runtime does not need it (the host root is /"),
+            "a fact of the host is not a stage disabled"
+        );
         // Under a DaemonSet's /host the runtime is restarted through chroot.
         let w = wanted(&setting(&p, false));
         let (_, uses) = w
@@ -662,10 +679,15 @@ mod tests {
             "plugin still uses it (MPS)"
         );
         p.device_plugin.enabled = false;
+        assert!(
+            has(&setting(&p, true), Capability::CAP_SYS_ADMIN),
+            "metrics still use it (GPM)"
+        );
+        p.dcgm_exporter.enabled = false;
         let s = setting(&p, true);
         assert_eq!(
             why_not_wanted(Capability::CAP_SYS_ADMIN, &s).unwrap(),
-            "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false)"
+            "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false) and metrics was disabled (spec.dcgmExporter.enabled is false)"
         );
         let held = HeldCaps::from_caps(&[]).with_dropped(
             [("CAP_SYS_MODULE".to_string(), because)]

@@ -230,7 +230,18 @@ impl Supervisor {
             opts.host.clone(),
             Arc::new(hostlib::process::HostSpawner::new(exe, opts.host.clone())),
         )
-        .with_missing_caps(opts.caps.missing(mps::NEEDS));
+        .with_missing_caps({
+            // `host-exec` chroots only into a host root that is not `/`
+            // (and the trim at start drops CAP_SYS_CHROOT there).
+            let needs: Vec<crate::caps::Capability> = mps::NEEDS
+                .iter()
+                .copied()
+                .filter(|c| {
+                    !(opts.host.is_system() && *c == crate::caps::Capability::CAP_SYS_CHROOT)
+                })
+                .collect();
+            opts.caps.missing(&needs)
+        });
         Supervisor {
             mps,
             opts,
