@@ -11,7 +11,10 @@
                "deaf": {"closed": K, "open": K, "bytes": [n...]}}
             A deaf connection counts as closed when, read at the end, it
             reaches end-of-file (what the server wrote before closing is
-            read first: "bytes").
+            read first: "bytes", and "answers" counts the 200s in it). The
+            kernel may take every answer into the client's receive buffer
+            (tcp_rmem allows up to 32 MiB on many hosts): such a client was
+            served in full and is left open until it goes idle.
 
   flood     --flood N connections opened at once, sending nothing. Prints
             {"opened": N, "closed_by_server": K, "open": N-K} --seconds
@@ -86,9 +89,9 @@ def slow(args):
                 closed_at[k] = round(time.monotonic() - t0, 1)
         i += 1
         time.sleep(1)
-    deaf_bytes, deaf_closed = [], 0
+    deaf_bytes, deaf_answers, deaf_eof = [], [], []
     for s in deaf:
-        n, eof = 0, False
+        n, eof, answers, tail = 0, False, 0, b""
         s.setblocking(True)
         s.settimeout(1)
         try:
@@ -98,15 +101,20 @@ def slow(args):
                     eof = True
                     break
                 n += len(data)
+                chunk = tail + data
+                answers += chunk.count(b"HTTP/1.1 200 OK")
+                tail = chunk[-15:]
         except socket.timeout:
             pass
         except (ConnectionResetError, BrokenPipeError):
             eof = True
         deaf_bytes.append(n)
-        deaf_closed += eof
+        deaf_answers.append(answers)
+        deaf_eof.append(eof)
     print(json.dumps({
         "slow": {"closed": sorted(closed_at.values()), "open": len(slow) - len(closed_at)},
-        "deaf": {"closed": deaf_closed, "open": len(deaf) - deaf_closed, "bytes": deaf_bytes},
+        "deaf": {"closed": sum(deaf_eof), "open": len(deaf) - sum(deaf_eof), "eof": deaf_eof,
+                 "bytes": deaf_bytes, "answers": deaf_answers},
     }), flush=True)
 
 

@@ -263,6 +263,8 @@ struct Conn {
     busy: AtomicBool,
     /// Told when the connection is to be closed to make room.
     close: Notify,
+    /// When the answer to the latest request must have been written.
+    deadline: Mutex<Option<Instant>>,
 }
 
 /// The open connections, oldest first.
@@ -305,6 +307,8 @@ struct Busy(Arc<Conn>);
 impl Busy {
     fn new(conn: Arc<Conn>) -> Self {
         conn.busy.store(true, Ordering::Release);
+        *conn.deadline.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(Instant::now() + WRITE_TIMEOUT);
         Busy(conn)
     }
 }
@@ -335,33 +339,61 @@ impl hyper::body::Body for Answer {
     }
 }
 
-/// A socket whose writes fail with `TimedOut` once they have made no
-/// progress for [`WRITE_TIMEOUT`] (a client that does not read).
+/// A socket whose writes fail with `TimedOut` once [`WRITE_TIMEOUT`] has
+/// passed since the request being answered came in (a client that does not
+/// read, or reads a trickle): the answer's deadline, as Go's
+/// `http.Server.WriteTimeout`. HTTP/1 answers in order and takes no new
+/// request while an answer is stuck, so a stuck one is not rescued by the
+/// requests behind it.
 struct WriteDeadline<T> {
     io: T,
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    conn: Arc<Conn>,
+    sleep: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl<T> WriteDeadline<T> {
-    fn new(io: T) -> Self {
-        WriteDeadline { io, stalled: None }
+    fn new(io: T, conn: Arc<Conn>) -> Self {
+        WriteDeadline {
+            io,
+            conn,
+            sleep: Box::pin(tokio::time::sleep(WRITE_TIMEOUT)),
+        }
     }
 
-    fn progress<R>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
-        if p.is_ready() {
-            self.stalled = None;
-            return p;
-        }
-        let sleep = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(WRITE_TIMEOUT)));
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+    /// Runs a write unless the answer's deadline has passed; a write that
+    /// cannot go on wakes the task at the deadline.
+    fn write<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        f: impl FnOnce(Pin<&mut T>, &mut Context<'_>) -> Poll<io::Result<R>>,
+    ) -> Poll<io::Result<R>>
+    where
+        T: Unpin,
+    {
+        let deadline = *self.conn.deadline.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(deadline) = deadline else {
+            return f(Pin::new(&mut self.io), cx);
+        };
+        let late = || {
+            Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                format!("the client read nothing for {WRITE_TIMEOUT:?}"),
-            ))),
-            Poll::Pending => Poll::Pending,
+                format!("the answer was not taken within {WRITE_TIMEOUT:?}"),
+            )))
+        };
+        if Instant::now() >= deadline {
+            return late();
         }
+        let p = f(Pin::new(&mut self.io), cx);
+        if p.is_pending() {
+            let at = tokio::time::Instant::from_std(deadline);
+            if self.sleep.deadline() != at {
+                self.sleep.as_mut().reset(at);
+            }
+            if self.sleep.as_mut().poll(cx).is_ready() {
+                return late();
+            }
+        }
+        p
     }
 }
 
@@ -381,8 +413,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let p = Pin::new(&mut self.io).poll_write(cx, buf);
-        self.progress(cx, p)
+        self.write(cx, |io, cx| io.poll_write(cx, buf))
     }
 
     fn poll_write_vectored(
@@ -390,8 +421,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        let p = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.progress(cx, p)
+        self.write(cx, |io, cx| io.poll_write_vectored(cx, bufs))
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -399,13 +429,11 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<T> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let p = Pin::new(&mut self.io).poll_flush(cx);
-        self.progress(cx, p)
+        self.write(cx, |io, cx| io.poll_flush(cx))
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let p = Pin::new(&mut self.io).poll_shutdown(cx);
-        self.progress(cx, p)
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 
@@ -447,7 +475,10 @@ async fn accept(listener: TcpListener, shared: Arc<Shared>) {
                 .header_read_timeout(READ_TIMEOUT)
                 .max_buf_size(MAX_BUF_BYTES)
                 .max_headers(MAX_HEADERS)
-                .serve_connection(TokioIo::new(WriteDeadline::new(stream)), service);
+                .serve_connection(
+                    TokioIo::new(WriteDeadline::new(stream, conn.clone())),
+                    service,
+                );
             tokio::select! {
                 r = served => if let Err(e) = r {
                     tracing::debug!(stage = "metrics", %peer, error = %e, "connection ended");
