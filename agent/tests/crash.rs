@@ -254,6 +254,10 @@ fn cdi_spec_killed_anywhere_is_whole_and_the_next_run_repairs() {
 struct HookCopy {
     template: tempfile::TempDir,
     old: Vec<u8>,
+    /// The gpu-agent that runs: a copy of this build, which the runs copy
+    /// (a build beside this test may relink target/'s while it runs).
+    _bin_dir: tempfile::TempDir,
+    bin: PathBuf,
     exe: Vec<u8>,
     spec: Vec<u8>,
 }
@@ -270,16 +274,34 @@ impl HookCopy {
             std::os::unix::fs::PermissionsExt::from_mode(0o755),
         )
         .unwrap();
-        let spec =
-            succeed(at(template.path()).args(["--simulate", "h100-sxm-8", "cdi", "generate"]))
-                .unwrap()
-                .into_bytes();
-        HookCopy {
+        let bin_dir = tempfile::tempdir().unwrap();
+        let bin = bin_dir.path().join("gpu-agent");
+        fs::copy(env!("CARGO_BIN_EXE_gpu-agent"), &bin).unwrap();
+        let mut w = HookCopy {
             template,
             old,
-            exe: fs::read(env!("CARGO_BIN_EXE_gpu-agent")).unwrap(),
-            spec,
-        }
+            _bin_dir: bin_dir,
+            exe: fs::read(&bin).unwrap(),
+            bin,
+            spec: Vec::new(),
+        };
+        w.spec =
+            succeed(
+                w.at(w.template.path())
+                    .args(["--simulate", "h100-sxm-8", "cdi", "generate"]),
+            )
+            .unwrap()
+            .into_bytes();
+        w
+    }
+
+    /// `at(host)` with the copy.
+    fn at(&self, host: &Path) -> Command {
+        let mut c = Command::new(&self.bin);
+        c.env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0")
+            .arg("--host-root")
+            .arg(host);
+        c
     }
 }
 
@@ -289,7 +311,7 @@ impl Writer for HookCopy {
         copy_of(self.template.path())
     }
     fn command(&mut self, host: &Self::Host) -> Command {
-        let mut c = at(host.path());
+        let mut c = self.at(host.path());
         c.args(["--simulate", "h100-sxm-8", "cdi", "generate", "--write"]);
         c
     }
