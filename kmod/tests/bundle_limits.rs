@@ -1,8 +1,10 @@
 //! Bundles that unpack to far more than their size (a gzip bomb, an entry
 //! whose header claims gigabytes, a GNU long name of megabytes) are refused
 //! with an error naming the bundle, before they fill the disk or memory,
-//! and leave nothing behind. Found by the `bundle` fuzz target
-//! (fuzz/fuzz_targets/bundle.rs): before, a 64 KiB bundle wrote 64 MiB.
+//! and leave nothing behind. Found while writing the `bundle` fuzz target
+//! (fuzz/fuzz_targets/bundle.rs, which checks this bound on every input):
+//! before, nothing bounded an unpack, so a 64 KiB bundle (its gzip-bomb
+//! seed) wrote 64 MiB, and tar held a GNU long name whole in memory.
 
 use std::io::Write;
 use std::path::Path;
