@@ -577,11 +577,81 @@ impl HostRoot {
         }
     }
 
+    /// Removes the host file or directory `host_path`, a directory with
+    /// everything in it (see [`remove_tree_at`]: links inside are removed,
+    /// never followed); false when there was none. A link in the last name
+    /// is followed, as [`remove_file`](Self::remove_file) does.
+    pub fn remove_all(&self, host_path: impl AsRef<Path>) -> Result<bool, HostError> {
+        let (dir, name, real) = match self.parent_of(host_path.as_ref(), true, false) {
+            Ok(found) => found,
+            Err(e) if e.is_not_found() => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        match remove_tree_at(dir.fd(), &name) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(HostError::io(real, e)),
+        }
+    }
+
     /// Makes the host directory `host_path` and its missing parents; returns
     /// the path it resolved to.
     pub fn create_dir_all(&self, host_path: impl AsRef<Path>) -> Result<PathBuf, HostError> {
         Ok(self.dir(host_path, true)?.path)
     }
+}
+
+/// Directories nested deeper than this are not removed by [`remove_tree_at`]
+/// (each level holds a descriptor open while its entries go).
+pub const MAX_TREE_DEPTH: usize = 128;
+
+/// Removes `name` in the open directory `dir`: a file or link is unlinked
+/// (a link never followed), a directory emptied first, entry by entry,
+/// each relative to its own opened (`O_NOFOLLOW`) directory. Nothing is
+/// resolved by path, so a link swapped in anywhere below `dir` is removed,
+/// never what it points at. `NotFound` when `name` is not there.
+pub fn remove_tree_at(dir: BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<()> {
+    remove_tree_depth(dir, name, 0)
+}
+
+fn remove_tree_depth(dir: BorrowedFd<'_>, name: &std::ffi::OsStr, depth: usize) -> io::Result<()> {
+    use nix::unistd::{UnlinkatFlags, unlinkat};
+    match unlinkat(dir, name, UnlinkatFlags::NoRemoveDir) {
+        Ok(()) => return Ok(()),
+        // A directory (Linux's answer).
+        Err(Errno::EISDIR) => {}
+        Err(e) => return Err(e.into()),
+    }
+    if depth >= MAX_TREE_DEPTH {
+        return Err(io::Error::other(format!(
+            "directories nested more than {MAX_TREE_DEPTH} deep"
+        )));
+    }
+    let mut sub = nix::dir::Dir::openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut names = Vec::new();
+    for entry in sub.iter() {
+        let entry = entry?;
+        let n = entry.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            names.push(std::ffi::OsString::from(
+                <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(n),
+            ));
+        }
+    }
+    for n in &names {
+        match remove_tree_depth(sub.as_fd(), n, depth + 1) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            other => other?,
+        }
+    }
+    drop(sub);
+    unlinkat(dir, name, UnlinkatFlags::RemoveDir)?;
+    Ok(())
 }
 
 /// Queues the normal and `..` components of `path` at the front of `pending`
@@ -870,6 +940,50 @@ mod tests {
             // The root itself is no file.
             assert!(r.write_atomic("/", b"x", 0o644).is_err());
         }
+    }
+
+    #[test]
+    fn remove_all_takes_the_tree_and_never_what_links_in_it_name() {
+        for walk_only in [false, true] {
+            let (_d, r) = root();
+            let r = if walk_only { r.walk_only() } else { r };
+            let base = r.path().to_path_buf();
+            let outside = tempfile::tempdir().unwrap();
+            fs::write(outside.path().join("precious"), "x").unwrap();
+            fs::create_dir_all(base.join("var/lib/a/b/c")).unwrap();
+            fs::write(base.join("var/lib/a/b/c/f"), "f").unwrap();
+            fs::write(base.join("var/lib/a/top"), "t").unwrap();
+            // Links inside: to a directory outside, and to a file inside.
+            symlink(outside.path(), base.join("var/lib/a/b/out")).unwrap();
+            symlink("../top", base.join("var/lib/a/b/alias")).unwrap();
+            fs::write(base.join("var/lib/keep"), "k").unwrap();
+            assert!(r.remove_all("/var/lib/a").unwrap(), "walk_only {walk_only}");
+            assert!(!base.join("var/lib/a").exists());
+            assert_eq!(fs::read(base.join("var/lib/keep")).unwrap(), b"k");
+            assert_eq!(fs::read(outside.path().join("precious")).unwrap(), b"x");
+            assert!(!r.remove_all("/var/lib/a").unwrap());
+            assert!(r.remove_all("/var/lib/keep").unwrap());
+            // Climbing out is refused, naming the path; nothing removed outside.
+            symlink("../../../..", base.join("var/up")).unwrap();
+            let err = r.remove_all("/var/up/x").unwrap_err();
+            assert!(matches!(err, HostError::Escapes { .. }), "{err}");
+            assert!(err.to_string().contains("/var/up/x"), "{err}");
+        }
+    }
+
+    #[test]
+    fn remove_tree_at_is_bounded_in_depth() {
+        let (_d, r) = root();
+        let mut p = r.path().join("deep");
+        for _ in 0..MAX_TREE_DEPTH + 1 {
+            p.push("d");
+        }
+        fs::create_dir_all(&p).unwrap();
+        let err = r.remove_all("/deep").unwrap_err().to_string();
+        assert!(
+            err.contains("deep: directories nested more than 128 deep"),
+            "{err}"
+        );
     }
 
     #[test]
