@@ -17,12 +17,17 @@
 //! previous driver stays for rollback.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
 use std::fs::{self, File};
 use std::io::{self, BufReader, Read, Write};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 
+use crate::at;
+use hostlib::root::{HostDir, remove_tree_at};
 use hostlib::{HostError, HostRoot};
+use nix::sys::stat::Mode;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -41,6 +46,12 @@ pub const MAX_EXPANSION: u64 = 32;
 /// Unpacked bytes every bundle may have whatever its size (tar's headers
 /// and padding for a small one).
 const UNPACKED_FLOOR: u64 = 1 << 20;
+/// The longest entry path a bundle may have, in bytes and in components
+/// (a driver's are a few components of tens of bytes). The unpack walks
+/// paths by descriptor, where no `PATH_MAX` would stop a deeper one, and
+/// an unpacked driver must stay readable by its path.
+pub const MAX_ENTRY_PATH: usize = 1024;
+pub const MAX_ENTRY_DEPTH: usize = 64;
 
 /// The most bytes of tar stream a bundle of `compressed` bytes may unpack
 /// to (headers included, so every file written is smaller). The tar reader
@@ -449,11 +460,11 @@ pub fn install(
             from: expected.1.to_string(),
         });
     }
-    let drivers = host.resolve(DRIVERS_DIR)?;
-    fs::create_dir_all(&drivers).map_err(|source| BundleError::Write {
-        path: drivers.clone(),
-        source,
-    })?;
+    // Opened in the host root: a link swapped onto its path (or a parent's)
+    // cannot lead the unpack out; everything below is relative to it.
+    let drivers = Drivers {
+        dir: host.dir(DRIVERS_DIR, true)?,
+    };
     let file = File::open(bundle).map_err(|source| BundleError::Read {
         bundle: bundle.to_path_buf(),
         source,
@@ -495,10 +506,11 @@ pub fn install(
     let mut counting = limited.inner.into_inner();
     (counting.progress)(Progress::Unpacking { done: total, total });
     // An already-unpacked bundle stops before staging; only a refused one leaves it.
-    if let Some(staging) = &u.staging
+    if let Some(staging) = u.staging.take()
         && result.is_err()
     {
-        let _ = fs::remove_dir_all(staging);
+        drop(staging.fd);
+        let _ = remove_tree_at(u.drivers.fd(), OsStr::new(&staging.name));
     }
     let unpacked = result?;
     let manifest = u.manifest.take().expect("run sets the manifest");
@@ -512,11 +524,18 @@ pub fn install(
     })
 }
 
+/// The staging directory of an unpack, `.<version>-<kernel>.partial` in
+/// the drivers directory, opened.
+struct Staging {
+    name: String,
+    fd: OwnedFd,
+}
+
 struct Unpacker {
     bundle: PathBuf,
     kernel: String,
-    drivers: PathBuf,
-    staging: Option<PathBuf>,
+    drivers: Drivers,
+    staging: Option<Staging>,
     manifest: Option<Manifest>,
     seen: BTreeSet<String>,
     /// Symbolic links unpacked so far: nothing may be written through one.
@@ -541,6 +560,13 @@ impl Unpacker {
             bundle: self.bundle.clone(),
             source,
         }
+    }
+
+    /// Where `rel` in the staging directory is, for messages.
+    fn staged(&self, rel: &str) -> PathBuf {
+        let staging = self.staging.as_ref().expect("set with the manifest");
+        let dir = self.drivers.path(&staging.name);
+        if rel.is_empty() { dir } else { dir.join(rel) }
     }
 
     /// Ok(true): unpacked and renamed into place; Ok(false): already there.
@@ -578,13 +604,13 @@ impl Unpacker {
             {
                 return Err(self.entry_err(&shown, format!("lies under the symbolic link {l:?}")));
             }
-            let staging = self.staging.clone().expect("set with the manifest");
-            let dest = staging.join(&name);
-            if let Some(parent) = dest.parent() {
-                fs::create_dir_all(parent).map_err(|source| BundleError::Write {
-                    path: parent.to_path_buf(),
-                    source,
-                })?;
+            if name.len() > MAX_ENTRY_PATH || name.split('/').count() > MAX_ENTRY_DEPTH {
+                return Err(self.entry_err(
+                    &shown,
+                    format!(
+                        "path longer than {MAX_ENTRY_PATH} bytes or deeper than {MAX_ENTRY_DEPTH} components"
+                    ),
+                ));
             }
             if entry.size() > self.limit {
                 // Refused before a byte of it is written.
@@ -597,12 +623,24 @@ impl Unpacker {
                     ),
                 ));
             }
+            // Its directory, made one component at a time in the staging
+            // directory, never through a link (an entry of this bundle or not).
+            let (parent, last) = at::split(&name);
+            let staging = self.staging.as_ref().expect("set with the manifest");
+            let dir = at::open_path(staging.fd.as_fd(), parent, true).map_err(|(at, source)| {
+                BundleError::Write {
+                    path: self.staged(&at),
+                    source,
+                }
+            })?;
+            let last = OsStr::new(last);
+            let dest = self.staged(&name);
             match kind {
                 tar::EntryType::Regular | tar::EntryType::Continuous => {
-                    self.unpack_file(&mut entry, &name, &dest)?;
+                    self.unpack_file(&mut entry, &name, dir.as_fd(), last, &dest)?;
                 }
                 tar::EntryType::Directory => {
-                    fs::create_dir_all(&dest).map_err(|source| BundleError::Write {
+                    at::make_dir(dir.as_fd(), last).map_err(|source| BundleError::Write {
                         path: dest.clone(),
                         source,
                     })?;
@@ -622,10 +660,10 @@ impl Unpacker {
                             ),
                         ));
                     }
-                    std::os::unix::fs::symlink(&target, &dest).map_err(|source| {
+                    nix::unistd::symlinkat(&target, dir.as_fd(), last).map_err(|e| {
                         BundleError::Write {
                             path: dest.clone(),
-                            source,
+                            source: e.into(),
                         }
                     })?;
                     self.links.insert(name);
@@ -655,14 +693,22 @@ impl Unpacker {
                 message: format!("lists {missing:?}, which the bundle does not carry"),
             });
         }
-        let staging = self.staging.clone().expect("set with the manifest");
-        let dest = self.drivers.join(manifest.dir_name(&self.kernel));
-        fsync_dir(&staging)?;
-        fs::rename(&staging, &dest).map_err(|source| BundleError::Write {
-            path: dest.clone(),
+        let staging = self.staging.as_ref().expect("set with the manifest");
+        let dest = manifest.dir_name(&self.kernel);
+        at::sync(staging.fd.as_fd()).map_err(|source| BundleError::Write {
+            path: self.staged(""),
             source,
         })?;
-        fsync_dir(&self.drivers)?;
+        let fd = self.drivers.fd();
+        nix::fcntl::renameat(fd, staging.name.as_str(), fd, dest.as_str()).map_err(|e| {
+            BundleError::Write {
+                path: self.drivers.path(&dest),
+                source: e.into(),
+            }
+        })?;
+        // Renamed into place: nothing left to clean up on an error now.
+        self.staging = None;
+        self.drivers.sync()?;
         Ok(true)
     }
 
@@ -701,10 +747,14 @@ impl Unpacker {
             });
         }
         let name = manifest.dir_name(&self.kernel);
-        let dest = self.drivers.join(&name);
-        let installed = dest.join(MANIFEST);
-        if dest.exists() {
-            let same = fs::read(&installed).is_ok_and(|t| t == text);
+        let fd = self.drivers.fd();
+        let there = at::kind(fd, OsStr::new(&name)).map_err(|source| BundleError::Write {
+            path: self.drivers.path(&name),
+            source,
+        })?;
+        if there.is_some() {
+            let same = at::read_file(fd, &format!("{name}/{MANIFEST}"), MANIFEST_MAX)
+                .is_ok_and(|t| t == text);
             self.manifest = Some(manifest);
             if same {
                 return Ok(false);
@@ -714,28 +764,48 @@ impl Unpacker {
                 message: "another bundle of this version and kernel is installed here; remove it (gpu-agent driver remove) first".into(),
             });
         }
-        let staging = self.drivers.join(format!(".{name}.partial"));
-        if staging.exists() {
-            // Left by an install that was killed: never used, safe to drop.
-            fs::remove_dir_all(&staging).map_err(|source| BundleError::Write {
-                path: staging.clone(),
-                source,
-            })?;
-        }
-        fs::create_dir(&staging).map_err(|source| BundleError::Write {
-            path: staging.clone(),
+        let staging = format!(".{name}.partial");
+        let werr = |source| BundleError::Write {
+            path: self.drivers.path(&staging),
             source,
-        })?;
-        write_new(&staging.join(MANIFEST), &mut text.as_slice(), 0o644)?;
-        self.staging = Some(staging);
+        };
+        // Left by an install that was killed: never used, safe to drop.
+        match remove_tree_at(fd, OsStr::new(&staging)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(werr(e)),
+            _ => {}
+        }
+        nix::sys::stat::mkdirat(fd, staging.as_str(), Mode::from_bits_truncate(0o755))
+            .map_err(|e| werr(e.into()))?;
+        let sfd = at::open_dir(fd, OsStr::new(&staging)).map_err(werr)?;
+        // Set before anything is written in it, so an error removes it.
+        self.staging = Some(Staging {
+            name: staging,
+            fd: sfd,
+        });
+        let sfd = self
+            .staging
+            .as_ref()
+            .map(|s| s.fd.as_fd())
+            .expect("just set");
+        write_new(
+            sfd,
+            OsStr::new(MANIFEST),
+            &self.staged(MANIFEST),
+            &mut text.as_slice(),
+            0o644,
+        )?;
         self.manifest = Some(manifest);
         Ok(true)
     }
 
+    /// Unpacks the file `name` of the bundle as `last` in `dir` (`dest`
+    /// for messages), checking its sha256.
     fn unpack_file<R: Read>(
         &mut self,
         entry: &mut tar::Entry<'_, R>,
         name: &str,
+        dir: BorrowedFd<'_>,
+        last: &OsStr,
         dest: &Path,
     ) -> Result<(), BundleError> {
         let manifest = self.manifest.as_ref().expect("read first");
@@ -748,7 +818,7 @@ impl Unpacker {
             inner: entry,
             hash: Sha256::new(),
         };
-        let n = write_new(dest, &mut hashing, mode).map_err(|e| match e {
+        let n = write_new(dir, last, dest, &mut hashing, mode).map_err(|e| match e {
             BundleError::Read { source, .. } => self.read_err(source),
             other => other,
         })?;
@@ -775,20 +845,21 @@ impl<R: Read> Read for HashingReader<R> {
     }
 }
 
-/// Creates `path` (never over an existing file, never through a link),
-/// copies `from` into it, sets `mode`, fsyncs.
-fn write_new(path: &Path, from: &mut dyn Read, mode: u32) -> Result<u64, BundleError> {
+/// Creates `name` in `dir` (never over an existing file, never through a
+/// link), copies `from` into it, sets `mode`, fsyncs. `path`: where it
+/// is, for messages.
+fn write_new(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    path: &Path,
+    from: &mut dyn Read,
+    mode: u32,
+) -> Result<u64, BundleError> {
     let werr = |source| BundleError::Write {
         path: path.to_path_buf(),
         source,
     };
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(path)
-        .map_err(werr)?;
+    let mut f = at::create_new(dir, name).map_err(werr)?;
     let mut buf = vec![0u8; 256 << 10];
     let mut n = 0u64;
     loop {
@@ -808,15 +879,6 @@ fn write_new(path: &Path, from: &mut dyn Read, mode: u32) -> Result<u64, BundleE
     Ok(n)
 }
 
-fn fsync_dir(dir: &Path) -> Result<(), BundleError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| BundleError::Write {
-            path: dir.to_path_buf(),
-            source,
-        })
-}
-
 /// One unpacked driver under [`DRIVERS_DIR`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Entry {
@@ -827,48 +889,136 @@ pub struct Entry {
     pub previous: bool,
 }
 
+/// The drivers directory, opened in the host root ([`HostRoot::dir`]): a
+/// link swapped onto its path, or a parent's, is resolved with the root
+/// as `/`. Links are read, switched and removed, drivers listed, read and
+/// removed relative to it (see [`at`]), never by path again.
+#[derive(Debug)]
+struct Drivers {
+    dir: HostDir,
+}
+
+impl Drivers {
+    /// [`DRIVERS_DIR`] as it is; `None` when there is none.
+    fn open(host: &HostRoot) -> Result<Option<Self>, BundleError> {
+        match host.dir(DRIVERS_DIR, false) {
+            Ok(dir) => Ok(Some(Drivers { dir })),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// [`DRIVERS_DIR`], which must be there (its absence an error naming it).
+    fn existing(host: &HostRoot) -> Result<Self, BundleError> {
+        Ok(Drivers {
+            dir: host.dir(DRIVERS_DIR, false)?,
+        })
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.dir.fd()
+    }
+
+    /// Where `name` in it is (this process's path), for messages.
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn sync(&self) -> Result<(), BundleError> {
+        at::sync(self.fd()).map_err(|source| BundleError::Write {
+            path: self.dir.path().to_path_buf(),
+            source,
+        })
+    }
+
+    /// The target of the link `which` (`current`, `previous`), if any.
+    fn link(&self, which: &str) -> Result<Option<String>, BundleError> {
+        at::read_link(self.fd(), OsStr::new(which))
+            .map(|t| t.map(|t| t.to_string_lossy().into_owned()))
+            .map_err(|e| HostError::io(self.path(which), e).into())
+    }
+
+    /// Points `which` at `name`: a new link renamed over the old one, so a
+    /// reader sees the old or the new, never none.
+    fn set_link(&self, which: &str, name: &str) -> Result<(), BundleError> {
+        let tmp = format!(".{which}.new");
+        at::replace_link(
+            self.fd(),
+            OsStr::new(&tmp),
+            OsStr::new(which),
+            OsStr::new(name),
+        )
+        .map_err(|source| BundleError::Write {
+            path: self.path(which),
+            source,
+        })
+    }
+
+    fn remove_link(&self, which: &str) -> Result<(), BundleError> {
+        at::remove_file(self.fd(), OsStr::new(which))
+            .map(|_| ())
+            .map_err(|source| BundleError::Write {
+                path: self.path(which),
+                source,
+            })
+    }
+
+    /// The manifest of the unpacked driver `name`.
+    fn manifest(&self, name: &str) -> Result<Manifest, BundleError> {
+        let dir = format!("{DRIVERS_DIR}/{name}");
+        if !at::is_component(name) {
+            return Err(BundleError::Installed {
+                dir,
+                message: "not the name of an unpacked driver".into(),
+            });
+        }
+        let text = at::read_file(self.fd(), &format!("{name}/{MANIFEST}"), MANIFEST_MAX)
+            .map_err(|e| HostError::io(self.path(name).join(MANIFEST), e))?;
+        serde_json::from_slice(&text).map_err(|e| BundleError::Installed {
+            dir,
+            message: format!("{MANIFEST}: {e}"),
+        })
+    }
+
+    fn entries(&self) -> Result<Vec<Entry>, BundleError> {
+        let names = at::names(self.fd()).map_err(|e| HostError::io(self.dir.path(), e))?;
+        let current = self.link("current")?;
+        let previous = self.link("previous")?;
+        let mut out = Vec::new();
+        for name in names {
+            if name.starts_with('.') || name == "current" || name == "previous" {
+                continue;
+            }
+            let manifest = self.manifest(&name)?;
+            out.push(Entry {
+                current: current.as_deref() == Some(name.as_str()),
+                previous: previous.as_deref() == Some(name.as_str()),
+                name,
+                manifest,
+            });
+        }
+        Ok(out)
+    }
+}
+
 fn link_target(host: &HostRoot, which: &str) -> Result<Option<String>, BundleError> {
-    let link = host.resolve_no_follow(format!("{DRIVERS_DIR}/{which}"))?;
-    match fs::read_link(&link) {
-        Ok(t) => Ok(Some(t.to_string_lossy().into_owned())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(BundleError::Write { path: link, source }),
+    match Drivers::open(host)? {
+        Some(d) => d.link(which),
+        None => Ok(None),
     }
 }
 
 /// The manifest of an unpacked driver directory.
 pub fn read_installed(host: &HostRoot, name: &str) -> Result<Manifest, BundleError> {
-    let dir = format!("{DRIVERS_DIR}/{name}");
-    let text = host.read_to_string(format!("{dir}/{MANIFEST}"))?;
-    serde_json::from_str(&text).map_err(|e| BundleError::Installed {
-        dir,
-        message: format!("{MANIFEST}: {e}"),
-    })
+    Drivers::existing(host)?.manifest(name)
 }
 
 /// Every unpacked driver, with which is `current` and `previous`.
 pub fn list(host: &HostRoot) -> Result<Vec<Entry>, BundleError> {
-    let names = match host.read_dir_names(DRIVERS_DIR) {
-        Ok(n) => n,
-        Err(e) if e.is_not_found() => return Ok(Vec::new()),
-        Err(e) => return Err(e.into()),
-    };
-    let current = link_target(host, "current")?;
-    let previous = link_target(host, "previous")?;
-    let mut out = Vec::new();
-    for name in names {
-        if name.starts_with('.') || name == "current" || name == "previous" {
-            continue;
-        }
-        let manifest = read_installed(host, &name)?;
-        out.push(Entry {
-            current: current.as_deref() == Some(name.as_str()),
-            previous: previous.as_deref() == Some(name.as_str()),
-            name,
-            manifest,
-        });
+    match Drivers::open(host)? {
+        Some(d) => d.entries(),
+        None => Ok(Vec::new()),
     }
-    Ok(out)
 }
 
 /// The `current` driver's directory name, if any.
@@ -881,33 +1031,19 @@ pub fn previous(host: &HostRoot) -> Result<Option<String>, BundleError> {
     link_target(host, "previous")
 }
 
-/// Points `which` (`current`/`previous`) at `name`: a new link renamed over
-/// the old one, so a reader sees the old or the new, never none.
-fn set_link(host: &HostRoot, which: &str, name: &str) -> Result<(), BundleError> {
-    let link = host.resolve_no_follow(format!("{DRIVERS_DIR}/{which}"))?;
-    let tmp = host.resolve_no_follow(format!("{DRIVERS_DIR}/.{which}.new"))?;
-    let werr = |path: &Path, source| BundleError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let _ = fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(name, &tmp).map_err(|e| werr(&tmp, e))?;
-    fs::rename(&tmp, &link).map_err(|e| werr(&link, e))?;
-    Ok(())
-}
-
 /// Makes `name` current; the old current becomes previous. Returns the old current.
 pub fn switch(host: &HostRoot, name: &str) -> Result<Option<String>, BundleError> {
-    read_installed(host, name)?;
-    let old = current(host)?;
+    let d = Drivers::existing(host)?;
+    d.manifest(name)?;
+    let old = d.link("current")?;
     if old.as_deref() == Some(name) {
         return Ok(old);
     }
     if let Some(old) = &old {
-        set_link(host, "previous", old)?;
+        d.set_link("previous", old)?;
     }
-    set_link(host, "current", name)?;
-    fsync_dir(&host.resolve(DRIVERS_DIR)?)?;
+    d.set_link("current", name)?;
+    d.sync()?;
     tracing::info!(stage = "driver", current = %name, previous = old.as_deref().unwrap_or("none"), "switched the current driver");
     Ok(old)
 }
@@ -918,20 +1054,14 @@ pub fn set_links(
     current: &str,
     previous: Option<&str>,
 ) -> Result<(), BundleError> {
-    read_installed(host, current)?;
+    let d = Drivers::existing(host)?;
+    d.manifest(current)?;
     match previous {
-        Some(p) => set_link(host, "previous", p)?,
-        None => {
-            let link = host.resolve_no_follow(format!("{DRIVERS_DIR}/previous"))?;
-            match fs::remove_file(&link) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => return Err(BundleError::Write { path: link, source }),
-            }
-        }
+        Some(p) => d.set_link("previous", p)?,
+        None => d.remove_link("previous")?,
     }
-    set_link(host, "current", current)?;
-    fsync_dir(&host.resolve(DRIVERS_DIR)?)
+    d.set_link("current", current)?;
+    d.sync()
 }
 
 /// Swaps `current` and `previous`. Returns the new current.
@@ -949,12 +1079,14 @@ pub fn rollback(host: &HostRoot) -> Result<String, BundleError> {
 /// Deletes unpacked driver `name` (never the current one); a `previous`
 /// link to it goes too.
 pub fn remove(host: &HostRoot, name: &str) -> Result<(), BundleError> {
-    let all = list(host)?;
+    let not_unpacked = || BundleError::Installed {
+        dir: format!("{DRIVERS_DIR}/{name}"),
+        message: "not an unpacked driver (see `gpu-agent driver list`)".into(),
+    };
+    let d = Drivers::open(host)?.ok_or_else(not_unpacked)?;
+    let all = d.entries()?;
     let Some(entry) = all.iter().find(|x| x.name == name) else {
-        return Err(BundleError::Installed {
-            dir: format!("{DRIVERS_DIR}/{name}"),
-            message: "not an unpacked driver (see `gpu-agent driver list`)".into(),
-        });
+        return Err(not_unpacked());
     };
     if entry.current {
         return Err(BundleError::Installed {
@@ -962,12 +1094,14 @@ pub fn remove(host: &HostRoot, name: &str) -> Result<(), BundleError> {
             message: "the current driver; upgrade or roll back first".into(),
         });
     }
-    let dir = host.resolve(format!("{DRIVERS_DIR}/{name}"))?;
-    fs::remove_dir_all(&dir).map_err(|source| BundleError::Write { path: dir, source })?;
+    remove_tree_at(d.fd(), OsStr::new(name)).map_err(|source| BundleError::Write {
+        path: d.path(name),
+        source,
+    })?;
     if entry.previous {
-        let link = host.resolve_no_follow(format!("{DRIVERS_DIR}/previous"))?;
-        fs::remove_file(&link).map_err(|source| BundleError::Write { path: link, source })?;
+        d.remove_link("previous")?;
     }
+    d.sync()?;
     tracing::info!(stage = "driver", removed = %name, "removed an unpacked driver");
     Ok(())
 }

@@ -13,6 +13,7 @@
 //! Every privileged call goes through [`hostlib::Syscalls`]; every path
 //! through [`hostlib::HostRoot`].
 
+mod at;
 pub mod bundle;
 pub mod devnodes;
 pub mod modules;
