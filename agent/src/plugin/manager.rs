@@ -10,17 +10,31 @@
 //! registration is retried with backoff (2 ms doubling to 30 s: a new
 //! `kubelet.sock` exists a moment before the kubelet accepts on it) and the
 //! error is kept for `gpu-agent status`.
+//!
+//! A replaced (or, at shutdown, every) plugin server is stopped within a
+//! bound: its `ListAndWatch` streams end at once with `Unavailable` (the
+//! old kubelet's, or any client's that holds one), so tonic's graceful
+//! shutdown finishes as soon as the clients read that; after
+//! [`STOP_GRACE`] its connections are cut (reads see EOF, writes fail),
+//! after [`CUT_GRACE`] more its task is aborted. Each stop is logged as
+//! "plugin server for <socket> stopped", with how and how long it took.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use hostlib::HostRoot;
 use inotify::{EventMask, Inotify, WatchMask};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Notify, mpsc, oneshot, watch};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_stream::StreamExt;
+use tonic::transport::server::Connected;
 
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
@@ -35,6 +49,12 @@ pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
 const FIRST_RETRY: Duration = Duration::from_millis(2);
 const MAX_RETRY: Duration = Duration::from_secs(30);
+/// How long a stopped plugin server's clients have to read the end of
+/// their streams and let their calls finish; then its connections are cut.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long after the cut the server's task may still take; then it is
+/// aborted. A stop takes at most `STOP_GRACE + CUT_GRACE`.
+pub const CUT_GRACE: Duration = Duration::from_secs(1);
 
 /// What `status` shows of one resource.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,7 +119,7 @@ struct Plugin {
     resource: watch::Sender<Resource>,
     name: String,
     socket: PathBuf,
-    server: Option<oneshot::Sender<()>>,
+    server: Option<Server>,
     /// Bumped on every restart; registration results of older generations are ignored.
     generation: u64,
     retry_delay: Duration,
@@ -133,6 +153,9 @@ pub struct PluginManager {
     changed: Arc<Notify>,
     /// The GPUs' health, as the health monitor publishes it.
     health: Option<watch::Receiver<HealthView>>,
+    /// Replaced or removed servers being stopped (each within
+    /// `STOP_GRACE + CUT_GRACE`); awaited at shutdown.
+    stopping: JoinSet<()>,
 }
 
 impl std::fmt::Debug for PluginManager {
@@ -184,6 +207,7 @@ impl PluginManager {
             board,
             changed: Arc::new(Notify::new()),
             health: None,
+            stopping: JoinSet::new(),
         }
     }
 
@@ -359,6 +383,7 @@ impl PluginManager {
                     }
                 }
                 Some(done) = done_rx.recv() => self.registered(done),
+                Some(_) = self.stopping.join_next() => {}
                 Some(resources) = self.updates.recv() => self.update(resources, &done_tx)?,
                 _ = retry => {
                     let now = tokio::time::Instant::now();
@@ -371,12 +396,15 @@ impl PluginManager {
                 }
             }
         }
+        // Every server stops at once (their streams end now), then the
+        // sockets go; the stops are awaited, each bounded.
         for p in &mut self.plugins {
-            if let Some(stop) = p.server.take() {
-                let _ = stop.send(());
+            if let Some(server) = p.server.take() {
+                self.stopping.spawn(server.stop());
             }
             let _ = std::fs::remove_file(&p.socket);
         }
+        while self.stopping.join_next().await.is_some() {}
         Ok(())
     }
 
@@ -387,8 +415,8 @@ impl PluginManager {
         done: &mpsc::UnboundedSender<Registered>,
     ) -> Result<(), PluginError> {
         let p = &mut self.plugins[i];
-        if let Some(stop) = p.server.take() {
-            let _ = stop.send(());
+        if let Some(server) = p.server.take() {
+            self.stopping.spawn(server.stop());
         }
         let _ = std::fs::remove_file(&p.socket);
         let listener =
@@ -396,7 +424,7 @@ impl PluginManager {
                 path: p.socket.clone(),
                 source,
             })?;
-        let (stop, stopped) = oneshot::channel::<()>();
+        let (draining, drain_rx) = watch::channel(false);
         let (board, changed, resource) = (self.board.clone(), self.changed.clone(), p.name.clone());
         let svc = PluginService::new(
             p.resource.subscribe(),
@@ -404,6 +432,7 @@ impl PluginManager {
             self.settings.clone(),
             self.dev_root.clone(),
         )
+        .with_stopping(drain_rx.clone())
         .on_list(move || {
             if let Some(s) = board
                 .lock()
@@ -415,20 +444,14 @@ impl PluginManager {
             }
             changed.notify_one();
         });
-        let name = p.name.clone();
-        tokio::spawn(async move {
-            let incoming = crate::grpc::incoming(listener);
-            if let Err(e) = super::server::transport()
-                .add_service(super::server::grpc_service(svc))
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stopped.await;
-                })
-                .await
-            {
-                tracing::error!(stage = "plugin", resource = %name, error = %e, "device-plugin server failed");
-            }
-        });
-        p.server = Some(stop);
+        p.server = Some(Server::start(
+            listener,
+            svc,
+            draining,
+            drain_rx,
+            p.socket.clone(),
+            p.name.clone(),
+        ));
         p.generation = self.next_generation;
         self.next_generation += 1;
         p.retry_delay = FIRST_RETRY;
@@ -522,10 +545,10 @@ impl PluginManager {
             // The kubelet hears the resource has no devices (capacity 0 at
             // once, not after its endpoint grace period) before it goes.
             p.resource.send_modify(|r| r.devices.clear());
-            if let Some(stop) = p.server.take() {
-                tokio::spawn(async move {
+            if let Some(server) = p.server.take() {
+                self.stopping.spawn(async move {
                     tokio::time::sleep(Duration::from_millis(200)).await;
-                    let _ = stop.send(());
+                    server.stop().await;
                 });
             }
             let _ = std::fs::remove_file(&p.socket);
@@ -576,6 +599,192 @@ impl PluginManager {
             f(s);
         }
         self.changed.notify_one();
+    }
+}
+
+/// One plugin server (one socket) and what stops it.
+struct Server {
+    socket: PathBuf,
+    resource: String,
+    /// True: stop accepting, end the `ListAndWatch` streams, shut down
+    /// gracefully.
+    draining: watch::Sender<bool>,
+    /// True: every connection is cut (dropped: the same).
+    cut: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Server {
+    fn start(
+        listener: tokio::net::UnixListener,
+        svc: PluginService,
+        draining: watch::Sender<bool>,
+        mut drain_rx: watch::Receiver<bool>,
+        socket: PathBuf,
+        resource: String,
+    ) -> Server {
+        let (cut, cut_rx) = watch::channel(false);
+        let incoming =
+            crate::grpc::incoming(listener).map(move |c| c.map(|io| Cut::new(io, cut_rx.clone())));
+        let name = resource.clone();
+        let path = socket.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = super::server::transport()
+                .add_service(super::server::grpc_service(svc))
+                .serve_with_incoming_shutdown(incoming, async move {
+                    // Err: the sender is gone, and the server with it.
+                    let _ = drain_rx.wait_for(|d| *d).await;
+                })
+                .await
+            {
+                tracing::error!(stage = "plugin", resource = %name, socket = %path.display(), error = %e, "device-plugin server failed");
+            }
+        });
+        Server {
+            socket,
+            resource,
+            draining,
+            cut,
+            task,
+        }
+    }
+
+    /// Stops serving, within `STOP_GRACE + CUT_GRACE`: streams end at once,
+    /// connections still open after `STOP_GRACE` are cut, a task still
+    /// running `CUT_GRACE` after that is aborted.
+    async fn stop(self) {
+        let Server {
+            socket,
+            resource,
+            draining,
+            cut,
+            mut task,
+        } = self;
+        let started = Instant::now();
+        let _ = draining.send(true);
+        let how = if tokio::time::timeout(STOP_GRACE, &mut task).await.is_ok() {
+            "gracefully"
+        } else {
+            tracing::warn!(stage = "plugin", resource = %resource, socket = %socket.display(), grace = ?STOP_GRACE, "plugin server's clients did not finish; cutting its connections");
+            let _ = cut.send(true);
+            if tokio::time::timeout(CUT_GRACE, &mut task).await.is_ok() {
+                "connections cut"
+            } else {
+                task.abort();
+                "aborted"
+            }
+        };
+        tracing::info!(
+            stage = "plugin",
+            resource = %resource,
+            socket = %socket.display(),
+            how,
+            elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            "plugin server for {} stopped",
+            socket.display()
+        );
+    }
+}
+
+/// A plugin server's connection, cut (reads see EOF, writes fail) once its
+/// server's `cut` is true or dropped: the end of a client that does not let
+/// a graceful shutdown finish (never reads, never finishes a request).
+struct Cut<T> {
+    io: T,
+    /// Resolves on the cut; None once it has.
+    until: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl<T> Cut<T> {
+    fn new(io: T, mut cut: watch::Receiver<bool>) -> Self {
+        Cut {
+            io,
+            until: Some(Box::pin(async move {
+                let _ = cut.wait_for(|c| *c).await;
+            })),
+        }
+    }
+
+    /// True once cut; otherwise `cx` is woken at the cut.
+    fn is_cut(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(until) = self.until.as_mut() else {
+            return true;
+        };
+        if until.as_mut().poll(cx).is_pending() {
+            return false;
+        }
+        self.until = None;
+        true
+    }
+}
+
+fn cut_error() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::BrokenPipe,
+        "connection cut: the plugin server stopped",
+    )
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Cut<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.is_cut(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Cut<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.is_cut(cx) {
+            return Poll::Ready(Err(cut_error()));
+        }
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.is_cut(cx) {
+            return Poll::Ready(Err(cut_error()));
+        }
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.is_cut(cx) {
+            return Poll::Ready(Err(cut_error()));
+        }
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.is_cut(cx) {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<T: Connected> Connected for Cut<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
     }
 }
 

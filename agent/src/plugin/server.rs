@@ -1,5 +1,6 @@
 //! The `DevicePlugin` gRPC service for one resource.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -86,6 +87,10 @@ pub struct PluginService {
     streams: Arc<AtomicUsize>,
     /// `ListAndWatch` streams refused so far (logged at 1, 2, 4, 8...).
     refused: Arc<AtomicUsize>,
+    /// True (or dropped) once this server stops: its `ListAndWatch` streams
+    /// end with `Unavailable`, so a graceful shutdown does not wait on
+    /// streams that would otherwise last as long as their clients.
+    stopping: Option<watch::Receiver<bool>>,
 }
 
 /// Called when a `ListAndWatch` stream opens (the kubelet lists the devices).
@@ -117,7 +122,15 @@ impl PluginService {
             on_list: ListHook::default(),
             streams: Arc::default(),
             refused: Arc::default(),
+            stopping: None,
         }
+    }
+
+    /// Ends every `ListAndWatch` stream (open or opened later) with
+    /// `Unavailable` once `stopping` is true or its sender is dropped.
+    pub fn with_stopping(mut self, stopping: watch::Receiver<bool>) -> Self {
+        self.stopping = Some(stopping);
+        self
     }
 
     /// Calls `f` whenever a `ListAndWatch` stream opens.
@@ -160,9 +173,17 @@ impl DevicePlugin for PluginService {
         // No task and no queue per stream: the stream is polled when the
         // connection can send, and a client that reads slowly gets the
         // latest list, not every one in between.
+        let stop: Option<StopFuture> = self.stopping.clone().map(|mut rx| {
+            Box::pin(async move {
+                // Err: the sender is gone, the server with it.
+                let _ = rx.wait_for(|stopping| *stopping).await;
+            }) as StopFuture
+        });
         let stream = Counted {
             inner: WatchStream::new(self.resource.clone()),
-            _slot: slot,
+            stop,
+            name: self.resource.borrow().name.clone(),
+            slot: Some(slot),
         };
         Ok(Response::new(Box::pin(stream)))
     }
@@ -291,16 +312,39 @@ impl Drop for StreamSlot {
     }
 }
 
-/// A resource's lists, holding a stream slot while it lives.
+type StopFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A resource's lists, holding a stream slot while it lives; ends with
+/// `Unavailable` when its server stops.
 struct Counted {
     inner: WatchStream<Resource>,
-    _slot: StreamSlot,
+    /// Resolves when the server stops (None: never).
+    stop: Option<StopFuture>,
+    name: String,
+    /// None once the stream has ended (the slot is given back at once).
+    slot: Option<StreamSlot>,
 }
 
 impl Stream for Counted {
     type Item = Result<ListAndWatchResponse, Status>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.slot.is_none() {
+            return Poll::Ready(None);
+        }
+        if let Some(stop) = self.stop.as_mut()
+            && stop.as_mut().poll(cx).is_ready()
+        {
+            self.slot = None;
+            self.stop = None;
+            tracing::debug!(resource = %self.name, "ended a ListAndWatch stream: the server stops");
+            return Poll::Ready(Some(Err(Status::unavailable(format!(
+                "{}: this device-plugin server is stopping (the kubelet restarted, the resource \
+                 is gone, or the agent stops); the agent registers again on a new socket \
+                 unless it is stopping",
+                self.name
+            )))));
+        }
         Pin::new(&mut self.inner)
             .poll_next(cx)
             .map(|r| r.map(|r| Ok(list_response(&r))))
