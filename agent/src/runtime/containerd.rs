@@ -361,16 +361,24 @@ fn nvidia_runtime(doc: &DocumentMut, cri: &str, opts: &Options) -> Table {
             .get("plugins")
             .and_then(|p| p.get(cri))
             .and_then(|c| c.get("containerd"));
-        let default = ctr
+        let pick = |name: &str| {
+            ctr.and_then(|c| c.get("runtimes"))
+                .and_then(|r| r.get(name))
+                .and_then(Item::as_table)
+                .cloned()
+        };
+        match ctr
             .and_then(|c| c.get("default_runtime_name"))
             .and_then(Item::as_str)
-            .filter(|n| !n.starts_with(&opts.runtime_name))
-            .unwrap_or("runc")
-            .to_string();
-        ctr.and_then(|c| c.get("runtimes"))
-            .and_then(|r| r.get(&default).or_else(|| r.get("runc")))
-            .and_then(Item::as_table)
-            .cloned()
+        {
+            // Ours is the default already: our table is the runtime it
+            // wrapped (a crun or kata default is not forgotten the next time).
+            Some(d) if d.starts_with(&opts.runtime_name) => {
+                pick(&opts.runtime_name).or_else(|| pick("runc"))
+            }
+            Some(d) => pick(d).or_else(|| pick("runc")),
+            None => pick("runc"),
+        }
     };
     let mut runtime = base_runtime.unwrap_or_default();
     runtime.set_implicit(false);
@@ -393,6 +401,51 @@ fn nvidia_runtime(doc: &DocumentMut, cri: &str, opts: &Options) -> Table {
         }
     }
     runtime
+}
+
+/// Whether two tables hold the same keys and values, subtables included,
+/// whatever their layout. (`Table`'s `Display` leaves subtables out: an
+/// `options` table with another `BinaryName` compared equal.)
+fn same_table(a: &dyn toml_edit::TableLike, b: &dyn toml_edit::TableLike) -> bool {
+    a.iter().count() == b.iter().count()
+        && a.iter()
+            .all(|(k, x)| b.get(k).is_some_and(|y| same_item(x, y)))
+}
+
+fn same_item(a: &Item, b: &Item) -> bool {
+    match (a, b) {
+        (Item::ArrayOfTables(x), Item::ArrayOfTables(y)) => {
+            x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| same_table(p, q))
+        }
+        _ => match (
+            a.as_table_like(),
+            b.as_table_like(),
+            a.as_value(),
+            b.as_value(),
+        ) {
+            (Some(x), Some(y), _, _) => same_table(x, y),
+            (None, None, Some(x), Some(y)) => same_value(x, y),
+            _ => false,
+        },
+    }
+}
+
+fn same_value(a: &toml_edit::Value, b: &toml_edit::Value) -> bool {
+    use toml_edit::Value;
+    match (a, b) {
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y.iter()).all(|(p, q)| same_value(p, q))
+        }
+        (Value::InlineTable(x), Value::InlineTable(y)) => same_table(x, y),
+        _ => {
+            let bare = |v: &Value| {
+                let mut v = v.clone();
+                v.decor_mut().clear();
+                v.to_string()
+            };
+            bare(a) == bare(b)
+        }
+    }
 }
 
 /// Plans the changes for containerd `version` (`None` when it cannot be
@@ -483,7 +536,7 @@ pub fn plan(
         let unchanged = runtimes
             .get(&opts.runtime_name)
             .and_then(Item::as_table)
-            .is_some_and(|t| t.to_string() == runtime.to_string());
+            .is_some_and(|t| same_table(t, &runtime));
         if !unchanged {
             runtimes.insert(&opts.runtime_name, Item::Table(runtime));
         }
@@ -760,6 +813,93 @@ pub fn plan_template(
 
 #[cfg(test)]
 mod tests {
+
+    /// Made the default over crun, the `nvidia` runtime keeps crun's
+    /// settings the next time too (it fell back to runc's, or none, and
+    /// rewrote the config at every reconcile).
+    #[test]
+    fn planning_again_after_replacing_a_crun_default_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let config = dir.path().join("etc/containerd/config.toml");
+        std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+        let cri = "[plugins.\"io.containerd.grpc.v1.cri\".containerd";
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\n{cri}]\ndefault_runtime_name = \"crun\"\n{cri}.runtimes.crun]\nruntime_type = \"io.containerd.runc.v2\"\n{cri}.runtimes.crun.options]\nBinaryName = \"/usr/bin/crun\"\nSystemdCgroup = true\n"
+            ),
+        )
+        .unwrap();
+        let opts = Options {
+            config: "/etc/containerd/config.toml".into(),
+            drop_in_dir: "/etc/containerd/conf.d".into(),
+            runtime_name: "nvidia".into(),
+            set_as_default: true,
+            enable_cdi: false,
+            binary_name: None,
+        };
+        let v = Version::parse("1.7.2");
+        let first = plan(&host, &opts, v).unwrap();
+        let after = &first.changes[0].after;
+        assert!(
+            after.contains("default_runtime_name = \"nvidia\""),
+            "{after}"
+        );
+        std::fs::write(&config, after).unwrap();
+        let again = plan(&host, &opts, v).unwrap();
+        assert!(
+            again.changes.is_empty(),
+            "{}",
+            again.changes.iter().map(|c| c.diff()).collect::<String>()
+        );
+    }
+
+    /// Found while writing the containerd fuzz target: an `nvidia` runtime
+    /// already there whose `options` table names another `BinaryName` (the
+    /// GPU Operator's toolkit path, say) was judged unchanged and kept,
+    /// because a table's text leaves its subtables out.
+    #[test]
+    fn a_stale_binary_name_in_the_runtimes_options_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let config = dir.path().join("etc/containerd/config.toml");
+        std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+        let cri = "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes";
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\n{cri}.nvidia]\nruntime_type = \"io.containerd.runc.v2\"\n{cri}.nvidia.options]\nBinaryName = \"/usr/local/nvidia/toolkit/nvidia-container-runtime\"\n"
+            ),
+        )
+        .unwrap();
+        let opts = Options {
+            config: "/etc/containerd/config.toml".into(),
+            drop_in_dir: "/etc/containerd/conf.d".into(),
+            runtime_name: "nvidia".into(),
+            set_as_default: false,
+            enable_cdi: false,
+            binary_name: Some("/usr/bin/nvidia-container-runtime".into()),
+        };
+        let v = Version::parse("1.7.2");
+        let plan = plan(&host, &opts, v).unwrap();
+        assert_eq!(plan.changes.len(), 1, "{:?}", plan.changes);
+        let after = &plan.changes[0].after;
+        assert!(
+            after.contains("BinaryName = \"/usr/bin/nvidia-container-runtime\"")
+                && !after.contains("/usr/local/nvidia/toolkit"),
+            "{after}"
+        );
+        // Written, it is left alone: same keys and values, whatever the layout.
+        std::fs::write(&config, after).unwrap();
+        assert!(super::plan(&host, &opts, v).unwrap().changes.is_empty());
+        let a: DocumentMut = "[t]\na = 1\n[t.o]\nb = [1, 2]\n".parse().unwrap();
+        let b: DocumentMut = "[t]\n  a=1 # one\n  o = { b = [ 1,2 ] }\n".parse().unwrap();
+        let c: DocumentMut = "[t]\na = 1\n[t.o]\nb = [1, 3]\n".parse().unwrap();
+        let t = |d: &DocumentMut| d["t"].as_table().unwrap().clone();
+        assert!(same_table(&t(&a), &t(&b)));
+        assert!(!same_table(&t(&a), &t(&c)));
+    }
 
     #[test]
     fn the_version_is_asked_once_per_binary() {
