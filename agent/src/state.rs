@@ -156,26 +156,32 @@ impl AgentLock {
     /// Takes the lock, and writes this process's pid into the file. A lock
     /// held only for a moment (`status` looking) is waited for, up to half a
     /// second; an agent that holds it is not.
+    ///
+    /// The directory is made (0700) and opened in the host root, and the
+    /// lock file opened relative to it, never through a link (see
+    /// [`private_dir`]).
     pub fn take(host: &HostRoot) -> Result<Self, LockError> {
-        use nix::fcntl::{Flock, FlockArg};
+        use nix::fcntl::{Flock, FlockArg, OFlag};
         use std::io::{Seek, Write};
-        use std::os::unix::fs::OpenOptionsExt;
         use std::os::unix::fs::PermissionsExt;
-        let path = host.resolve(LOCK_FILE)?;
-        if let Some(dir) = path.parent() {
-            private_dir(dir)?;
-        }
+        let lock_path = std::path::Path::new(LOCK_FILE);
+        let (dir, dir_path) = private_dir(
+            host,
+            lock_path.parent().and_then(|p| p.to_str()).unwrap_or("/"),
+        )?;
+        let name = lock_path.file_name().expect("LOCK_FILE names a file");
+        let path = dir_path.join(name);
         let io = |e| HostError::io(&path, e);
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
         let mut lock = loop {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(io)?;
+            let file = nix::fcntl::openat(
+                &dir,
+                name,
+                OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::from_bits_truncate(STATE_MODE),
+            )
+            .map(std::fs::File::from)
+            .map_err(|e| io(e.into()))?;
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
                 Ok(lock) => break lock,
                 Err((_, nix::errno::Errno::EWOULDBLOCK))
@@ -193,7 +199,7 @@ impl AgentLock {
         };
         // Root's alone (a lock file of an older agent may be wider); it
         // says who holds it.
-        lock.set_permissions(std::fs::Permissions::from_mode(0o600))
+        lock.set_permissions(std::fs::Permissions::from_mode(STATE_MODE))
             .map_err(io)?;
         lock.set_len(0).map_err(io)?;
         lock.rewind().map_err(io)?;
@@ -202,30 +208,52 @@ impl AgentLock {
     }
 }
 
-/// Makes the agent's own directory `dir` with mode 0700 (its parents as
-/// usual); one that exists, owned by this user with group or other bits
-/// (made by an older agent, or by a command before the agent ran), is
-/// narrowed to 0700 through a descriptor opened without following a link.
-pub fn private_dir(dir: &std::path::Path) -> Result<(), HostError> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let io = |e| HostError::io(dir, e);
-    if let Some(parent) = dir.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| HostError::io(parent, e))?;
-    }
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => return Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(io(e)),
-    }
-    let fd = nix::fcntl::open(
-        dir,
-        nix::fcntl::OFlag::O_RDONLY
-            | nix::fcntl::OFlag::O_DIRECTORY
-            | nix::fcntl::OFlag::O_NOFOLLOW
-            | nix::fcntl::OFlag::O_CLOEXEC,
+/// Makes the agent's own directory `host_path` (a host path) with mode
+/// 0700 and opens it: its parent opened (made as usual when missing) in
+/// the host root ([`HostRoot::dir`]), the directory made with `mkdirat`
+/// in it and opened without following a link (a link there is an error
+/// naming it). One that exists, owned by this user with group or other
+/// bits (made by an older agent, or by a command before the agent ran), is
+/// narrowed to 0700 through that descriptor. Returns the descriptor and
+/// the path it is at, for messages.
+pub fn private_dir(
+    host: &HostRoot,
+    host_path: &str,
+) -> Result<(std::os::fd::OwnedFd, std::path::PathBuf), HostError> {
+    use nix::fcntl::OFlag;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let asked = std::path::Path::new(host_path);
+    let (Some(parent), Some(name)) = (asked.parent(), asked.file_name()) else {
+        return Err(HostError::io(
+            asked,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a directory in a directory",
+            ),
+        ));
+    };
+    let parent = host.dir(parent, true)?;
+    let dir = parent.path().join(name);
+    let io = |e| HostError::io(&dir, e);
+    let made = match nix::sys::stat::mkdirat(
+        parent.fd(),
+        name,
+        nix::sys::stat::Mode::from_bits_truncate(0o700),
+    ) {
+        Ok(()) => true,
+        Err(nix::errno::Errno::EEXIST) => false,
+        Err(e) => return Err(io(e.into())),
+    };
+    let fd = nix::fcntl::openat(
+        parent.fd(),
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
     )
     .map_err(|e| io(e.into()))?;
+    if made {
+        return Ok((fd, dir));
+    }
     let f = std::fs::File::from(fd);
     let meta = f.metadata().map_err(io)?;
     let mode = meta.mode() & 0o7777;
@@ -234,22 +262,26 @@ pub fn private_dir(dir: &std::path::Path) -> Result<(), HostError> {
             .map_err(io)?;
         tracing::info!(path = %dir.display(), was = format!("{mode:o}"), "narrowed the agent's directory to 0700");
     }
-    Ok(())
+    Ok((f.into(), dir))
 }
 
 /// The pid written by the live agent that holds the lock on this host
-/// (0 when it wrote none), or `None` when no agent holds it.
+/// (0 when it wrote none), or `None` when no agent holds it. The pid is
+/// read from the file the lock was tried on.
 pub fn agent_running(host: &HostRoot) -> Option<u32> {
     use nix::fcntl::{Flock, FlockArg};
-    let path = host.resolve(LOCK_FILE).ok()?;
-    let file = std::fs::File::open(&path).ok()?;
+    use std::io::Read;
+    let file = host.open(LOCK_FILE).ok()?;
     match Flock::lock(file, FlockArg::LockSharedNonblock) {
-        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Some(
-            std::fs::read_to_string(&path)
-                .ok()
-                .and_then(|s| s.trim().parse().ok())
-                .unwrap_or(0),
-        ),
+        Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
+            let mut text = String::new();
+            Some(
+                file.read_to_string(&mut text)
+                    .ok()
+                    .and_then(|_| text.trim().parse().ok())
+                    .unwrap_or(0),
+            )
+        }
         _ => None,
     }
 }
@@ -316,10 +348,18 @@ impl AgentState {
 
     /// Reads the state file, or `None` when there is none.
     pub fn read(host: &HostRoot) -> Result<Option<Self>, StateError> {
-        let Some(text) = host.read_optional(STATE_FILE)? else {
-            return Ok(None);
+        use std::io::Read;
+        // Read and stamped through one descriptor: the file as it was opened.
+        let mut file = match host.open(STATE_FILE) {
+            Ok(f) => f,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e.into()),
         };
-        let path = host.resolve(STATE_FILE)?.display().to_string();
+        let real = host.resolve(STATE_FILE)?;
+        let mut text = String::new();
+        file.read_to_string(&mut text)
+            .map_err(|e| HostError::io(&real, e))?;
+        let path = real.display().to_string();
         let value: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| StateError::Parse {
                 path: path.clone(),
@@ -336,7 +376,8 @@ impl AgentState {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        let stamped = std::fs::metadata(&path)
+        let stamped = file
+            .metadata()
             .and_then(|m| m.modified())
             .ok()
             .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -450,6 +491,40 @@ mod tests {
         drop(lock);
         assert_eq!(agent_running(&host), None);
         assert!(AgentLock::take(&host).is_ok());
+    }
+
+    #[test]
+    fn the_agents_directory_is_private_and_never_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let run = host.resolve("/run/gpu-agent").unwrap();
+        let lock = AgentLock::take(&host).unwrap();
+        let mode =
+            |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&run), 0o700);
+        assert_eq!(mode(&run.join("agent.lock")), 0o600);
+        drop(lock);
+        // An older agent's wider directory and lock are narrowed.
+        std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(
+            run.join("agent.lock"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let lock = AgentLock::take(&host).unwrap();
+        assert_eq!(mode(&run), 0o700);
+        assert_eq!(mode(&run.join("agent.lock")), 0o600);
+        drop(lock);
+        // A link in the directory's place (out of the root) is refused,
+        // naming it; nothing is made where it points.
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::remove_dir_all(&run).unwrap();
+        std::os::unix::fs::symlink(outside.path(), &run).unwrap();
+        let err = AgentLock::take(&host).unwrap_err().to_string();
+        assert!(err.contains("run/gpu-agent"), "{err}");
+        assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
+        assert_eq!(agent_running(&host), None);
     }
 
     #[test]

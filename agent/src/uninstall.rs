@@ -6,7 +6,6 @@
 //! made. Loaded kernel modules, and the device nodes that go with them,
 //! stay: unloading a driver under running GPU work is not a clean-up.
 
-use std::io;
 use std::path::PathBuf;
 
 use hostlib::managed::{ManagedError, ManagedFiles, Restored};
@@ -88,17 +87,13 @@ pub fn uninstall(
 }
 
 /// Removes a host file (or, with `tree`, a directory and all in it);
-/// true when there was one.
+/// true when there was one. Made through descriptors in the host root
+/// ([`HostRoot::remove_file`], [`HostRoot::remove_all`]): a link swapped
+/// in on the way cannot take the removal outside it.
 fn remove(host: &HostRoot, path: &str, tree: bool) -> Result<bool, HostError> {
-    let real = host.resolve(path)?;
-    let r = if tree && real.is_dir() {
-        std::fs::remove_dir_all(&real)
+    if tree {
+        host.remove_all(path)
     } else {
-        std::fs::remove_file(&real)
-    };
-    match r {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(HostError::io(real, e)),
+        host.remove_file(path)
     }
 }
