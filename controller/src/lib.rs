@@ -40,6 +40,10 @@ pub struct Options {
     pub election: Option<lease::Election>,
     /// The ClusterPolicy to use when there are several.
     pub cluster_policy: String,
+    /// Agent connections held at once; more are closed as they come.
+    pub max_connections: usize,
+    /// A TLS handshake must be done within this; slower clients are closed.
+    pub handshake_within: Duration,
 }
 
 /// The controller could not run.
@@ -130,7 +134,8 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     ));
     let service = server::ReportService::new(fleet, auth, leader).server();
     let tls = tonic::transport::ServerTlsConfig::new()
-        .identity(tonic::transport::Identity::from_pem(cert, key));
+        .identity(tonic::transport::Identity::from_pem(cert, key))
+        .timeout(opts.handshake_within);
     let serve_err = |e: tonic::transport::Error| ControllerError::Serve {
         addr: opts.listen,
         message: error_chain(&e),
@@ -143,12 +148,18 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         })?;
     let local = listener.local_addr().unwrap_or(opts.listen);
     tracing::info!(listen = %local, "gpu-controller serving agents");
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let incoming = server::capped(listener, opts.max_connections);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serve = tonic::transport::Server::builder()
         .tls_config(tls)
         .map_err(serve_err)?
         .tcp_keepalive(Some(Duration::from_secs(60)))
+        // An agent holds one stream; a connection may not open more than a
+        // few (each still needs its own token).
+        .max_concurrent_streams(Some(server::STREAMS_PER_CONNECTION))
+        // A peer that stops answering HTTP/2 pings is gone: closed.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
         .add_service(service)
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stopped.await;

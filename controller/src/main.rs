@@ -52,6 +52,17 @@ struct Cli {
     /// The ClusterPolicy sent to agents when the cluster has several.
     #[arg(long, default_value = "cluster-policy")]
     cluster_policy: String,
+    /// Agent connections held at once (one per node, and room for
+    /// reconnects); connections beyond are closed as they come.
+    #[arg(long, env = "GPU_CONTROLLER_MAX_CONNECTIONS", default_value_t = 20_000)]
+    max_connections: usize,
+    /// Seconds a client has to finish its TLS handshake.
+    #[arg(
+        long,
+        env = "GPU_CONTROLLER_TLS_HANDSHAKE_SECONDS",
+        default_value_t = 10
+    )]
+    tls_handshake_seconds: u64,
 }
 
 /// An address, or `off`.
@@ -103,6 +114,8 @@ fn main() -> ExitCode {
         grace: Duration::from_secs(cli.agent_grace_seconds),
         http_listen: cli.http_listen.0,
         cluster_policy: cli.cluster_policy.clone(),
+        max_connections: cli.max_connections,
+        handshake_within: Duration::from_secs(cli.tls_handshake_seconds),
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -18,6 +18,97 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::auth::{AuthError, Authenticator};
 use crate::fleet::Fleet;
 
+/// HTTP/2 streams one connection may hold open (an agent holds one).
+pub const STREAMS_PER_CONNECTION: u32 = 4;
+
+/// A connection counted against the cap while it lives.
+#[derive(Debug)]
+pub struct Capped {
+    io: tokio::net::TcpStream,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// The listener's connections, at most `max` at once: one past the cap is
+/// closed as it comes (logged at the 1st, 2nd, 4th, ... refusal), so a
+/// flood of idle connections cannot take the controller's memory.
+pub fn capped(
+    listener: tokio::net::TcpListener,
+    max: usize,
+) -> impl Stream<Item = std::io::Result<Capped>> + Send + 'static {
+    let slots = Arc::new(tokio::sync::Semaphore::new(max));
+    let mut refused = 0u64;
+    tokio_stream::StreamExt::filter_map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        move |conn| match conn {
+            Err(e) => Some(Err(e)),
+            Ok(io) => match slots.clone().try_acquire_owned() {
+                Ok(slot) => Some(Ok(Capped { io, _slot: slot })),
+                Err(_) => {
+                    refused += 1;
+                    if refused.is_power_of_two() {
+                        tracing::warn!(
+                            peer = ?io.peer_addr().ok(),
+                            max,
+                            refused,
+                            "connection closed: already holding the most connections allowed (--max-connections)"
+                        );
+                    }
+                    None
+                }
+            },
+        },
+    )
+}
+
+impl tonic::transport::server::Connected for Capped {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for Capped {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Capped {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
 /// The largest message taken from an agent.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// The Hello must come within this time.

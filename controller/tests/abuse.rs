@@ -130,3 +130,92 @@ fn oversized_report_messages_are_cut_off_and_the_controller_serves_the_others() 
     assert_eq!(steady["notReporting"], Value::Null, "{steady:#}");
     controller.term();
 }
+
+/// Idle connections cannot pile up: one past `--max-connections` is closed
+/// as it comes, one that never finishes its TLS handshake is closed after
+/// `--tls-handshake-seconds`, and an agent is served once they are gone.
+#[test]
+fn idle_connections_are_capped_and_timed_out() {
+    use std::io::Read;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    let account = "system:serviceaccount:gpu-agent:gpu-agent";
+    api.add_node("late-node", kubelet_node());
+    api.add_token("late-token", account, "late-node");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut controller, port, ca) = common::start_controller_with(
+        &api,
+        dir.path(),
+        None,
+        &[
+            ("GPU_CONTROLLER_MAX_CONNECTIONS", "20"),
+            ("GPU_CONTROLLER_TLS_HANDSHAKE_SECONDS", "2"),
+        ],
+    );
+    // start_controller_with's own probe took a slot for a moment; let it go.
+    std::thread::sleep(Duration::from_millis(300));
+    // 30 connections that send nothing, each watched by a thread for when
+    // it is closed (EOF or reset): when tells which rule closed it.
+    let t0 = std::time::Instant::now();
+    let watchers: Vec<_> = (0..30)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(6))).unwrap();
+            std::thread::spawn(move || {
+                let mut b = [0u8; 1];
+                let r = s.read(&mut b);
+                assert!(
+                    matches!(r, Ok(0))
+                        || matches!(&r, Err(e) if e.kind() != std::io::ErrorKind::WouldBlock),
+                    "an idle connection got data or was never closed: {r:?}"
+                );
+                t0.elapsed()
+            })
+        })
+        .collect();
+    let closed_at: Vec<Duration> = watchers.into_iter().map(|w| w.join().unwrap()).collect();
+    let at_once = closed_at
+        .iter()
+        .filter(|t| **t < Duration::from_millis(1500))
+        .count();
+    let timed_out = closed_at
+        .iter()
+        .filter(|t| **t >= Duration::from_millis(1500) && **t < Duration::from_secs(5))
+        .count();
+    println!(
+        "30 idle connections: {at_once} closed at once (over the cap of 20), {timed_out} after the 2 s handshake limit"
+    );
+    assert!(at_once >= 10, "{closed_at:?}\n{}", controller.log());
+    assert!(timed_out >= 1 && at_once + timed_out == 30, "{closed_at:?}");
+    assert!(
+        controller
+            .log()
+            .contains("already holding the most connections allowed"),
+        "{}",
+        controller.log()
+    );
+    // The slots are back: an agent is served.
+    let report = pb::NodeReport {
+        labels: Some(pb::Labels {
+            labels: [("nvidia.com/gpu.product".to_string(), "Late-GPU".into())].into(),
+        }),
+        ..Default::default()
+    };
+    let _late = rt
+        .block_on(fake_agent(
+            port,
+            &ca,
+            "late-token",
+            "late-node",
+            report,
+            vec![],
+        ))
+        .expect("an agent is served after the idle connections went");
+    wait_for(
+        "the late agent's labels",
+        Duration::from_secs(20),
+        &[&controller],
+        || api.node("late-node")["metadata"]["labels"]["nvidia.com/gpu.product"] == "Late-GPU",
+    );
+    controller.term();
+}
