@@ -15,6 +15,13 @@
 //! `<drivers>/<version>-<kernel>/`; `current` and `previous` are symbolic
 //! links swapped atomically (a new link renamed over the old), so the
 //! previous driver stays for rollback.
+//!
+//! Every change is race-free: the drivers directory is opened in the host
+//! root ([`HostRoot::dir`]: the walk decides, `openat2(RESOLVE_IN_ROOT)`
+//! opens), and everything below it (staging, entries, the rename into
+//! place, the links, removals) is made relative to that descriptor without
+//! following a link (see `at.rs`), so a link swapped onto its path, or
+//! inside the staging tree, cannot lead a write or a removal out.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
