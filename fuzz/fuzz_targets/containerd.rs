@@ -86,6 +86,20 @@ fuzz_target!(|data: &[u8]| {
     for change in &plan.changes {
         host.put(&change.path, &change.after);
     }
+    if let Some(bin) = &opts.binary_name {
+        // Where the nvidia runtime is (the config, or the drop-in), it runs
+        // the host's nvidia-container-runtime, whatever it named before.
+        let found: Vec<String> = std::iter::once(CONFIG.to_string())
+            .chain(plan.changes.iter().map(|c| c.path.clone()))
+            .filter_map(|p| host.root.read_optional(&p).ok().flatten())
+            .filter_map(|t| toml_edit::Document::parse(t).ok())
+            .flat_map(|d| binary_names(d.as_table()))
+            .collect();
+        assert!(
+            found.iter().any(|b| b == bin),
+            "the nvidia runtime's BinaryName is {found:?}, not {bin}"
+        );
+    }
     let again = containerd::plan(&host.root, &opts, version)
         .unwrap_or_else(|e| panic!("the patched config is refused: {e}"));
     assert!(
@@ -94,3 +108,22 @@ fuzz_target!(|data: &[u8]| {
         again.changes.iter().map(|c| c.diff()).collect::<Vec<_>>()
     );
 });
+
+/// `plugins.<cri>.containerd.runtimes.nvidia.options.BinaryName` of a config.
+fn binary_names(doc: &toml_edit::Table) -> Vec<String> {
+    let Some(plugins) = doc.get("plugins").and_then(toml_edit::Item::as_table_like) else {
+        return Vec::new();
+    };
+    plugins
+        .iter()
+        .filter_map(|(_, cri)| {
+            cri.get("containerd")?
+                .get("runtimes")?
+                .get("nvidia")?
+                .get("options")?
+                .get("BinaryName")?
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect()
+}
