@@ -402,6 +402,7 @@ impl Fleet {
                     ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
                     connected: e.stream.is_some(),
                     reported: e.report.stages.is_some(),
+                    unavailable: None,
                 }
             })
             .collect();

@@ -26,6 +26,13 @@
 //!   reports `upgrade-done` with the new driver, or `upgrade-failed`;
 //! - uncordon, done.
 //!
+//! `maxUnavailable` counts every GPU node out of service, not only those
+//! upgrading: a node whose kubelet is NotReady, or that someone else
+//! cordoned, uses up the allowance as well (the nodes are listed, a page at
+//! a time, when a node could start, at most every [`AVAILABILITY_TTL`]). A
+//! node cordoned already may start even then (its upgrade takes nothing
+//! more out of service); a NotReady one waits until it is Ready.
+//!
 //! A node that fails stops the rollout: it stays cordoned, its
 //! `GPUDriverUpgraded` condition says why, and no further node starts until
 //! it is fixed (its agent reports the wanted driver validated; the
@@ -56,6 +63,52 @@ pub const RETRY_LOOK: Duration = Duration::from_secs(30);
 pub const RECHECK: Duration = Duration::from_secs(5);
 /// Changes this close together are looked at once.
 const COALESCE: Duration = Duration::from_millis(200);
+/// How long one list of the nodes that are out of service serves the
+/// rollout (a large fleet is not listed at every report), and how soon a
+/// rollout held back by them looks again.
+pub const AVAILABILITY_TTL: Duration = Duration::from_secs(10);
+/// Nodes per page of that list.
+const LIST_PAGE: u32 = 500;
+
+/// Why a node is out of service apart from its upgrade.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unavailable {
+    /// Its `Ready` condition is not `True`.
+    NotReady,
+    /// `spec.unschedulable`, set by someone else (not by a rollout).
+    Cordoned,
+}
+
+impl Unavailable {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unavailable::NotReady => "NotReady",
+            Unavailable::Cordoned => "cordoned",
+        }
+    }
+
+    /// Of a Node object: `None` when it is in service (or nothing is
+    /// known of its status).
+    pub fn of(n: &Node) -> Option<Unavailable> {
+        let not_ready = n
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .is_some_and(|c| c.status != "True");
+        if not_ready {
+            return Some(Unavailable::NotReady);
+        }
+        let unschedulable = n
+            .spec
+            .as_ref()
+            .and_then(|s| s.unschedulable)
+            .unwrap_or(false);
+        // Our own cordon notes the node was schedulable before.
+        let ours = annotation(n, INITIAL_UNSCHEDULABLE) == Some("false");
+        (unschedulable && !ours).then_some(Unavailable::Cordoned)
+    }
+}
 
 /// NVIDIA's per-node upgrade states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -366,6 +419,9 @@ pub struct Seen {
     /// controller started (else nothing is known of it yet).
     pub connected: bool,
     pub reported: bool,
+    /// Out of service apart from an upgrade (NotReady, cordoned by
+    /// someone else); `None` also when not looked at.
+    pub unavailable: Option<Unavailable>,
 }
 
 /// Moves each node's state on from what its agent says, then starts the
@@ -467,21 +523,36 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
         .count();
     if policy.auto_upgrade && failed == 0 {
         let allowed = policy.max_unavailable.of(nodes.len());
-        let mut busy = in_progress;
+        let mut upgrading = in_progress;
+        // Out of service now: upgrading, NotReady or cordoned by another.
+        let mut down = nodes
+            .iter()
+            .filter(|n| {
+                n.unavailable.is_some()
+                    || now
+                        .get(n.node.as_str())
+                        .copied()
+                        .flatten()
+                        .is_some_and(Step::in_progress)
+            })
+            .count();
         for n in nodes {
             if now.get(n.node.as_str()).copied().flatten() != Some(Step::UpgradeRequired) {
                 continue;
             }
             // A node whose agent is away would be cordoned and drained for
-            // an upgrade nobody can do.
-            if !n.connected {
+            // an upgrade nobody can do; a NotReady one's pods cannot be
+            // moved off it.
+            if !n.connected || n.unavailable == Some(Unavailable::NotReady) {
                 continue;
             }
-            if policy.max_parallel > 0 && busy >= policy.max_parallel as usize {
+            if policy.max_parallel > 0 && upgrading >= policy.max_parallel as usize {
                 break;
             }
-            if busy >= allowed {
-                break;
+            // A node cordoned already takes nothing more out of service.
+            let already_down = n.unavailable.is_some();
+            if !already_down && down >= allowed {
+                continue;
             }
             let target = out
                 .get(&n.node)
@@ -494,7 +565,10 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
                 n.node.clone(),
                 Some(NodeUpgrade::new(Step::CordonRequired, &target, "")),
             );
-            busy += 1;
+            upgrading += 1;
+            if !already_down {
+                down += 1;
+            }
         }
     }
     out.into_iter().collect()
@@ -507,6 +581,19 @@ pub struct Upgrader {
     meta: Api<PartialObjectMeta<Node>>,
     pods: Api<Pod>,
     client: kube::Client,
+    /// The nodes out of service at the last list, and when it was taken.
+    availability: std::sync::Arc<std::sync::Mutex<Option<Availability>>>,
+    /// How long that list serves ([`AVAILABILITY_TTL`]).
+    availability_ttl: Duration,
+}
+
+/// One list of the nodes that are out of service (see [`Unavailable`]).
+#[derive(Debug)]
+struct Availability {
+    at: Instant,
+    down: std::sync::Arc<BTreeMap<String, Unavailable>>,
+    /// What the rollout was last held back by, as logged.
+    held_by: String,
 }
 
 /// An API step that failed (tried again at the next look).
@@ -541,6 +628,76 @@ impl Upgrader {
             meta: Api::all(client.clone()),
             pods: Api::all(client.clone()),
             client,
+            availability: Default::default(),
+            availability_ttl: AVAILABILITY_TTL,
+        }
+    }
+
+    /// How long one list of the nodes out of service serves the rollout,
+    /// and how soon a rollout held back by them looks again.
+    pub fn with_availability_ttl(mut self, ttl: Duration) -> Self {
+        self.availability_ttl = ttl;
+        self
+    }
+
+    /// The nodes out of service (NotReady, cordoned by another), from a
+    /// list of every node a page at a time, taken at most every
+    /// [`Upgrader::with_availability_ttl`] (or after a cordon or uncordon of ours).
+    async fn unavailable_nodes(
+        &self,
+    ) -> Result<std::sync::Arc<BTreeMap<String, Unavailable>>, kube::Error> {
+        if let Some(a) = &*self.availability.lock().unwrap()
+            && a.at.elapsed() < self.availability_ttl
+        {
+            return Ok(a.down.clone());
+        }
+        let mut down = BTreeMap::new();
+        let mut lp = ListParams::default().limit(LIST_PAGE);
+        loop {
+            let page = self.nodes.list(&lp).await?;
+            for n in &page.items {
+                if let (Some(name), Some(why)) = (&n.metadata.name, Unavailable::of(n)) {
+                    down.insert(name.clone(), why);
+                }
+            }
+            match page.metadata.continue_.as_deref() {
+                Some(token) if !token.is_empty() => lp = lp.continue_token(token),
+                _ => break,
+            }
+        }
+        let down = std::sync::Arc::new(down);
+        let mut a = self.availability.lock().unwrap();
+        let held_by = a.take().map(|a| a.held_by).unwrap_or_default();
+        *a = Some(Availability {
+            at: Instant::now(),
+            down: down.clone(),
+            held_by,
+        });
+        Ok(down)
+    }
+
+    /// A cordon or uncordon of ours changes what a list would say.
+    fn forget_availability(&self) {
+        if let Some(a) = &mut *self.availability.lock().unwrap() {
+            a.at = Instant::now()
+                .checked_sub(self.availability_ttl)
+                .unwrap_or(a.at);
+        }
+    }
+
+    /// Logs what holds the rollout back, when that changed.
+    fn log_held_by(&self, held_by: String, allowed: usize) {
+        let mut a = self.availability.lock().unwrap();
+        let Some(a) = &mut *a else { return };
+        if a.held_by != held_by {
+            if !held_by.is_empty() {
+                tracing::info!(
+                    max_unavailable = allowed,
+                    out_of_service = %held_by,
+                    "driver upgrade: waiting for GPU nodes out of service (maxUnavailable counts them, and a NotReady node does not start)"
+                );
+            }
+            a.held_by = held_by;
         }
     }
 
@@ -585,10 +742,75 @@ impl Upgrader {
         let moves = fleet
             .upgrade_moves
             .load(std::sync::atomic::Ordering::Relaxed);
-        for (node, next) in plan(&policy, &fleet.upgrade_view()) {
+        let mut again = None;
+        let mut view = fleet.upgrade_view();
+        // Only when a node could start are the others' states listed.
+        let could_start = |v: &[Seen]| {
+            v.iter().any(|s| {
+                s.connected
+                    && (s.agent_state == "upgrade-required"
+                        || s.step.as_ref().map(|u| u.step) == Some(Step::UpgradeRequired))
+            })
+        };
+        let mut this_look = policy.clone();
+        if policy.auto_upgrade && could_start(&view) {
+            match self.unavailable_nodes().await {
+                Ok(down) => {
+                    for s in &mut view {
+                        s.unavailable = down.get(&s.node).copied();
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot list the nodes to count those out of service; no node starts its driver upgrade until they can be counted");
+                    this_look.auto_upgrade = false;
+                    again = Some(RECHECK);
+                }
+            }
+        }
+        for (node, next) in plan(&this_look, &view) {
             fleet.set_upgrade(&node, next);
         }
-        let mut again = None;
+        // Held back by nodes out of service: they come back without a
+        // report, so the rollout looks again.
+        if this_look.auto_upgrade {
+            let view = fleet.upgrade_view();
+            let down = self
+                .availability
+                .lock()
+                .unwrap()
+                .as_ref()
+                .map(|a| a.down.clone())
+                .unwrap_or_default();
+            let step_of = |s: &Seen| s.step.as_ref().map(|u| u.step);
+            let waiting = view
+                .iter()
+                .any(|s| s.connected && step_of(s) == Some(Step::UpgradeRequired));
+            let failed = view.iter().any(|s| step_of(s) == Some(Step::UpgradeFailed));
+            let upgrading = view
+                .iter()
+                .filter(|s| step_of(s).is_some_and(Step::in_progress))
+                .count();
+            let out: Vec<String> = view
+                .iter()
+                .filter(|s| !step_of(s).is_some_and(Step::in_progress))
+                .filter_map(|s| {
+                    down.get(&s.node)
+                        .map(|w| format!("{} {}", s.node, w.as_str()))
+                })
+                .collect();
+            let parallel_free =
+                policy.max_parallel == 0 || upgrading < policy.max_parallel as usize;
+            if waiting && !failed && parallel_free && !out.is_empty() {
+                again = Some(self.availability_ttl);
+                let mut text = out[..out.len().min(10)].join(", ");
+                if out.len() > 10 {
+                    text.push_str(&format!(" and {} more", out.len() - 10));
+                }
+                self.log_held_by(text, policy.max_unavailable.of(view.len()));
+            } else {
+                self.log_held_by(String::new(), 0);
+            }
+        }
         for s in fleet.upgrade_view() {
             let Some(up) = s.step else { continue };
             let result = match up.step {
@@ -659,6 +881,7 @@ impl Upgrader {
             body["metadata"] = json!({ "annotations": { INITIAL_UNSCHEDULABLE: before } });
         }
         self.patch_node(node, &body, "cordoning").await?;
+        self.forget_availability();
         tracing::info!(node, to = %up.target, already_cordoned = was, "driver upgrade: node cordoned");
         fleet.set_upgrade(
             node,
@@ -705,6 +928,7 @@ impl Upgrader {
             body["spec"] = json!({ "unschedulable": false });
         }
         self.patch_node(node, &body, "uncordoning").await?;
+        self.forget_availability();
         tracing::info!(node, driver = %up.target, left_cordoned = keep, "driver upgrade done");
         let mut detail = up.detail.clone();
         if keep {
@@ -1070,6 +1294,7 @@ mod tests {
             ready: true,
             connected: true,
             reported: true,
+            unavailable: None,
         }
     }
 
@@ -1218,5 +1443,89 @@ mod tests {
         assert_eq!(started(&p), 3);
         p.auto_upgrade = false;
         assert_eq!(started(&p), 0);
+    }
+
+    #[test]
+    fn nodes_out_of_service_count_against_max_unavailable() {
+        // 8 GPU nodes, 4 want the new driver; maxUnavailable 25% = 2.
+        let mut nodes: Vec<Seen> = (0..8)
+            .map(|i| {
+                let want = if i < 4 { "upgrade-required" } else { "" };
+                seen(&format!("n{i}"), None, want, "550.127.08")
+            })
+            .collect();
+        let p = UpgradePolicy {
+            max_parallel: 0,
+            ..Default::default()
+        };
+        let started = |nodes: &[Seen]| -> Vec<String> {
+            plan(&p, nodes)
+                .into_iter()
+                .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
+                .map(|(n, _)| n)
+                .collect()
+        };
+        assert_eq!(started(&nodes), ["n0", "n1"]);
+        // One node NotReady elsewhere: one starts.
+        nodes[6].unavailable = Some(Unavailable::NotReady);
+        assert_eq!(started(&nodes), ["n0"]);
+        // Two out of service: none starts...
+        nodes[7].unavailable = Some(Unavailable::Cordoned);
+        assert_eq!(started(&nodes), Vec::<String>::new());
+        // ...but one cordoned already may (it takes nothing more out).
+        nodes[2].unavailable = Some(Unavailable::Cordoned);
+        assert_eq!(started(&nodes), ["n2"]);
+        // A NotReady node that wants the driver waits until it is Ready.
+        nodes[2].unavailable = Some(Unavailable::NotReady);
+        nodes[6].unavailable = None;
+        nodes[7].unavailable = None;
+        assert_eq!(started(&nodes), ["n0"], "n2 NotReady counts and waits");
+        // maxParallelUpgrades still bounds a cordoned node's start.
+        let one = UpgradePolicy::default();
+        nodes[2].unavailable = Some(Unavailable::Cordoned);
+        let out = plan(&one, &nodes);
+        let s: Vec<&str> = out
+            .iter()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(s, ["n0"], "one at a time, by name");
+    }
+
+    #[test]
+    fn out_of_service_is_not_ready_or_cordoned_by_another() {
+        let node = |ready: &str, unschedulable: bool, initial: Option<&str>| -> Node {
+            let mut n = json!({
+                "metadata": {"name": "n"},
+                "spec": {"unschedulable": unschedulable},
+                "status": {"conditions": [{"type": "Ready", "status": ready}]}
+            });
+            if let Some(v) = initial {
+                n["metadata"]["annotations"] = json!({ INITIAL_UNSCHEDULABLE: v });
+            }
+            serde_json::from_value(n).unwrap()
+        };
+        assert_eq!(Unavailable::of(&node("True", false, None)), None);
+        assert_eq!(
+            Unavailable::of(&node("False", false, None)),
+            Some(Unavailable::NotReady)
+        );
+        assert_eq!(
+            Unavailable::of(&node("Unknown", true, None)),
+            Some(Unavailable::NotReady)
+        );
+        assert_eq!(
+            Unavailable::of(&node("True", true, None)),
+            Some(Unavailable::Cordoned)
+        );
+        // Our own cordon (the node was schedulable before) is the upgrade's.
+        assert_eq!(Unavailable::of(&node("True", true, Some("false"))), None);
+        assert_eq!(
+            Unavailable::of(&node("True", true, Some("true"))),
+            Some(Unavailable::Cordoned)
+        );
+        // Nothing known of its status: not counted.
+        let bare: Node = serde_json::from_value(json!({"metadata": {"name": "n"}})).unwrap();
+        assert_eq!(Unavailable::of(&bare), None);
     }
 }

@@ -394,6 +394,86 @@ async fn a_new_leader_carries_on_from_the_labels() {
     assert_eq!(step_of(&fleet2, "y"), None);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_out_of_service_hold_the_rollout_back() {
+    // Five GPU nodes (with agents); a and b want the new driver, e is NotReady and f
+    // cordoned by an admin. maxUnavailable 2: nothing may start until one
+    // of those is back.
+    let api = MockApi::start().await;
+    for n in ["a", "b", "e", "f", "g"] {
+        api.add_node(n, kubelet_node());
+    }
+    let not_ready = |n: &mut Value| {
+        n["status"]["conditions"][0]["status"] = json!("Unknown");
+        n["status"]["conditions"][0]["reason"] = json!("NodeStatusUnknown");
+    };
+    api.touch_node("e", not_ready);
+    api.touch_node("f", |n| n["spec"]["unschedulable"] = json!(true));
+    // 1,000 nodes without GPUs (no agent), half of them NotReady: listed
+    // (three pages of 500) and not counted.
+    for i in 0..1000 {
+        let name = format!("cpu-{i:04}");
+        api.add_node(&name, kubelet_node());
+        if i % 2 == 0 {
+            api.touch_node(&name, not_ready);
+        }
+    }
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let spec = json!({"driver": {"version": NEW, "upgradePolicy": {"maxUnavailable": 2}}});
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::from_spec(&spec).unwrap())));
+    let mut agents: BTreeMap<&'static str, Down> = BTreeMap::new();
+    for n in ["a", "b"] {
+        agents.insert(n, connect(&fleet, n, report(OLD, "upgrade-required", "")));
+    }
+    for n in ["e", "f", "g"] {
+        agents.insert(n, connect(&fleet, n, report(NEW, "", "")));
+    }
+    let ttl = Duration::from_millis(300);
+    let up = Upgrader::new(api.client()).with_availability_ttl(ttl);
+
+    // The first look marks a and b upgrade-required (and looks again at
+    // once, as after every move); the second finds them held back.
+    assert_eq!(up.step(&fleet).await, Some(Duration::ZERO));
+    let again = up.step(&fleet).await;
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeRequired));
+    assert_eq!(step_of(&fleet, "b"), Some(Step::UpgradeRequired));
+    assert_eq!(again, Some(ttl), "held back, it looks again");
+    assert_eq!(api.node("a")["spec"].get("unschedulable"), None);
+    // 1,005 nodes: three pages, and within the TTL not listed again.
+    assert_eq!(api.node_pages(), 3);
+
+    // e is Ready again: one node may start (f still counts).
+    api.touch_node("e", |n| {
+        n["status"]["conditions"][0]["status"] = json!("True")
+    });
+    tokio::time::sleep(ttl + Duration::from_millis(50)).await;
+    let _ = up.step(&fleet).await;
+    assert_eq!(step_of(&fleet, "a"), Some(Step::WaitForJobsRequired));
+    assert_eq!(api.node("a")["spec"]["unschedulable"], json!(true));
+    assert_eq!(step_of(&fleet, "b"), Some(Step::UpgradeRequired));
+
+    // The rollout goes on, a node at a time, and ends with both done; f
+    // is never touched.
+    settle(&up, &fleet, &mut agents, &[]).await;
+    for _ in 0..20 {
+        if step_of(&fleet, "b") == Some(Step::UpgradeDone) {
+            break;
+        }
+        tokio::time::sleep(ttl).await;
+        settle(&up, &fleet, &mut agents, &[]).await;
+    }
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeDone));
+    assert_eq!(step_of(&fleet, "b"), Some(Step::UpgradeDone));
+    assert_eq!(api.node("b")["spec"]["unschedulable"], json!(false));
+    assert_eq!(api.node("f")["spec"]["unschedulable"], json!(true));
+    assert!(
+        !api.requests()
+            .iter()
+            .any(|r| r.uri.starts_with("/api/v1/nodes/f")),
+        "f is only listed"
+    );
+}
+
 /// The running gpu-controller (a real process, its rollout loop woken by
 /// the agent's report) and an agent we did not write (Python grpcio over
 /// TLS): the ClusterPolicy's driver rollout cordons the node, evicts its

@@ -36,6 +36,8 @@ pub struct Recorded {
 struct Inner {
     requests: Vec<Recorded>,
     nodes: BTreeMap<String, Value>,
+    /// Pages of whole-node lists answered.
+    node_pages: usize,
     /// Leases by path (`.../namespaces/NS/leases/NAME`).
     leases: BTreeMap<String, Value>,
     /// Label keys each field manager applied.
@@ -164,6 +166,11 @@ impl MockApi {
         node["metadata"]["name"] = json!(name);
         node["metadata"]["resourceVersion"] = json!(i.version.to_string());
         i.nodes.insert(name.into(), node);
+    }
+
+    /// Pages of whole-node lists answered so far.
+    pub fn node_pages(&self) -> usize {
+        self.inner.lock().unwrap().node_pages
     }
 
     pub fn node(&self, name: &str) -> Value {
@@ -331,6 +338,12 @@ impl MockApi {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("")
             .to_string();
+        let accept = req
+            .headers()
+            .get("accept")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
         let bytes = req.into_body().collect().await.unwrap().to_bytes();
         let body: Value = if bytes.is_empty() {
             Value::Null
@@ -474,6 +487,27 @@ impl MockApi {
                 )
             };
             return json_reply(code, &answer);
+        }
+        if method == "GET" && path == "/api/v1/nodes" && !accept.contains("PartialObjectMetadata") {
+            // A list of whole nodes, paged by `limit` and `continue` (the
+            // token: how many nodes came before, by name).
+            let skip: usize = query
+                .get("continue")
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            let limit: usize = query
+                .get("limit")
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(usize::MAX);
+            let items: Vec<Value> = i.nodes.values().skip(skip).take(limit).cloned().collect();
+            let mut meta = json!({"resourceVersion": i.version.to_string()});
+            if skip + items.len() < i.nodes.len() {
+                meta["continue"] = json!((skip + items.len()).to_string());
+            }
+            i.node_pages += 1;
+            let list =
+                json!({"apiVersion": "v1", "kind": "NodeList", "metadata": meta, "items": items});
+            return json_reply(200, &list);
         }
         if method == "GET" && path == "/api/v1/nodes" {
             // Metadata list and watch, selecting on one label key.
