@@ -44,6 +44,10 @@ pub struct Options {
     pub max_connections: usize,
     /// A TLS handshake must be done within this; slower clients are closed.
     pub handshake_within: Duration,
+    /// How long a node's agent has, from its upgrade go-ahead, to report
+    /// the new driver validated before the node is `upgrade-failed`
+    /// (`None`: no limit).
+    pub upgrade_validation_timeout: Option<Duration>,
 }
 
 /// The controller could not run.
@@ -120,7 +124,12 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         fleet.clone(),
         opts.cluster_policy.clone(),
     ));
-    tokio::spawn(upgrade::run(client.clone(), fleet.clone(), leader.clone()));
+    tokio::spawn(upgrade::run(
+        upgrade::Upgrader::new(client.clone())
+            .with_validation_timeout(opts.upgrade_validation_timeout),
+        fleet.clone(),
+        leader.clone(),
+    ));
     tokio::spawn(cluster_policy::status_loop(
         client.clone(),
         fleet.clone(),

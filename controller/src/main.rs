@@ -63,6 +63,16 @@ struct Cli {
         default_value_t = 10
     )]
     tls_handshake_seconds: u64,
+    /// Seconds a node's agent has, from its driver upgrade's go-ahead, to
+    /// report the new driver loaded and validated; then the node is
+    /// upgrade-failed (it stays cordoned and stops the rollout; it goes on
+    /// by itself if the agent reports it done later). 0: no limit.
+    #[arg(
+        long,
+        env = "GPU_CONTROLLER_UPGRADE_VALIDATION_TIMEOUT_SECONDS",
+        default_value_t = 1800
+    )]
+    upgrade_validation_timeout_seconds: u64,
 }
 
 /// An address, or `off`.
@@ -116,6 +126,8 @@ fn main() -> ExitCode {
         cluster_policy: cli.cluster_policy.clone(),
         max_connections: cli.max_connections,
         handshake_within: Duration::from_secs(cli.tls_handshake_seconds),
+        upgrade_validation_timeout: (cli.upgrade_validation_timeout_seconds > 0)
+            .then(|| Duration::from_secs(cli.upgrade_validation_timeout_seconds)),
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

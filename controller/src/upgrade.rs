@@ -69,6 +69,10 @@ const COALESCE: Duration = Duration::from_millis(200);
 pub const AVAILABILITY_TTL: Duration = Duration::from_secs(10);
 /// Nodes per page of that list.
 const LIST_PAGE: u32 = 500;
+/// How long a node's agent has, by default, from the go-ahead to report
+/// the new driver validated (it withdraws its GPUs, waits for their
+/// processes, unloads, switches, loads and validates).
+pub const VALIDATION_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// Why a node is out of service apart from its upgrade.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -252,6 +256,18 @@ impl Amount {
     }
 }
 
+/// A duration in words: `30 min`, `90 s`, `400 ms`.
+fn span(d: Duration) -> String {
+    let s = d.as_secs();
+    if s == 0 {
+        format!("{} ms", d.as_millis())
+    } else if s >= 60 && s % 60 == 0 {
+        format!("{} min", s / 60)
+    } else {
+        format!("{s} s")
+    }
+}
+
 /// How long a step may take (`None`: no limit, the API's `0`).
 fn limit(seconds: u64) -> Option<Duration> {
     (seconds > 0).then(|| Duration::from_secs(seconds))
@@ -283,6 +299,10 @@ pub struct UpgradePolicy {
     pub pod_deletion: Removal,
     /// `drain`, when enabled.
     pub drain: Option<Removal>,
+    /// How long `validation-required` may last (the agent's switch and
+    /// validation) before the node is `upgrade-failed`; not a key of the
+    /// ClusterPolicy: gpu-controller's `--upgrade-validation-timeout-seconds`.
+    pub validation_timeout: Option<Duration>,
 }
 
 impl Default for UpgradePolicy {
@@ -301,6 +321,7 @@ impl Default for UpgradePolicy {
                 selector: String::new(),
             },
             drain: None,
+            validation_timeout: Some(VALIDATION_TIMEOUT),
         }
     }
 }
@@ -433,10 +454,39 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
     let mut now: BTreeMap<&str, Option<Step>> = BTreeMap::new();
     for n in nodes {
         let cur = n.step.as_ref().map(|s| s.step);
+        // validation-required past its limit: the agent did not report the
+        // driver validated (it may be gone): the node fails, visibly.
+        let timed_out = |s: &NodeUpgrade| -> Option<NodeUpgrade> {
+            let limit = policy.validation_timeout?;
+            if s.step != Step::ValidationRequired || s.since.elapsed() < limit {
+                return None;
+            }
+            let mut why = format!(
+                "the agent did not report driver {} validated within {}",
+                s.target,
+                span(limit)
+            );
+            if !n.connected {
+                why.push_str("; it is not connected");
+            } else if !n.agent_detail.is_empty() {
+                why.push_str("; it last said: ");
+                why.push_str(&n.agent_detail);
+            }
+            Some(NodeUpgrade::new(Step::UpgradeFailed, &s.target, why))
+        };
         if !n.reported {
             // Nothing is known of the node yet (a state read back from its
-            // label waits for its agent's report).
-            now.insert(&n.node, cur);
+            // label waits for its agent's report), but for a validation
+            // that took too long.
+            match n.step.as_ref().and_then(timed_out) {
+                Some(failed) => {
+                    now.insert(&n.node, Some(Step::UpgradeFailed));
+                    out.insert(n.node.clone(), Some(failed));
+                }
+                None => {
+                    now.insert(&n.node, cur);
+                }
+            }
             continue;
         }
         let wants = n.agent_state == "upgrade-required" && !n.agent_version.is_empty();
@@ -468,6 +518,9 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
                     &s.target,
                     n.agent_detail.clone(),
                 )))
+            }
+            (Some(s), Some(Step::ValidationRequired)) if timed_out(s).is_some() => {
+                Some(timed_out(s))
             }
             (Some(s), Some(Step::UpgradeFailed)) if done_with(&s.target) => {
                 Some(Some(NodeUpgrade::new(
@@ -585,6 +638,8 @@ pub struct Upgrader {
     availability: std::sync::Arc<std::sync::Mutex<Option<Availability>>>,
     /// How long that list serves ([`AVAILABILITY_TTL`]).
     availability_ttl: Duration,
+    /// `validation-required`'s limit ([`VALIDATION_TIMEOUT`]).
+    validation_timeout: Option<Duration>,
 }
 
 /// One list of the nodes that are out of service (see [`Unavailable`]).
@@ -630,7 +685,15 @@ impl Upgrader {
             client,
             availability: Default::default(),
             availability_ttl: AVAILABILITY_TTL,
+            validation_timeout: Some(VALIDATION_TIMEOUT),
         }
+    }
+
+    /// How long a node's agent has from the go-ahead to report the new
+    /// driver validated (`None`: no limit).
+    pub fn with_validation_timeout(mut self, limit: Option<Duration>) -> Self {
+        self.validation_timeout = limit;
+        self
     }
 
     /// How long one list of the nodes out of service serves the rollout,
@@ -753,6 +816,7 @@ impl Upgrader {
             })
         };
         let mut this_look = policy.clone();
+        this_look.validation_timeout = self.validation_timeout;
         if policy.auto_upgrade && could_start(&view) {
             match self.unavailable_nodes().await {
                 Ok(down) => {
@@ -809,6 +873,15 @@ impl Upgrader {
                 self.log_held_by(text, policy.max_unavailable.of(view.len()));
             } else {
                 self.log_held_by(String::new(), 0);
+            }
+        }
+        for s in fleet.upgrade_view() {
+            // A validation's limit is looked at when it passes.
+            if let (Some(up), Some(limit)) = (&s.step, this_look.validation_timeout)
+                && up.step == Step::ValidationRequired
+            {
+                let left = limit.saturating_sub(up.since.elapsed());
+                again = Some(again.map_or(left, |a: Duration| a.min(left)));
             }
         }
         for s in fleet.upgrade_view() {
@@ -1226,11 +1299,10 @@ fn info(p: &Pod, rules: &Removal) -> PodInfo {
 /// agent's upgrade state, the ClusterPolicy or leadership changes, and
 /// every few seconds only while a node waits for its pods.
 pub async fn run(
-    client: kube::Client,
+    up: Upgrader,
     fleet: std::sync::Arc<Fleet>,
     mut leader: tokio::sync::watch::Receiver<bool>,
 ) {
-    let up = Upgrader::new(client);
     let mut recovered = false;
     let mut again: Option<Duration> = None;
     loop {
@@ -1490,6 +1562,51 @@ mod tests {
             .map(|(n, _)| n.as_str())
             .collect();
         assert_eq!(s, ["n0"], "one at a time, by name");
+    }
+
+    #[test]
+    fn a_validation_that_takes_too_long_fails_the_node() {
+        let late = |since: Duration| -> NodeUpgrade {
+            NodeUpgrade {
+                since: Instant::now().checked_sub(since).unwrap(),
+                ..NodeUpgrade::new(Step::ValidationRequired, "560.35.03", "")
+            }
+        };
+        let mut n = seen("n0", None, "upgrade-required", "550.127.08");
+        n.agent_detail = "driver 550.127.08 loaded".into();
+        n.step = Some(late(Duration::from_secs(31 * 60)));
+        let p = UpgradePolicy::default();
+        let out = plan(&p, std::slice::from_ref(&n));
+        let failed = out[0].1.as_ref().unwrap();
+        assert_eq!(failed.step, Step::UpgradeFailed);
+        assert_eq!(
+            failed.detail,
+            "the agent did not report driver 560.35.03 validated within 30 min; it last said: driver 550.127.08 loaded"
+        );
+        // Its agent gone (and not heard since this controller started).
+        n.connected = false;
+        n.reported = false;
+        let out = plan(&p, std::slice::from_ref(&n));
+        assert_eq!(
+            out[0].1.as_ref().unwrap().detail,
+            "the agent did not report driver 560.35.03 validated within 30 min; it is not connected"
+        );
+        // Within the limit, or without one, it waits.
+        n.step = Some(late(Duration::from_secs(29 * 60)));
+        assert!(plan(&p, std::slice::from_ref(&n)).is_empty());
+        n.step = Some(late(Duration::from_secs(31 * 60)));
+        let unlimited = UpgradePolicy {
+            validation_timeout: None,
+            ..Default::default()
+        };
+        assert!(plan(&unlimited, std::slice::from_ref(&n)).is_empty());
+        // Reported done in time (or late): it goes on as usual.
+        n.connected = true;
+        n.reported = true;
+        n.agent_state = "upgrade-done".into();
+        n.agent_version = "560.35.03".into();
+        let out = plan(&p, std::slice::from_ref(&n));
+        assert_eq!(out[0].1.as_ref().unwrap().step, Step::UncordonRequired);
     }
 
     #[test]

@@ -474,6 +474,52 @@ async fn nodes_out_of_service_hold_the_rollout_back() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_silent_after_its_go_ahead_fails_its_node_in_time() {
+    let api = MockApi::start().await;
+    api.add_node("a", kubelet_node());
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let spec = json!({"driver": {"version": NEW}});
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::from_spec(&spec).unwrap())));
+    let mut a = connect(&fleet, "a", report(OLD, "upgrade-required", ""));
+    let limit = Duration::from_millis(400);
+    let up = Upgrader::new(api.client()).with_validation_timeout(Some(limit));
+    // Cordoned, its pods gone, the go-ahead sent; the agent says nothing.
+    let mut again = Some(Duration::ZERO);
+    while again == Some(Duration::ZERO) {
+        again = up.step(&fleet).await;
+    }
+    assert_eq!(step_of(&fleet, "a"), Some(Step::ValidationRequired));
+    assert!(last_desired(&mut a).unwrap().upgrade_go_ahead);
+    let wait = again.expect("the rollout looks again when the limit passes");
+    assert!(wait <= limit, "{wait:?}");
+    tokio::time::sleep(wait + Duration::from_millis(20)).await;
+    up.step(&fleet).await;
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeFailed));
+    assert_eq!(api.node("a")["spec"]["unschedulable"], json!(true));
+    let view = fleet.view();
+    let node = &view["nodes"][0];
+    assert_eq!(node["upgrade"]["state"], "upgrade-failed");
+    let detail = node["upgrade"]["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        detail.starts_with("the agent did not report driver 560.35.03 validated within 400 ms"),
+        "{view:#}"
+    );
+    // The agent reports it done after all: the node goes on, uncordoned.
+    fleet.apply(
+        "a",
+        pb::agent_message::Body::Change(report(NEW, "upgrade-done", "upgraded to 560.35.03")),
+    );
+    for _ in 0..5 {
+        up.step(&fleet).await;
+    }
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeDone));
+    assert_eq!(api.node("a")["spec"]["unschedulable"], json!(false));
+}
+
 /// The running gpu-controller (a real process, its rollout loop woken by
 /// the agent's report) and an agent we did not write (Python grpcio over
 /// TLS): the ClusterPolicy's driver rollout cordons the node, evicts its
