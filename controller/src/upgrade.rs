@@ -261,7 +261,7 @@ fn span(d: Duration) -> String {
     let s = d.as_secs();
     if s == 0 {
         format!("{} ms", d.as_millis())
-    } else if s >= 60 && s % 60 == 0 {
+    } else if s >= 60 && s.is_multiple_of(60) {
         format!("{} min", s / 60)
     } else {
         format!("{s} s")
