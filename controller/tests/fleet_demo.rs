@@ -177,36 +177,6 @@ fn describe(node: &Value) -> String {
     s
 }
 
-fn chromium(args: &[String], url: &str) -> std::process::Output {
-    let browser =
-        PathBuf::from(std::env::var_os("GPU_AGENT_CHROMIUM").unwrap_or("/usr/bin/chromium".into()));
-    assert!(
-        browser.exists(),
-        "{} is missing: scripts/test installs Debian's chromium",
-        browser.display()
-    );
-    let profile = tempfile::tempdir().unwrap();
-    Command::new(&browser)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-quic",
-            "--virtual-time-budget=5000",
-            "--window-size=1400,900",
-        ])
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .args(args)
-        .arg(url)
-        .output()
-        .unwrap()
-}
-
 /// The page's visible text, roughly: the DOM without its tags.
 fn text_of(dom: &str) -> String {
     let body = dom.split_once("<body").map(|(_, b)| b).unwrap_or(dom);
@@ -334,7 +304,11 @@ fn two_simulated_nodes_report_and_an_xid_taints_one() {
 
     // The fleet page, as a browser shows it.
     let json: Value = serde_json::from_str(&http_get(http, "/fleet.json")).unwrap();
-    let dom_out = chromium(&["--dump-dom".into()], &format!("http://127.0.0.1:{http}/"));
+    let dom_out = common::chromium(
+        &["--dump-dom"],
+        &format!("http://127.0.0.1:{http}/"),
+        "1400,900",
+    );
     let dom = String::from_utf8_lossy(&dom_out.stdout).into_owned();
     assert!(
         dom.contains("data-loaded=\"yes\""),
@@ -417,9 +391,10 @@ fn two_simulated_nodes_report_and_an_xid_taints_one() {
         )
         .unwrap();
         let shot = dest.join("fleet-page.png");
-        let shot_out = chromium(
-            &[format!("--screenshot={}", shot.display())],
+        let shot_out = common::chromium(
+            &[format!("--screenshot={}", shot.display()).as_str()],
             &format!("http://127.0.0.1:{http}/"),
+            "1400,900",
         );
         if !shot.exists() {
             eprintln!(

@@ -6,23 +6,10 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use common::{MockApi, fake_agent, free_port, kubelet_node, start_controller, wait_for};
 use gpu_agent_proto::report::v1 as pb;
-
-fn chromium() -> PathBuf {
-    let p =
-        PathBuf::from(std::env::var_os("GPU_AGENT_CHROMIUM").unwrap_or("/usr/bin/chromium".into()));
-    assert!(
-        p.exists(),
-        "{} is missing: scripts/test installs Debian's chromium (apt-get install chromium)",
-        p.display()
-    );
-    p
-}
 
 fn report(node: u32, bad: Option<&str>) -> pb::NodeReport {
     let uuid = |g: u32| format!("GPU-{node}{g:07}-0000-0000-0000-000000000000");
@@ -99,7 +86,7 @@ fn report(node: u32, bad: Option<&str>) -> pb::NodeReport {
 
 #[test]
 fn the_fleet_page_renders_in_chromium() {
-    let browser = chromium();
+    common::chromium_path();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let api = rt.block_on(MockApi::start());
     let account = "system:serviceaccount:gpu-agent:gpu-agent";
@@ -150,29 +137,9 @@ fn the_fleet_page_renders_in_chromium() {
         &[&controller],
         || json().contains("\"connected\":2"),
     );
-    let profile = tempfile::tempdir().unwrap();
     let shot = dir.path().join("fleet.png");
-    let run = |extra: &[&str]| {
-        Command::new(&browser)
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-dev-shm-usage",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--disable-quic",
-                "--virtual-time-budget=5000",
-                "--window-size=1400,700",
-            ])
-            .arg(format!("--user-data-dir={}", profile.path().display()))
-            .args(extra)
-            .arg(format!("http://127.0.0.1:{http}/"))
-            .output()
-            .unwrap()
-    };
+    let url = format!("http://127.0.0.1:{http}/");
+    let run = |extra: &[&str]| common::chromium(extra, &url, "1400,700");
     let out = run(&["--dump-dom"]);
     let dom = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(

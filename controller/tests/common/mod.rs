@@ -1080,3 +1080,41 @@ pub fn reporting_agent(
 pub fn eks_policy() -> PathBuf {
     repo().join("tests/fixtures/policies/valid/eks-al2023.yaml")
 }
+
+/// Headless Chromium: Debian's, or `GPU_AGENT_CHROMIUM`.
+pub fn chromium_path() -> PathBuf {
+    let p =
+        PathBuf::from(std::env::var_os("GPU_AGENT_CHROMIUM").unwrap_or("/usr/bin/chromium".into()));
+    assert!(
+        p.exists(),
+        "{} is missing: scripts/test installs Debian's chromium (apt-get install chromium)",
+        p.display()
+    );
+    p
+}
+
+/// Headless Chromium on `url` with `args` (`--dump-dom`,
+/// `--screenshot=FILE`), in a throwaway profile, the window `window`
+/// wide and high ("1400,900"), scripts given 5 s of virtual time.
+pub fn chromium(args: &[&str], url: &str, window: &str) -> std::process::Output {
+    let profile = tempfile::tempdir().unwrap();
+    std::process::Command::new(chromium_path())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-quic",
+            "--virtual-time-budget=5000",
+        ])
+        .arg(format!("--window-size={window}"))
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap()
+}
