@@ -26,40 +26,15 @@ CLOCK_MONOTONIC time in seconds:
 Usage: kubelet_restart_standin.py --proto PROTO --dir DIR
 """
 import argparse
-import importlib
-import json
 import os
 import queue
 import stat
 import sys
-import tempfile
 import threading
-import time
 from concurrent import futures
 
 import grpc
-from grpc_tools import protoc
-
-out_lock = threading.Lock()
-
-
-def emit(event, **fields):
-    fields = {"event": event, "t": time.clock_gettime(time.CLOCK_MONOTONIC), **fields}
-    with out_lock:
-        print(json.dumps(fields), flush=True)
-
-
-def load_stubs(proto):
-    out = tempfile.mkdtemp(prefix="dp-stubs-")
-    inc = os.path.dirname(os.path.abspath(proto))
-    grpc_inc = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{inc}", f"-I{grpc_inc}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", os.path.abspath(proto)])
-    if rc != 0:
-        sys.exit(f"protoc failed on {proto}")
-    sys.path.insert(0, out)
-    base = os.path.splitext(os.path.basename(proto))[0]
-    return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+from standin_common import emit, load_stubs
 
 
 def main():

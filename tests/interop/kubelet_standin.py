@@ -10,30 +10,15 @@ Prints one JSON object with what it saw; exits 1 on any RPC error.
 Usage: kubelet_standin.py --proto PROTO --dir DIR [--timeout SECONDS]
 """
 import argparse
-import importlib
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from concurrent import futures
 
 import grpc
-from grpc_tools import protoc
-
-
-def load_stubs(proto):
-    out = tempfile.mkdtemp(prefix="dp-stubs-")
-    inc = os.path.dirname(os.path.abspath(proto))
-    grpc_inc = os.path.join(os.path.dirname(protoc.__file__), "_proto")
-    rc = protoc.main(["protoc", f"-I{inc}", f"-I{grpc_inc}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", os.path.abspath(proto)])
-    if rc != 0:
-        sys.exit(f"protoc failed on {proto}")
-    sys.path.insert(0, out)
-    base = os.path.splitext(os.path.basename(proto))[0]
-    return importlib.import_module(f"{base}_pb2"), importlib.import_module(f"{base}_pb2_grpc")
+from standin_common import load_stubs
 
 
 def main():
