@@ -48,19 +48,8 @@ struct Agent {
 
 impl Agent {
     fn start() -> Agent {
-        let host = tempfile::tempdir().unwrap();
-        simnode::NodeDescription::load("t4-4")
-            .unwrap()
-            .materialize(host.path())
-            .unwrap();
-        fs::create_dir_all(host.path().join("var/lib/kubelet/device-plugins")).unwrap();
-        let events = host.path().join("nvml-events");
-        fs::write(&events, "").unwrap();
-        let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let (host, events) = plugin_host("t4-4");
+        let metrics_port = free_port();
         let policy = host.path().join("policy.yaml");
         fs::write(
             &policy,

@@ -30,15 +30,8 @@ async fn next(s: &mut Stream) -> gpu_agent_proto::deviceplugin::v1beta1::ListAnd
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xid_makes_a_gpu_unhealthy_and_it_recovers() {
-    let host = tempfile::tempdir().unwrap();
-    simnode::NodeDescription::load("t4-4")
-        .unwrap()
-        .materialize(host.path())
-        .unwrap();
+    let (host, events) = plugin_host("t4-4");
     let plugin_dir = host.path().join("var/lib/kubelet/device-plugins");
-    fs::create_dir_all(&plugin_dir).unwrap();
-    let events = host.path().join("nvml-events");
-    fs::write(&events, "").unwrap();
     let policy = host.path().join("policy.yaml");
     // Unhealthy for 3 s after an XID: long enough for `status` to be asked
     // on a loaded machine (1 s was missed once in CI).

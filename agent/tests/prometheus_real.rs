@@ -114,14 +114,6 @@ fn prometheus() -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The child processes, killed (and reaped) however the test ends.
 #[derive(Default)]
 struct Children(Vec<(&'static str, Child)>);

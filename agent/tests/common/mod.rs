@@ -186,3 +186,27 @@ pub fn stage(st: &serde_json::Value, name: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no stage {name} in {st:#}"))
         .clone()
 }
+
+/// The simulated node `name` in a new temp dir, with the kubelet's
+/// device-plugin directory and an empty events file for the fake NVML
+/// (its path is returned).
+pub fn plugin_host(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let host = tempfile::tempdir().unwrap();
+    simnode::NodeDescription::load(name)
+        .unwrap()
+        .materialize(host.path())
+        .unwrap();
+    std::fs::create_dir_all(host.path().join("var/lib/kubelet/device-plugins")).unwrap();
+    let events = host.path().join("nvml-events");
+    std::fs::write(&events, "").unwrap();
+    (host, events)
+}
+
+/// A free loopback TCP port (bound, then let go), for a test's agent.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
