@@ -563,19 +563,7 @@ fn bundle(dir: &Path, version: &str) -> (PathBuf, Vec<(String, Vec<u8>, u32)>) {
     )
     .unwrap();
     let path = dir.join(format!("{version}.tar.gz"));
-    fs::write(&path, &tgz).unwrap();
-    let sha: String = sha2::Digest::finalize(sha2::Digest::chain_update(
-        <sha2::Sha256 as sha2::Digest>::new(),
-        &tgz,
-    ))
-    .iter()
-    .map(|b| format!("{b:02x}"))
-    .collect();
-    fs::write(
-        kmod::bundle::sidecar_path(&path),
-        format!("{sha}  {version}.tar.gz\n"),
-    )
-    .unwrap();
+    write_bundle(&path, &tgz);
     (path, files)
 }
 

@@ -79,19 +79,7 @@ fn sandbox() -> Sandbox {
     let mut tgz = Vec::new();
     kmod::bundle::build(&mut tgz, VERSION, &[KERNEL], &[Flavour::Open], &files).unwrap();
     let bundle = dir.path().join("560.tar.gz");
-    fs::write(&bundle, &tgz).unwrap();
-    let sha: String = sha2::Digest::finalize(sha2::Digest::chain_update(
-        <sha2::Sha256 as sha2::Digest>::new(),
-        &tgz,
-    ))
-    .iter()
-    .map(|b| format!("{b:02x}"))
-    .collect();
-    fs::write(
-        kmod::bundle::sidecar_path(&bundle),
-        format!("{sha}  560.tar.gz\n"),
-    )
-    .unwrap();
+    write_bundle(&bundle, &tgz);
     Sandbox {
         _dir: dir,
         host,
