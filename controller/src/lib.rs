@@ -126,7 +126,8 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     ));
     tokio::spawn(upgrade::run(
         upgrade::Upgrader::new(client.clone())
-            .with_validation_timeout(opts.upgrade_validation_timeout),
+            .with_validation_timeout(opts.upgrade_validation_timeout)
+            .with_leader(leader.clone()),
         fleet.clone(),
         leader.clone(),
     ));

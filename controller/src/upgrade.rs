@@ -640,6 +640,8 @@ pub struct Upgrader {
     availability_ttl: Duration,
     /// `validation-required`'s limit ([`VALIDATION_TIMEOUT`]).
     validation_timeout: Option<Duration>,
+    /// Whether this replica leads (`None`: it always does).
+    leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// One list of the nodes that are out of service (see [`Unavailable`]).
@@ -686,7 +688,20 @@ impl Upgrader {
             availability: Default::default(),
             availability_ttl: AVAILABILITY_TTL,
             validation_timeout: Some(VALIDATION_TIMEOUT),
+            leader: None,
         }
+    }
+
+    /// Acts only while `leader` says this replica leads: a lease lost in
+    /// the middle of a look stops it before its next API call, and the
+    /// next leader carries on from the nodes' labels.
+    pub fn with_leader(mut self, leader: tokio::sync::watch::Receiver<bool>) -> Self {
+        self.leader = Some(leader);
+        self
+    }
+
+    fn leading(&self) -> bool {
+        self.leader.as_ref().is_none_or(|l| *l.borrow())
     }
 
     /// How long a node's agent has from the go-ahead to report the new
@@ -794,6 +809,9 @@ impl Upgrader {
     /// node's API step done. Returns when to look again (`None`: only when
     /// something changes).
     pub async fn step(&self, fleet: &Fleet) -> Option<Duration> {
+        if !self.leading() {
+            return None;
+        }
         let policy = fleet.upgrade_policy()?;
         let policy = match policy {
             Ok(p) => p,
@@ -886,6 +904,10 @@ impl Upgrader {
         }
         for s in fleet.upgrade_view() {
             let Some(up) = s.step else { continue };
+            if !self.leading() {
+                tracing::info!(node = %s.node, "no longer leading: the driver rollout stops here, and the next leader carries on from the nodes' labels");
+                return None;
+            }
             let result = match up.step {
                 Step::CordonRequired => self.cordon(fleet, &s.node, &up).await.map(|_| None),
                 Step::WaitForJobsRequired => self.wait_for_jobs(fleet, &s.node, &up, &policy).await,
@@ -1150,6 +1172,10 @@ impl Upgrader {
         }
         let mut blocked = Vec::new();
         for p in pods.iter().filter(|p| !p.terminating) {
+            if !self.leading() {
+                // The next leader evicts what is left.
+                return Ok(None);
+            }
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &p.namespace);
             match evict(&api, &p.namespace, &p.name).await {
                 Ok(_) => {

@@ -520,6 +520,43 @@ async fn an_agent_silent_after_its_go_ahead_fails_its_node_in_time() {
     assert_eq!(api.node("a")["spec"]["unschedulable"], json!(false));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_loses_its_lease_stops_at_its_next_call() {
+    let api = MockApi::start().await;
+    for n in ["a", "b"] {
+        api.add_node(n, kubelet_node());
+    }
+    api.add_pod("ml", "train-a", pod("a", Some("ReplicaSet"), true, false));
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let spec = json!({"driver": {"version": NEW}});
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::from_spec(&spec).unwrap())));
+    let mut agents: BTreeMap<&'static str, Down> = BTreeMap::new();
+    for n in ["a", "b"] {
+        agents.insert(n, connect(&fleet, n, report(OLD, "upgrade-required", "")));
+    }
+    let (lead, leader) = tokio::sync::watch::channel(true);
+    let up = Upgrader::new(api.client()).with_leader(leader);
+    // Leading: a is cordoned.
+    while step_of(&fleet, "a") != Some(Step::WaitForJobsRequired) {
+        up.step(&fleet).await;
+    }
+    assert_eq!(api.node("a")["spec"]["unschedulable"], json!(true));
+    // The lease is lost: no call at all, however often it is asked.
+    lead.send(false).unwrap();
+    api.take();
+    for _ in 0..5 {
+        assert_eq!(up.step(&fleet).await, None);
+    }
+    assert!(api.take().is_empty(), "a follower called the API");
+    assert!(api.pods().contains(&"ml/train-a".to_string()));
+    // A new leader (here the same replica, leading again) carries on.
+    lead.send(true).unwrap();
+    settle(&up, &fleet, &mut agents, &[]).await;
+    assert_eq!(step_of(&fleet, "a"), Some(Step::UpgradeDone));
+    assert_eq!(step_of(&fleet, "b"), Some(Step::UpgradeDone));
+    assert!(!api.pods().contains(&"ml/train-a".to_string()));
+}
+
 /// The running gpu-controller (a real process, its rollout loop woken by
 /// the agent's report) and an agent we did not write (Python grpcio over
 /// TLS): the ClusterPolicy's driver rollout cordons the node, evicts its
