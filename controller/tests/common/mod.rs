@@ -332,18 +332,15 @@ impl MockApi {
     async fn handle(&self, req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Body> {
         let method = req.method().to_string();
         let uri = req.uri().to_string();
-        let content_type = req
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
-        let accept = req
-            .headers()
-            .get("accept")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
+        let header = |name: &str| {
+            req.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string()
+        };
+        let content_type = header("content-type");
+        let accept = header("accept");
         let bytes = req.into_body().collect().await.unwrap().to_bytes();
         let body: Value = if bytes.is_empty() {
             Value::Null
