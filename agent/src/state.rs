@@ -145,9 +145,11 @@ pub struct AgentLock {
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error(
-        "another gpu-agent is running on this host (it holds {path}); stop it first (systemctl stop gpu-agent, or kill the pid `gpu-agent status` shows)"
+        "another gpu-agent is running on this host ({}); stop it first (systemctl stop gpu-agent{})",
+        match pid { Some(p) => format!("pid {p} holds {path}"), None => format!("it holds {path}") },
+        match pid { Some(p) => format!(", or kill {p}"), None => ", or kill the pid `gpu-agent status` shows".into() }
     )]
-    Held { path: String },
+    Held { path: String, pid: Option<u32> },
     #[error(transparent)]
     Host(#[from] HostError),
 }
@@ -192,6 +194,8 @@ impl AgentLock {
                 Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
                     return Err(LockError::Held {
                         path: path.display().to_string(),
+                        // The holder writes its pid once it has the lock.
+                        pid: agent_running(host).filter(|p| *p != 0),
                     });
                 }
                 Err((_, errno)) => return Err(io(std::io::Error::from(errno)).into()),
@@ -487,7 +491,14 @@ mod tests {
         let lock = AgentLock::take(&host).unwrap();
         assert_eq!(agent_running(&host), Some(std::process::id()));
         let err = AgentLock::take(&host).unwrap_err().to_string();
-        assert!(err.starts_with("another gpu-agent is running"), "{err}");
+        let me = std::process::id();
+        assert_eq!(
+            err,
+            format!(
+                "another gpu-agent is running on this host (pid {me} holds {}/run/gpu-agent/agent.lock); stop it first (systemctl stop gpu-agent, or kill {me})",
+                dir.path().display()
+            )
+        );
         drop(lock);
         assert_eq!(agent_running(&host), None);
         assert!(AgentLock::take(&host).is_ok());

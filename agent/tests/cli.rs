@@ -876,7 +876,10 @@ fn liveness_is_the_agents_lock() {
     let (code, _, err) = run(at(host.path()).args(["--simulate", "t4-4", "run", "--once"]));
     assert_eq!(code, 1, "{err}");
     assert!(
-        err.contains("another gpu-agent is running on this host"),
+        err.contains(&format!(
+            "another gpu-agent is running on this host (pid {} holds ",
+            child.id()
+        )) && err.contains(&format!(", or kill {})", child.id())),
         "{err}"
     );
     nix::sys::signal::kill(
