@@ -174,7 +174,7 @@ impl HostFilesLock {
         let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(l) => l,
             Err((file, nix::errno::Errno::EWOULDBLOCK)) => {
-                let holder = read_holder(&path);
+                let holder = read_holder_soon(&path);
                 if !wait {
                     return Err(ManagedError::Locked { path, holder });
                 }
@@ -226,6 +226,19 @@ impl HostFilesLock {
             _ => None,
         }
     }
+}
+
+/// The holder line of a lock file just found held: a holder writes it
+/// right after taking the lock, so a reader that comes in between waits for
+/// it a little (up to 200 ms) rather than say it does not know who.
+fn read_holder_soon(path: &Path) -> Option<Holder> {
+    for _ in 0..20 {
+        if let Some(h) = read_holder(path) {
+            return Some(h);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    read_holder(path)
 }
 
 /// The holder line of the lock file at `path` (`<pid> <what>`).
