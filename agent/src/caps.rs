@@ -200,6 +200,22 @@ pub const GRANTS: &[Grant] = &[
         ],
     },
     Grant {
+        cap: Capability::CAP_SETUID,
+        uses: &[Use {
+            stage: Stage::Plugin,
+            why: "let an MPS control daemon start each client's MPS server as that client's user (the daemon runs as root and starts servers with the client's uid)",
+            unless: always,
+        }],
+    },
+    Grant {
+        cap: Capability::CAP_SETGID,
+        uses: &[Use {
+            stage: Stage::Plugin,
+            why: "let an MPS control daemon start each client's MPS server with that client's groups",
+            unless: always,
+        }],
+    },
+    Grant {
         cap: Capability::CAP_SYSLOG,
         uses: &[Use {
             stage: Stage::Health,
@@ -587,6 +603,27 @@ mod tests {
             policy,
             host_is_system,
         }
+    }
+
+    #[test]
+    fn the_units_bounding_set_is_the_table() {
+        let unit = include_str!("../../systemd/gpu-agent.service");
+        let line = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+            .expect("the unit sets CapabilityBoundingSet");
+        let mut in_unit: Vec<&str> = line.split_whitespace().collect();
+        in_unit.sort_unstable();
+        let mut table: Vec<String> = GRANTS
+            .iter()
+            .map(|g| format!("{:?}", g.cap))
+            .chain(["CAP_SETPCAP".to_string()])
+            .collect();
+        table.sort_unstable();
+        assert_eq!(
+            in_unit, table,
+            "systemd/gpu-agent.service and GRANTS differ"
+        );
     }
 
     #[test]
