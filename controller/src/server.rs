@@ -235,6 +235,8 @@ impl Report for ReportService {
                     return;
                 }
             };
+            // The stream ends now for the agent; the grace is the fleet's.
+            drop(tx);
             if fleet.disconnect(&node, id, &why) {
                 let grace = fleet.grace;
                 tokio::time::sleep(grace).await;

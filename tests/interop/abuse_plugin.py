@@ -31,7 +31,7 @@ import threading
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kubelet_standin import load_stubs  # noqa: E402
+from standin_common import load_stubs  # noqa: E402
 
 # Separate connections for separate channels (grpcio shares one per target
 # unless told not to), and no client-side cap on what we send.

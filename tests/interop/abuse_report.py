@@ -6,7 +6,8 @@ With --token (bound to --node) it tries, each on its own stream:
   huge_hello     a Hello of --mib MiB (its agent_version)
   huge_snapshot  Hello, then a snapshot of --mib MiB (one label's value)
   normal         Hello and a small snapshot: the controller's first message
-                 down the stream (Desired) must come
+                 down the stream (Desired) must come; then the stream is
+                 half-closed and read to its end
 and prints one JSON object: for each, the status code and details or the
 kinds of the messages that came down before it ("down"), plus the size
 sent in bytes.
@@ -22,7 +23,7 @@ import sys
 import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kubelet_standin import load_stubs  # noqa: E402
+from standin_common import load_stubs  # noqa: E402
 
 
 def main():
@@ -57,7 +58,10 @@ def main():
             for m in it:
                 out["down"].append(m.WhichOneof("body"))
                 if not until_error:
-                    break
+                    # Half-close and read to the end: the controller ends
+                    # the stream once it has taken every message before
+                    # (a cancel here could discard the unread snapshot).
+                    q.put(None)
             out["code"] = "OK"
         except grpc.RpcError as e:
             out["code"] = e.code().name

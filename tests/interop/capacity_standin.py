@@ -24,7 +24,7 @@ from concurrent import futures
 
 import grpc
 
-from kubelet_standin import load_stubs
+from standin_common import load_stubs
 
 
 def main():

@@ -30,7 +30,7 @@ import grpc
 
 # The stubs are made the same way as for the kubelet stand-in.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kubelet_standin import load_stubs  # noqa: E402
+from standin_common import load_stubs  # noqa: E402
 
 
 def main():
