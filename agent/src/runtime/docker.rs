@@ -98,3 +98,44 @@ pub fn plan(host: &HostRoot, opts: &Options) -> Result<Vec<FileChange>, RuntimeE
     }
     Ok(vec![FileChange::new(&opts.config, before, after)])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Numbers that JSON's text holds more precisely than a float (found
+    /// by the `docker` fuzz target): planned once, the next plan changes
+    /// nothing (serde_json's default float parsing did not read its own
+    /// output back exactly, so daemon.json was rewritten, and Docker
+    /// restarted, at every reconcile).
+    #[test]
+    fn planning_again_over_long_numbers_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let daemon = dir.path().join("etc/docker/daemon.json");
+        std::fs::create_dir_all(daemon.parent().unwrap()).unwrap();
+        let opts = Options {
+            config: "/etc/docker/daemon.json".into(),
+            runtime_name: "nvidia".into(),
+            runtime_path: Some("/usr/bin/nvidia-container-runtime".into()),
+            set_as_default: false,
+            enable_cdi: true,
+        };
+        for text in [
+            "{\"ls\": [66666666666666666666666666666666666666666]}",
+            "{\"x\": 0.30000000000000004, \"y\": 1.7976931348623157e308, \"z\": 5e-324}",
+            "{\"shm-size\": 123456789012345678901234567890.5}",
+        ] {
+            std::fs::write(&daemon, text).unwrap();
+            let first = plan(&host, &opts).unwrap();
+            assert_eq!(first.len(), 1, "{text}");
+            std::fs::write(&daemon, &first[0].after).unwrap();
+            let again = plan(&host, &opts).unwrap();
+            assert!(
+                again.is_empty(),
+                "{text}: planned again:\n{}",
+                again[0].after
+            );
+        }
+    }
+}
