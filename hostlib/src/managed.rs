@@ -174,7 +174,7 @@ impl HostFilesLock {
         let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(l) => l,
             Err((file, nix::errno::Errno::EWOULDBLOCK)) => {
-                let holder = read_holder_soon(&path);
+                let holder = read_holder_soon(&file);
                 if !wait {
                     return Err(ManagedError::Locked { path, holder });
                 }
@@ -219,10 +219,9 @@ impl HostFilesLock {
     /// Who holds the lock on `host` now (`None`: nobody, or a holder that
     /// has not written itself yet).
     pub fn holder(host: &HostRoot) -> Option<Holder> {
-        let path = host.resolve(LOCK_FILE).ok()?;
-        let file = fs::File::open(&path).ok()?;
+        let file = host.open(LOCK_FILE).ok()?;
         match Flock::lock(file, FlockArg::LockSharedNonblock) {
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => read_holder(&path),
+            Err((file, nix::errno::Errno::EWOULDBLOCK)) => read_holder(&file),
             _ => None,
         }
     }
@@ -231,24 +230,23 @@ impl HostFilesLock {
 /// The holder line of a lock file just found held: a holder writes it
 /// right after taking the lock, so a reader that comes in between waits for
 /// it a little (up to 200 ms) rather than say it does not know who.
-fn read_holder_soon(path: &Path) -> Option<Holder> {
+fn read_holder_soon(file: &fs::File) -> Option<Holder> {
     for _ in 0..20 {
-        if let Some(h) = read_holder(path) {
+        if let Some(h) = read_holder(file) {
             return Some(h);
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    read_holder(path)
+    read_holder(file)
 }
 
-/// The holder line of the lock file at `path` (`<pid> <what>`).
-fn read_holder(path: &Path) -> Option<Holder> {
-    let mut text = String::new();
-    fs::File::open(path)
-        .ok()?
-        .take(4096)
-        .read_to_string(&mut text)
-        .ok()?;
+/// The holder line (`<pid> <what>`) of the lock file, read through the
+/// descriptor the lock was tried on (never the path again: it could be
+/// another file by then).
+fn read_holder(file: &fs::File) -> Option<Holder> {
+    let mut buf = [0u8; 4096];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    let text = std::str::from_utf8(&buf[..n]).ok()?;
     let (pid, what) = text.trim_end().split_once(' ')?;
     Some(Holder {
         pid: pid.parse().ok()?,
