@@ -228,13 +228,8 @@ fn pack(
         .map_err(|err| anyhow::anyhow!("building the bundle: {err}"))?;
     std::fs::write(out, &buf).map_err(|err| anyhow::anyhow!("{}: {err}", out.display()))?;
     let sum = bundle::sha256_file(out, &mut |_| {}).map_err(map_bundle)?;
-    let base = out
-        .file_name()
-        .map(|f| f.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let sidecar = bundle::sidecar_path(out);
-    std::fs::write(&sidecar, format!("{sum}  {base}\n"))
-        .map_err(|err| anyhow::anyhow!("{}: {err}", sidecar.display()))?;
+    let sidecar = bundle::write_sidecar(out, &sum)
+        .map_err(|err| anyhow::anyhow!("{}: {err}", bundle::sidecar_path(out).display()))?;
     println!(
         "wrote {} ({} module file(s), driver {version}, kernel {kernel}, {}) and {}",
         out.display(),

@@ -328,6 +328,18 @@ pub fn sidecar_path(bundle: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Writes `<bundle>.sha256` as `sha256sum` does (`<hex>  <file name>`), for
+/// a bundle whose sha256 is `sum`; returns the sidecar's path.
+pub fn write_sidecar(bundle: &Path, sum: &str) -> std::io::Result<PathBuf> {
+    let base = bundle
+        .file_name()
+        .map(|f| f.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let sidecar = sidecar_path(bundle);
+    std::fs::write(&sidecar, format!("{sum}  {base}\n"))?;
+    Ok(sidecar)
+}
+
 /// The expected sha256: `given` (policy or command line) or the sidecar's
 /// (`sha256sum` format: `<hex>  <name>`). Returns it and where it came from.
 pub fn expected_sha256(

@@ -214,12 +214,7 @@ pub fn free_port() -> u16 {
 /// Writes a driver bundle at `path` and its sha256 sidecar beside it, as
 /// `sha256sum` writes one.
 pub fn write_bundle(path: &Path, tgz: &[u8]) {
-    use sha2::Digest;
     std::fs::write(path, tgz).unwrap();
-    let sha: String = sha2::Sha256::digest(tgz)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let name = path.file_name().unwrap().to_string_lossy();
-    std::fs::write(kmod::bundle::sidecar_path(path), format!("{sha}  {name}\n")).unwrap();
+    let sum = kmod::bundle::sha256_file(path, &mut |_| {}).unwrap();
+    kmod::bundle::write_sidecar(path, &sum).unwrap();
 }
