@@ -245,24 +245,17 @@ fn pack(
 /// another process holds it: says who and waits, or with `no_wait` fails
 /// naming it.
 fn lock_host_files(host: &HostRoot, what: &str, no_wait: bool) -> Result<HostFilesLock, Failure> {
-    let mut tries = 0;
-    loop {
-        tries += 1;
-        match HostFilesLock::take(host, what, false) {
-            Ok(lock) => return Ok(lock),
-            // Nobody named: a holder letting go (it empties the file
-            // first); look again before saying anything.
-            Err(ManagedError::Locked { holder: None, .. }) if tries < 3 => continue,
-            Err(ManagedError::Locked { path, holder }) if !no_wait => {
-                let who = holder.map_or_else(
-                    || "another process (it has not said who)".to_string(),
-                    |h| h.to_string(),
-                );
-                eprintln!("gpu-agent: waiting for {}: held by {who}", path.display());
-                return Ok(HostFilesLock::take(host, what, true)?);
-            }
-            Err(e) => return Err(e.into()),
+    match HostFilesLock::take(host, what, false) {
+        Ok(lock) => Ok(lock),
+        Err(ManagedError::Locked { path, holder }) if !no_wait => {
+            let who = holder.map_or_else(
+                || "another process (it has not said who)".to_string(),
+                |h| h.to_string(),
+            );
+            eprintln!("gpu-agent: waiting for {}: held by {who}", path.display());
+            Ok(HostFilesLock::take(host, what, true)?)
         }
+        Err(e) => Err(e.into()),
     }
 }
 

@@ -171,10 +171,9 @@ impl HostFilesLock {
         let io_err = |errno: nix::errno::Errno| -> ManagedError {
             HostError::io(&path, io::Error::from(errno)).into()
         };
-        let lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let lock = match try_lock_soon(file) {
             Ok(l) => l,
-            Err((file, nix::errno::Errno::EWOULDBLOCK)) => {
-                let holder = read_holder_soon(&file);
+            Err(Busy::Held(file, holder)) => {
                 if !wait {
                     return Err(ManagedError::Locked { path, holder });
                 }
@@ -190,7 +189,7 @@ impl HostFilesLock {
                 );
                 Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, e)| io_err(e))?
             }
-            Err((_, errno)) => return Err(io_err(errno)),
+            Err(Busy::Failed(errno)) => return Err(io_err(errno)),
         };
         // Readable whatever the umask: says who holds it.
         lock.set_permissions(fs::Permissions::from_mode(0o644))
@@ -227,17 +226,35 @@ impl HostFilesLock {
     }
 }
 
-/// The holder line of a lock file just found held: a holder writes it
-/// right after taking the lock, so a reader that comes in between waits for
-/// it a little (up to 200 ms) rather than say it does not know who.
-fn read_holder_soon(file: &fs::File) -> Option<Holder> {
-    for _ in 0..20 {
-        if let Some(h) = read_holder(file) {
-            return Some(h);
+/// Why [`try_lock_soon`] did not get the lock.
+enum Busy {
+    /// Another holds it (named, once it has written its line).
+    Held(fs::File, Option<Holder>),
+    Failed(nix::errno::Errno),
+}
+
+/// Takes the lock without blocking. Found held by a holder that has not
+/// named itself, it looks again for a little while (up to 200 ms): a holder
+/// writes its line right after taking the lock and empties it right before
+/// letting go, so either the line appears or the lock comes free, and
+/// neither moment is reported as "held by nobody knows who".
+fn try_lock_soon(mut file: fs::File) -> Result<Flock<fs::File>, Busy> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => return Ok(lock),
+            Err((f, nix::errno::Errno::EWOULDBLOCK)) => {
+                let holder = read_holder(&f);
+                if holder.is_some() || attempt > 20 {
+                    return Err(Busy::Held(f, holder));
+                }
+                file = f;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Err((_, errno)) => return Err(Busy::Failed(errno)),
         }
-        std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    read_holder(file)
 }
 
 /// The holder line (`<pid> <what>`) of the lock file, read through the
@@ -732,6 +749,45 @@ mod tests {
                 "the waiter took the lock while it was held"
             );
         });
+    }
+
+    /// A holder that has not named itself (just taken, or letting go) is
+    /// waited for a little: a lock that comes free within that is taken; one
+    /// held longer without a name is refused as held by nobody named.
+    #[test]
+    fn an_unnamed_holder_is_given_a_moment() {
+        let (_d, h) = host();
+        let held_unnamed = |for_ms: u64| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let path = h.resolve(LOCK_FILE).unwrap();
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            let t = std::thread::spawn(move || {
+                let f = fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(path)
+                    .unwrap();
+                let lock = Flock::lock(f, FlockArg::LockExclusive).unwrap();
+                tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(for_ms));
+                drop(lock);
+            });
+            rx.recv().unwrap();
+            t
+        };
+        let letting_go = held_unnamed(50);
+        let taken = HostFilesLock::take(&h, "runtime configure", false);
+        assert!(taken.is_ok(), "{:?}", taken.err());
+        drop(taken);
+        letting_go.join().unwrap();
+        let silent = held_unnamed(2000);
+        let err = HostFilesLock::take(&h, "runtime configure", false).unwrap_err();
+        assert!(
+            matches!(&err, ManagedError::Locked { holder: None, .. }),
+            "{err:?}"
+        );
+        silent.join().unwrap();
     }
 
     #[test]
