@@ -445,11 +445,21 @@ pub struct Seen {
     pub unavailable: Option<Unavailable>,
 }
 
+/// What [`plan`] decided.
+#[derive(Debug)]
+pub struct Planned {
+    /// The nodes whose state changed, with the new state (`None`: no
+    /// upgrade any more).
+    pub moves: Vec<(String, Option<NodeUpgrade>)>,
+    /// A node that could start was held back by nodes out of service
+    /// (NotReady, cordoned by another, itself NotReady): they come back
+    /// without a report, so the rollout must look again.
+    pub held_back: bool,
+}
+
 /// Moves each node's state on from what its agent says, then starts the
 /// next nodes the policy allows. Pure: the API steps follow in [`Upgrader`].
-/// Returns the nodes whose state changed, with the new state (`None`: no
-/// upgrade any more).
-pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeUpgrade>)> {
+pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Planned {
     let mut out: BTreeMap<String, Option<NodeUpgrade>> = BTreeMap::new();
     let mut now: BTreeMap<&str, Option<Step>> = BTreeMap::new();
     for n in nodes {
@@ -574,21 +584,24 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
         .flatten()
         .filter(|s| **s == Step::UpgradeFailed)
         .count();
+    let mut held_back = false;
     if policy.auto_upgrade && failed == 0 {
         let allowed = policy.max_unavailable.of(nodes.len());
         let mut upgrading = in_progress;
         // Out of service now: upgrading, NotReady or cordoned by another.
+        let upgrading_now = |n: &Seen| {
+            now.get(n.node.as_str())
+                .copied()
+                .flatten()
+                .is_some_and(Step::in_progress)
+        };
         let mut down = nodes
             .iter()
-            .filter(|n| {
-                n.unavailable.is_some()
-                    || now
-                        .get(n.node.as_str())
-                        .copied()
-                        .flatten()
-                        .is_some_and(Step::in_progress)
-            })
+            .filter(|n| n.unavailable.is_some() || upgrading_now(n))
             .count();
+        let others_out = nodes
+            .iter()
+            .any(|n| n.unavailable.is_some() && !upgrading_now(n));
         for n in nodes {
             if now.get(n.node.as_str()).copied().flatten() != Some(Step::UpgradeRequired) {
                 continue;
@@ -596,7 +609,11 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
             // A node whose agent is away would be cordoned and drained for
             // an upgrade nobody can do; a NotReady one's pods cannot be
             // moved off it.
-            if !n.connected || n.unavailable == Some(Unavailable::NotReady) {
+            if !n.connected {
+                continue;
+            }
+            if n.unavailable == Some(Unavailable::NotReady) {
+                held_back = true;
                 continue;
             }
             if policy.max_parallel > 0 && upgrading >= policy.max_parallel as usize {
@@ -605,6 +622,7 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
             // A node cordoned already takes nothing more out of service.
             let already_down = n.unavailable.is_some();
             if !already_down && down >= allowed {
+                held_back |= others_out;
                 continue;
             }
             let target = out
@@ -624,7 +642,10 @@ pub fn plan(policy: &UpgradePolicy, nodes: &[Seen]) -> Vec<(String, Option<NodeU
             }
         }
     }
-    out.into_iter().collect()
+    Planned {
+        moves: out.into_iter().collect(),
+        held_back,
+    }
 }
 
 /// Does the API steps of a rollout.
@@ -849,49 +870,26 @@ impl Upgrader {
                 }
             }
         }
-        for (node, next) in plan(&this_look, &view) {
+        let planned = plan(&this_look, &view);
+        for (node, next) in planned.moves {
             fleet.set_upgrade(&node, next);
         }
         // Held back by nodes out of service: they come back without a
         // report, so the rollout looks again.
-        if this_look.auto_upgrade {
-            let view = fleet.upgrade_view();
-            let down = self
-                .availability
-                .lock()
-                .unwrap()
-                .as_ref()
-                .map(|a| a.down.clone())
-                .unwrap_or_default();
-            let step_of = |s: &Seen| s.step.as_ref().map(|u| u.step);
-            let waiting = view
-                .iter()
-                .any(|s| s.connected && step_of(s) == Some(Step::UpgradeRequired));
-            let failed = view.iter().any(|s| step_of(s) == Some(Step::UpgradeFailed));
-            let upgrading = view
-                .iter()
-                .filter(|s| step_of(s).is_some_and(Step::in_progress))
-                .count();
+        if planned.held_back {
+            again = Some(self.availability_ttl);
             let out: Vec<String> = view
                 .iter()
-                .filter(|s| !step_of(s).is_some_and(Step::in_progress))
-                .filter_map(|s| {
-                    down.get(&s.node)
-                        .map(|w| format!("{} {}", s.node, w.as_str()))
-                })
+                .filter(|s| !s.step.as_ref().is_some_and(|u| u.step.in_progress()))
+                .filter_map(|s| s.unavailable.map(|w| format!("{} {}", s.node, w.as_str())))
                 .collect();
-            let parallel_free =
-                policy.max_parallel == 0 || upgrading < policy.max_parallel as usize;
-            if waiting && !failed && parallel_free && !out.is_empty() {
-                again = Some(self.availability_ttl);
-                let mut text = out[..out.len().min(10)].join(", ");
-                if out.len() > 10 {
-                    text.push_str(&format!(" and {} more", out.len() - 10));
-                }
-                self.log_held_by(text, policy.max_unavailable.of(view.len()));
-            } else {
-                self.log_held_by(String::new(), 0);
+            let mut text = out[..out.len().min(10)].join(", ");
+            if out.len() > 10 {
+                text.push_str(&format!(" and {} more", out.len() - 10));
             }
+            self.log_held_by(text, policy.max_unavailable.of(view.len()));
+        } else if this_look.auto_upgrade {
+            self.log_held_by(String::new(), 0);
         }
         for s in fleet.upgrade_view() {
             // A validation's limit is looked at when it passes.
@@ -1451,7 +1449,7 @@ mod tests {
         ];
         let mut nodes = nodes;
         nodes.sort_by(|x, y| x.node.cmp(&y.node));
-        let out = plan(&UpgradePolicy::default(), &nodes);
+        let out = plan(&UpgradePolicy::default(), &nodes).moves;
         let steps: Vec<(&str, Option<Step>)> = out
             .iter()
             .map(|(n, s)| (n.as_str(), s.as_ref().map(|s| s.step)))
@@ -1482,7 +1480,7 @@ mod tests {
             ),
         ];
         nodes[0].agent_detail = "rolled back to 550.127.08".into();
-        let out = plan(&UpgradePolicy::default(), &nodes);
+        let out = plan(&UpgradePolicy::default(), &nodes).moves;
         assert_eq!(out.len(), 1, "{out:?}");
         let a = out[0].1.clone().unwrap();
         assert_eq!(a.step, Step::UpgradeFailed);
@@ -1505,7 +1503,7 @@ mod tests {
                 "550.127.08",
             ),
         ];
-        assert!(plan(&UpgradePolicy::default(), &nodes).is_empty());
+        assert!(plan(&UpgradePolicy::default(), &nodes).moves.is_empty());
         // Fixed by hand: the agent runs the wanted driver, validated.
         let nodes = vec![
             seen("a", Some(Step::UpgradeFailed), "upgrade-done", "560.35.03"),
@@ -1516,7 +1514,7 @@ mod tests {
                 "550.127.08",
             ),
         ];
-        let out = plan(&UpgradePolicy::default(), &nodes);
+        let out = plan(&UpgradePolicy::default(), &nodes).moves;
         assert_eq!(out[0].1.as_ref().unwrap().step, Step::UncordonRequired);
     }
 
@@ -1527,6 +1525,7 @@ mod tests {
             .collect();
         let started = |p: &UpgradePolicy| {
             plan(p, &nodes)
+                .moves
                 .iter()
                 .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
                 .count()
@@ -1556,32 +1555,44 @@ mod tests {
             max_parallel: 0,
             ..Default::default()
         };
-        let started = |nodes: &[Seen]| -> Vec<String> {
-            plan(&p, nodes)
+        // The nodes started, and whether others were held back by nodes
+        // out of service (the rollout looks again for those).
+        let started = |nodes: &[Seen]| -> (Vec<String>, bool) {
+            let planned = plan(&p, nodes);
+            let started = planned
+                .moves
                 .into_iter()
                 .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
                 .map(|(n, _)| n)
-                .collect()
+                .collect();
+            (started, planned.held_back)
         };
-        assert_eq!(started(&nodes), ["n0", "n1"]);
-        // One node NotReady elsewhere: one starts.
+        let none = Vec::<String>::new();
+        // Held back by the allowance alone (no node out of service): not
+        // held by others.
+        assert_eq!(started(&nodes), (vec!["n0".into(), "n1".into()], false));
+        // One node NotReady elsewhere: one starts, the others wait for it.
         nodes[6].unavailable = Some(Unavailable::NotReady);
-        assert_eq!(started(&nodes), ["n0"]);
+        assert_eq!(started(&nodes), (vec!["n0".into()], true));
         // Two out of service: none starts...
         nodes[7].unavailable = Some(Unavailable::Cordoned);
-        assert_eq!(started(&nodes), Vec::<String>::new());
+        assert_eq!(started(&nodes), (none, true));
         // ...but one cordoned already may (it takes nothing more out).
         nodes[2].unavailable = Some(Unavailable::Cordoned);
-        assert_eq!(started(&nodes), ["n2"]);
+        assert_eq!(started(&nodes), (vec!["n2".into()], true));
         // A NotReady node that wants the driver waits until it is Ready.
         nodes[2].unavailable = Some(Unavailable::NotReady);
         nodes[6].unavailable = None;
         nodes[7].unavailable = None;
-        assert_eq!(started(&nodes), ["n0"], "n2 NotReady counts and waits");
+        assert_eq!(
+            started(&nodes),
+            (vec!["n0".into()], true),
+            "n2 NotReady counts and waits"
+        );
         // maxParallelUpgrades still bounds a cordoned node's start.
         let one = UpgradePolicy::default();
         nodes[2].unavailable = Some(Unavailable::Cordoned);
-        let out = plan(&one, &nodes);
+        let out = plan(&one, &nodes).moves;
         let s: Vec<&str> = out
             .iter()
             .filter(|(_, s)| s.as_ref().is_some_and(|s| s.step == Step::CordonRequired))
@@ -1602,7 +1613,7 @@ mod tests {
         n.agent_detail = "driver 550.127.08 loaded".into();
         n.step = Some(late(Duration::from_secs(31 * 60)));
         let p = UpgradePolicy::default();
-        let out = plan(&p, std::slice::from_ref(&n));
+        let out = plan(&p, std::slice::from_ref(&n)).moves;
         let failed = out[0].1.as_ref().unwrap();
         assert_eq!(failed.step, Step::UpgradeFailed);
         assert_eq!(
@@ -1612,26 +1623,26 @@ mod tests {
         // Its agent gone (and not heard since this controller started).
         n.connected = false;
         n.reported = false;
-        let out = plan(&p, std::slice::from_ref(&n));
+        let out = plan(&p, std::slice::from_ref(&n)).moves;
         assert_eq!(
             out[0].1.as_ref().unwrap().detail,
             "the agent did not report driver 560.35.03 validated within 30 min; it is not connected"
         );
         // Within the limit, or without one, it waits.
         n.step = Some(late(Duration::from_secs(29 * 60)));
-        assert!(plan(&p, std::slice::from_ref(&n)).is_empty());
+        assert!(plan(&p, std::slice::from_ref(&n)).moves.is_empty());
         n.step = Some(late(Duration::from_secs(31 * 60)));
         let unlimited = UpgradePolicy {
             validation_timeout: None,
             ..Default::default()
         };
-        assert!(plan(&unlimited, std::slice::from_ref(&n)).is_empty());
+        assert!(plan(&unlimited, std::slice::from_ref(&n)).moves.is_empty());
         // Reported done in time (or late): it goes on as usual.
         n.connected = true;
         n.reported = true;
         n.agent_state = "upgrade-done".into();
         n.agent_version = "560.35.03".into();
-        let out = plan(&p, std::slice::from_ref(&n));
+        let out = plan(&p, std::slice::from_ref(&n)).moves;
         assert_eq!(out[0].1.as_ref().unwrap().step, Step::UncordonRequired);
     }
 
