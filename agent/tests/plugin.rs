@@ -271,7 +271,12 @@ async fn hundred_kubelet_restarts_each_reregister_within_a_second() {
     let mut c = client(&n.plugin_dir.join("nvidia-gpu.sock")).await;
     let list = first_list(&mut c).await;
     assert_eq!(list.devices.len(), 4);
-    assert_eq!(run.board.lock().unwrap()[0].registrations, 101);
+    // Every accepted registration is counted, also one whose result came
+    // back after the next restart (under load it can).
+    wait_until("101 registrations counted", Duration::from_secs(2), || {
+        run.board.lock().unwrap()[0].registrations == 101
+    })
+    .await;
     run.shutdown(kubelet).await;
 }
 
@@ -299,6 +304,45 @@ async fn a_kubelet_socket_that_accepts_late_still_gets_the_registration() {
     })
     .await;
     run.shutdown(kubelet).await;
+}
+
+/// A kubelet that first appears while the plugin waits for one (the agent
+/// started first, as at boot) gets one registration, not two: a retry that
+/// dials the new `kubelet.sock` and that socket's creation, seen a moment
+/// later, are the same kubelet. (A second registration made the kubelet
+/// restart's interop test count the streams wrong in CI.) The kubelet
+/// appears at times spread over the retry backoff's first steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_that_appears_late_gets_one_registration() {
+    let n = node("t4-4");
+    let ksock = n.plugin_dir.join(KUBELET_SOCKET);
+    for round in 0..40u64 {
+        let run = start(&n, PluginSettings::default());
+        tokio::time::sleep(Duration::from_micros(round * 997)).await;
+        let kubelet = MockKubelet::start(&ksock).unwrap();
+        assert!(
+            kubelet.wait_for(1, Duration::from_secs(5)).await,
+            "round {round}: no registration"
+        );
+        wait_until("status registered", Duration::from_secs(2), || {
+            run.board.lock().unwrap()[0].registered
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert_eq!(
+            kubelet.registrations().len(),
+            1,
+            "round {round} (kubelet after {} us): registered more than once",
+            round * 997
+        );
+        assert_eq!(
+            run.board.lock().unwrap()[0].registrations,
+            1,
+            "round {round}"
+        );
+        run.shutdown(kubelet).await;
+        let _ = std::fs::remove_file(&ksock);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

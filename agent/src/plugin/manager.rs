@@ -6,7 +6,10 @@
 //! when only our own socket disappears, that plugin does the same. Each
 //! plugin remembers which `kubelet.sock` (device, inode, change time) it
 //! registered with, so the two signs of one kubelet restart (our socket
-//! deleted, a new `kubelet.sock`) re-register once, not twice. A failed
+//! deleted, a new `kubelet.sock`) re-register once, not twice; likewise a
+//! retry that reached a kubelet just started and that kubelet's socket
+//! creation, seen a moment later. Nothing is dialled while there is no
+//! `kubelet.sock` (the attempt counts as failed). A failed
 //! registration is retried with backoff (2 ms doubling to 30 s: a new
 //! `kubelet.sock` exists a moment before the kubelet accepts on it) and the
 //! error is kept for `gpu-agent status`.
@@ -124,7 +127,7 @@ struct Plugin {
     generation: u64,
     retry_delay: Duration,
     retry_at: Option<tokio::time::Instant>,
-    /// The `kubelet.sock` this plugin last (re)started for.
+    /// The `kubelet.sock` this plugin last dialled (or restarted for).
     kubelet: Option<KubeletId>,
 }
 
@@ -170,6 +173,8 @@ struct Registered {
     /// Unique across plugins and restarts: finds the plugin (if it still
     /// exists and has not restarted since).
     generation: u64,
+    /// The plugin's resource: an older generation's success still counts.
+    resource: String,
     result: Result<(), String>,
 }
 
@@ -456,7 +461,7 @@ impl PluginManager {
         self.next_generation += 1;
         p.retry_delay = FIRST_RETRY;
         p.retry_at = None;
-        self.plugins[i].kubelet = self.kubelet_id();
+        self.plugins[i].kubelet = None;
         self.set_status(i, |s| {
             s.registered = false;
             s.lists = 0;
@@ -465,9 +470,28 @@ impl PluginManager {
         Ok(())
     }
 
-    fn register(&self, i: usize, done: &mpsc::UnboundedSender<Registered>) {
-        let p = &self.plugins[i];
+    /// Registers plugin `i` with the kubelet listening on `kubelet.sock` now,
+    /// and remembers which socket that is: its creation, seen later, is then
+    /// not a restart. Without a `kubelet.sock` nothing is dialled (a dial
+    /// that went out now could reach a kubelet that appears meanwhile, and
+    /// that socket's creation would register the plugin a second time); the
+    /// attempt counts as failed and is retried with backoff.
+    fn register(&mut self, i: usize, done: &mpsc::UnboundedSender<Registered>) {
         let kubelet = self.kubelet_socket();
+        let Some(id) = self.kubelet_id() else {
+            let (generation, resource) = (self.plugins[i].generation, self.plugins[i].name.clone());
+            self.registered(Registered {
+                generation,
+                resource,
+                result: Err(format!(
+                    "{}: no such socket; the kubelet is not running or is restarting",
+                    kubelet.display()
+                )),
+            });
+            return;
+        };
+        self.plugins[i].kubelet = Some(id);
+        let p = &self.plugins[i];
         let endpoint = p
             .socket
             .file_name()
@@ -480,7 +504,11 @@ impl PluginManager {
             let result = kubelet::register(&kubelet, &endpoint, &resource)
                 .await
                 .map_err(|e| e.to_string());
-            let _ = done.send(Registered { generation, result });
+            let _ = done.send(Registered {
+                generation,
+                resource,
+                result,
+            });
         });
     }
 
@@ -490,6 +518,14 @@ impl PluginManager {
             .iter()
             .position(|p| p.generation == done.generation)
         else {
+            // The plugin restarted while this registration was under way:
+            // it says nothing of the current server, but the kubelet did
+            // accept it, and the count says how many times it did.
+            if done.result.is_ok()
+                && let Some(index) = self.plugins.iter().position(|p| p.name == done.resource)
+            {
+                self.set_status(index, |s| s.registrations += 1);
+            }
             return;
         };
         let p = &mut self.plugins[index];
