@@ -228,8 +228,7 @@ fn pack(
         .map_err(|err| anyhow::anyhow!("building the bundle: {err}"))?;
     std::fs::write(out, &buf).map_err(|err| anyhow::anyhow!("{}: {err}", out.display()))?;
     let sum = bundle::sha256_file(out, &mut |_| {}).map_err(map_bundle)?;
-    let sidecar = bundle::write_sidecar(out, &sum)
-        .map_err(|err| anyhow::anyhow!("{}: {err}", bundle::sidecar_path(out).display()))?;
+    let sidecar = bundle::write_sidecar(out, &sum).map_err(map_bundle)?;
     println!(
         "wrote {} ({} module file(s), driver {version}, kernel {kernel}, {}) and {}",
         out.display(),

@@ -330,13 +330,16 @@ pub fn sidecar_path(bundle: &Path) -> PathBuf {
 
 /// Writes `<bundle>.sha256` as `sha256sum` does (`<hex>  <file name>`), for
 /// a bundle whose sha256 is `sum`; returns the sidecar's path.
-pub fn write_sidecar(bundle: &Path, sum: &str) -> std::io::Result<PathBuf> {
+pub fn write_sidecar(bundle: &Path, sum: &str) -> Result<PathBuf, BundleError> {
     let base = bundle
         .file_name()
         .map(|f| f.to_string_lossy().into_owned())
         .unwrap_or_default();
     let sidecar = sidecar_path(bundle);
-    std::fs::write(&sidecar, format!("{sum}  {base}\n"))?;
+    std::fs::write(&sidecar, format!("{sum}  {base}\n")).map_err(|source| BundleError::Write {
+        path: sidecar.clone(),
+        source,
+    })?;
     Ok(sidecar)
 }
 
