@@ -787,3 +787,117 @@ fn shared_change() {
         raw::create_full_ci(&nvml, gi, 3).unwrap();
     }
 }
+
+// --- What NVML calls cost -------------------------------------------------
+
+/// The fake charges the per-call costs measured on a real H100
+/// (tests/fake-nvml/costs/h100-pcie-vm.txt), or another table's. Lower
+/// bounds only: a loaded machine makes calls slower, never faster.
+#[test]
+fn nvml_calls_take_as_long_as_on_a_real_h100() {
+    const TEST: &str = "nvml_calls_take_as_long_as_on_a_real_h100";
+    match phase(TEST).as_deref() {
+        Some("built-in") => return costs_built_in(),
+        Some("table") => return costs_from_a_table(),
+        Some("bad-table") => return costs_from_a_bad_table(),
+        _ => {}
+    }
+    let node = ("FAKE_NVML_NODE", OsStr::new("h100-sxm-8"));
+    run_phase(
+        TEST,
+        "built-in",
+        &[node, ("FAKE_NVML_COSTS", OsStr::new("on"))],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let table = dir.path().join("costs.txt");
+    std::fs::write(
+        &table,
+        "nvmlInit (first)  40 ms\nnvmlInit (again)  20 ms\nnvmlDeviceGetName  p50  30 ms  max 31 ms\nnvmlDeviceGetUUID  p50  1 us\n",
+    )
+    .unwrap();
+    run_phase(
+        TEST,
+        "table",
+        &[node, ("FAKE_NVML_COSTS", table.as_os_str())],
+    );
+    let bad = dir.path().join("bad.txt");
+    std::fs::write(&bad, "nvmlDeviceGetName p50 soon\n").unwrap();
+    run_phase(
+        TEST,
+        "bad-table",
+        &[node, ("FAKE_NVML_COSTS", bad.as_os_str())],
+    );
+}
+
+fn ms(n: f64) -> std::time::Duration {
+    std::time::Duration::from_secs_f64(n / 1e3)
+}
+
+/// Times `f`.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, std::time::Duration) {
+    let t = std::time::Instant::now();
+    let out = f();
+    (out, t.elapsed())
+}
+
+/// The built-in table: nvmlInit cold 10.7 ms, again 2.1 ms; the slow calls.
+fn costs_built_in() {
+    let (_dir, lib) = fake_nvml();
+    let (nvml, cold) = timed(|| open(&lib));
+    assert!(cold >= ms(10.7), "the first nvmlInit took {cold:?}");
+    let (again, warm) = timed(|| open(&lib));
+    assert!(warm >= ms(2.1), "nvmlInit again took {warm:?}");
+    drop(again);
+    let dev = nvml.device_by_index(0).unwrap();
+    for (call, took, cost) in [
+        (
+            "nvmlDeviceGetMigMode",
+            timed(|| dev.mig_mode().map(|_| ())).1,
+            ms(0.1638),
+        ),
+        (
+            "nvmlDeviceGetTotalEnergyConsumption",
+            timed(|| dev.total_energy_consumption().map(|_| ())).1,
+            ms(3.1812),
+        ),
+        (
+            "nvmlDeviceGetPcieReplayCounter",
+            timed(|| dev.pcie_replay_counter().map(|_| ())).1,
+            ms(0.1734),
+        ),
+    ] {
+        assert!(
+            took >= cost,
+            "{call} took {took:?}, the table says {cost:?}"
+        );
+    }
+    // Many cheap calls add up too (2-10 µs each on the H100).
+    let (_, names) = timed(|| {
+        for _ in 0..100 {
+            dev.name().unwrap();
+        }
+    });
+    assert!(names >= ms(0.32), "100 nvmlDeviceGetName took {names:?}");
+}
+
+/// A table named by FAKE_NVML_COSTS replaces the built-in one.
+fn costs_from_a_table() {
+    let (_dir, lib) = fake_nvml();
+    let (nvml, cold) = timed(|| open(&lib));
+    assert!(cold >= ms(40.0), "the first nvmlInit took {cold:?}");
+    let dev = nvml.device_by_index(0).unwrap();
+    let (name, took) = timed(|| dev.name().unwrap());
+    assert_eq!(name, "NVIDIA H100 80GB HBM3");
+    assert!(took >= ms(30.0), "nvmlDeviceGetName took {took:?}");
+}
+
+/// A table that cannot be read fails nvmlInit, never charges nothing quietly.
+fn costs_from_a_bad_table() {
+    let (_dir, lib) = fake_nvml();
+    let e = Nvml::builder()
+        .lib_path(lib.as_os_str())
+        .init()
+        .err()
+        .expect("nvmlInit fails with an unreadable cost table");
+    assert!(matches!(e, NvmlError::Unknown), "{e:?}");
+}

@@ -9,6 +9,7 @@
 //! drivers since CUDA 8; MIG device handles are refused with
 //! `INVALID_ARGUMENT`.
 
+use crate::costs;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -49,6 +50,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeMode(
     device: nvmlDevice_t,
     mode: *mut nvmlComputeMode_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetComputeMode");
     if is_mig_handle(device) {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -61,6 +63,7 @@ pub extern "C" fn nvmlDeviceSetComputeMode(
     device: nvmlDevice_t,
     mode: nvmlComputeMode_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceSetComputeMode");
     if is_mig_handle(device) {
         return ERROR_INVALID_ARGUMENT;
     }

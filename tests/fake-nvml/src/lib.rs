@@ -37,6 +37,17 @@
 //! - `FAKE_NVML_SYSFS`: a sysfs tree (the test host's `sys`). Writing a
 //!   GPU's `bus/pci/devices/<bus id>/reset` resets it: its pending MIG mode
 //!   applies and its GPU instances are gone.
+//! - `FAKE_NVML_COSTS`: what each call costs in time. Unset (or `on`):
+//!   every call waits as long as the real library took on a real H100
+//!   (`costs/h100-pcie-vm.txt`, built in: `nvmlInit` 10.7 ms the first time
+//!   in a process and 2.1 ms after, most calls 2–10 µs, MIG mode ~164 µs,
+//!   the PCIe replay counter ~173 µs, violation status 0.74 ms, total energy
+//!   3.2 ms, an event registration 2.1 ms; a call the table does not name
+//!   costs the table's median p50, 2.75 µs). `off`: no cost (a test of behaviour that
+//!   makes many calls and times nothing may ask for it; a figure measured
+//!   with it must say so). `<file>`: another table in the same format
+//!   (`costs/README.md`). A table that cannot be read makes `nvmlInit` fail
+//!   with `NVML_ERROR_UNKNOWN`, the reason on stderr. See `costs.rs`.
 //!
 //! MIG: the mode, GPU-instance and compute-instance profiles, placements,
 //! instances and MIG devices follow `simnode::mig` (NVIDIA's published
@@ -49,6 +60,7 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 mod compute_mode;
+pub mod costs;
 mod metrics;
 mod mig;
 
@@ -198,6 +210,13 @@ fn fill_pci(
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    let _cost = match costs::charge_init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("fake libnvidia-ml: {e}");
+            return ERROR_UNKNOWN;
+        }
+    };
     let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(s) = guard.as_mut() {
         s.inits += 1;
@@ -240,6 +259,7 @@ pub extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlShutdown");
     let mut guard = STATE.lock().unwrap_or_else(|p| p.into_inner());
     match guard.as_mut() {
         Some(s) if s.inits > 1 => {
@@ -259,6 +279,7 @@ pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
     version: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlSystemGetDriverVersion");
     with_node(|n| match &n.driver {
         // SAFETY: forwarded caller buffer.
         Some(d) => unsafe { write_cstr(&d.version, version, length) },
@@ -268,6 +289,7 @@ pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlSystemGetCudaDriverVersion_v2");
     // SAFETY: `version` is the caller's out-pointer.
     with_node(|n| unsafe {
         answer(
@@ -279,12 +301,14 @@ pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) 
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(version: *mut c_int) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlSystemGetCudaDriverVersion");
     // SAFETY: same contract.
     unsafe { nvmlSystemGetCudaDriverVersion_v2(version) }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetCount_v2");
     // SAFETY: `count` is the caller's out-pointer.
     with_node(|n| unsafe { answer(count, Some(n.gpus.len() as c_uint)) })
 }
@@ -294,6 +318,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetHandleByIndex_v2");
     if device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -312,6 +337,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
     bus_id: *const c_char,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetHandleByPciBusId_v2");
     if bus_id.is_null() || device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -340,6 +366,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     uuid: *const c_char,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetHandleByUUID");
     if uuid.is_null() || device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -360,6 +387,7 @@ pub unsafe extern "C" fn nvmlDeviceGetIndex(
     device: nvmlDevice_t,
     index: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetIndex");
     // SAFETY: `index` is the caller's out-pointer.
     with_gpu(device, |_, i, _| unsafe {
         answer(index, Some(i as c_uint))
@@ -371,6 +399,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(
     device: nvmlDevice_t,
     minor: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMinorNumber");
     // SAFETY: same contract; /dev/nvidiaN's N is the index here.
     unsafe { nvmlDeviceGetIndex(device, minor) }
 }
@@ -381,6 +410,7 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     name: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetName");
     // SAFETY: forwarded caller buffer.
     with_gpu(device, |_, _, g| unsafe {
         write_cstr(&g.name, name, length)
@@ -393,6 +423,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetUUID");
     if is_mig_handle(device) {
         // SAFETY: forwarded caller buffer.
         return with_mig_device(device, |m| unsafe { write_cstr(&m.uuid, uuid, length) });
@@ -419,6 +450,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMemoryInfo_v2");
     if is_mig_handle(device) {
         // A MIG device: its own memory, none of it in use.
         return with_mig_device(device, |m| {
@@ -466,6 +498,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
     memory: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMemoryInfo");
     with_gpu(device, |_, _, g| {
         let info = memory_numbers(g).map(|(total, used)| nvmlMemory_t {
             total,
@@ -482,6 +515,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
     device: nvmlDevice_t,
     pci: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetPciInfo_v3");
     // SAFETY: `pci` is the caller's out-pointer.
     with_gpu(device, |_, _, g| unsafe {
         answer(
@@ -501,6 +535,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
     major: *mut c_int,
     minor: *mut c_int,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetCudaComputeCapability");
     if major.is_null() || minor.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -523,6 +558,7 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
     link: c_uint,
     is_active: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetNvLinkState");
     if is_active.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -546,6 +582,7 @@ pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
     link: c_uint,
     pci: *mut nvmlPciInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetNvLinkRemotePciInfo_v2");
     if pci.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -570,6 +607,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
     device2: nvmlDevice_t,
     path_info: *mut nvmlGpuTopologyLevel_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetTopologyCommonAncestor");
     with_node(
         |node| match (handle_index(device1, node), handle_index(device2, node)) {
             // SAFETY: `path_info` is the caller's out-pointer.
@@ -590,6 +628,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperature(
     sensor: c_uint,
     temp: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetTemperature");
     if sensor != TEMPERATURE_GPU {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -631,6 +670,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(
     threshold: c_uint,
     temp: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetTemperatureThreshold");
     if threshold != TEMPERATURE_THRESHOLD_SLOWDOWN {
         return ERROR_NOT_SUPPORTED;
     }
@@ -643,6 +683,7 @@ pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
     device: nvmlDevice_t,
     pending: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetRetiredPagesPendingStatus");
     with_gpu(device, |_, i, g| {
         let yes = conditions_of(i, &g.uuid)
             .iter()
@@ -660,6 +701,7 @@ pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
     pending: *mut c_uint,
     failure: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetRemappedRows");
     if corr.is_null() || unc.is_null() || pending.is_null() || failure.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -683,6 +725,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
     device: nvmlDevice_t,
     power: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetPowerUsage");
     // SAFETY: `power` is the caller's out-pointer.
     with_gpu(device, |_, _, g| unsafe {
         answer(power, g.telemetry.power_mw)
@@ -694,6 +737,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     device: nvmlDevice_t,
     util: *mut nvmlUtilization_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetUtilizationRates");
     with_gpu(device, |_, _, g| {
         let t = &g.telemetry;
         let rates = t
@@ -721,6 +765,7 @@ struct EventSet {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlEventSetCreate");
     if set.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -742,6 +787,7 @@ pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlRet
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlEventSetFree");
     if set.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -755,6 +801,7 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
     device: nvmlDevice_t,
     types: *mut u64,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetSupportedEventTypes");
     // SAFETY: `types` is the caller's out-pointer.
     with_gpu(device, |_, _, _| unsafe {
         answer(types, Some(SUPPORTED_EVENTS))
@@ -767,6 +814,7 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
     types: u64,
     set: nvmlEventSet_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceRegisterEvents");
     if set.is_null() || types & !SUPPORTED_EVENTS != 0 {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -795,6 +843,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
     data: *mut nvmlEventData_t,
     timeout_ms: u32,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlEventSetWait_v2");
     if set.is_null() || data.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }

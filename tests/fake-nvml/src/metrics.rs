@@ -4,6 +4,7 @@
 //! [`simnode::readings`]: gauges as described, counters growing with the time
 //! since the library was loaded.
 
+use crate::costs;
 use std::ffi::{c_int, c_uint, c_ulonglong};
 
 use nvml_wrapper_sys::bindings::{
@@ -40,6 +41,7 @@ pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
     clock: c_uint,
     mhz: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetClockInfo");
     with_readings(device, |r| {
         let v = match clock {
             CLOCK_GRAPHICS | CLOCK_SM => r.sm_clock_mhz,
@@ -56,6 +58,7 @@ pub unsafe extern "C" fn nvmlDeviceGetTotalEnergyConsumption(
     device: nvmlDevice_t,
     energy: *mut c_ulonglong,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetTotalEnergyConsumption");
     // SAFETY: `energy` is the caller's out-pointer.
     with_readings(device, |r| unsafe { answer(energy, r.energy_mj) })
 }
@@ -65,6 +68,7 @@ pub unsafe extern "C" fn nvmlDeviceGetPcieReplayCounter(
     device: nvmlDevice_t,
     value: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetPcieReplayCounter");
     // SAFETY: `value` is the caller's out-pointer.
     with_readings(device, |r| unsafe {
         answer(value, Some(r.pcie_replays as c_uint))
@@ -99,6 +103,7 @@ pub unsafe extern "C" fn nvmlDeviceGetEncoderUtilization(
     util: *mut c_uint,
     period: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetEncoderUtilization");
     // SAFETY: forwarded caller pointers.
     unsafe { codec(device, util, period, |r| r.enc_util) }
 }
@@ -109,6 +114,7 @@ pub unsafe extern "C" fn nvmlDeviceGetDecoderUtilization(
     util: *mut c_uint,
     period: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetDecoderUtilization");
     // SAFETY: forwarded caller pointers.
     unsafe { codec(device, util, period, |r| r.dec_util) }
 }
@@ -127,6 +133,7 @@ pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
     count: c_int,
     values: *mut nvmlFieldValue_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetFieldValues");
     if values.is_null() || count < 0 {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -171,6 +178,7 @@ pub unsafe extern "C" fn nvmlGpmQueryDeviceSupport(
     device: nvmlDevice_t,
     support: *mut nvmlGpmSupport_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpmQueryDeviceSupport");
     if support.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -183,6 +191,7 @@ pub unsafe extern "C" fn nvmlGpmQueryDeviceSupport(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlGpmSampleAlloc(sample: *mut nvmlGpmSample_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpmSampleAlloc");
     if sample.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -194,6 +203,7 @@ pub unsafe extern "C" fn nvmlGpmSampleAlloc(sample: *mut nvmlGpmSample_t) -> nvm
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlGpmSampleFree(sample: nvmlGpmSample_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpmSampleFree");
     if sample.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -207,6 +217,7 @@ pub unsafe extern "C" fn nvmlGpmSampleGet(
     device: nvmlDevice_t,
     sample: nvmlGpmSample_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpmSampleGet");
     if sample.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -230,6 +241,7 @@ const GPM_PCIE_RX_PER_SEC: c_uint = 21;
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlGpmMetricsGet(get: *mut nvmlGpmMetricsGet_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpmMetricsGet");
     if get.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }

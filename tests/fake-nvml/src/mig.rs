@@ -20,6 +20,7 @@
 //! instance). A handle of an instance that is gone answers
 //! `NVML_ERROR_INVALID_ARGUMENT`.
 
+use crate::costs;
 use std::ffi::{c_char, c_uint};
 use std::fs;
 use std::io::Write as _;
@@ -407,6 +408,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     current: *mut c_uint,
     pending: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMigMode");
     if current.is_null() || pending.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -432,6 +434,7 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
     mode: c_uint,
     activation_status: *mut nvmlReturn_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceSetMigMode");
     if activation_status.is_null() || !matches!(mode, MIG_DISABLE | MIG_ENABLE) {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -557,6 +560,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
     profile: c_uint,
     info: *mut nvmlGpuInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceProfileInfo");
     with_gpu_mig(device, |_, g| match gi_profile_by_index(g, profile) {
         // SAFETY: `info` is the caller's out-pointer (checked by `answer`).
         Ok(p) => unsafe { answer(info, Some(gi_info_v1(p))) },
@@ -570,6 +574,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
     profile: c_uint,
     info: *mut nvmlGpuInstanceProfileInfo_v2_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceProfileInfoV");
     if info.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -586,6 +591,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(
     profile_id: c_uint,
     info: *mut nvmlGpuInstanceProfileInfo_v2_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceProfileInfoByIdV");
     if info.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -626,6 +632,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     placements: *mut nvmlGpuInstancePlacement_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstancePossiblePlacements_v2");
     with_gpu_mig(device, |_, g| match gi_profile_by_id(g, profile_id) {
         Ok(p) => {
             let list: Vec<nvmlGpuInstancePlacement_t> = p
@@ -649,6 +656,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceRemainingCapacity(
     profile_id: c_uint,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceRemainingCapacity");
     with_gpu_mig(device, |_, g| match g.gpu_instance_capacity(profile_id) {
         // SAFETY: `count` is the caller's out-pointer.
         Ok(n) => unsafe { answer(count, Some(n)) },
@@ -692,6 +700,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstance(
     profile_id: c_uint,
     gpu_instance: *mut nvmlGpuInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceCreateGpuInstance");
     create_gi(device, profile_id, None, gpu_instance)
 }
 
@@ -702,6 +711,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
     placement: *const nvmlGpuInstancePlacement_t,
     gpu_instance: *mut nvmlGpuInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceCreateGpuInstanceWithPlacement");
     if placement.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -712,6 +722,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlGpuInstanceDestroy(gpu_instance: nvmlGpuInstance_t) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceDestroy");
     with_gi(gpu_instance, |_, g, gi| match g.destroy_gpu_instance(gi) {
         Ok(()) => SUCCESS,
         Err(e) => code(e),
@@ -726,6 +737,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
     gpu_instances: *mut nvmlGpuInstance_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstances");
     if gpu_instances.is_null() || count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -756,6 +768,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
     id: c_uint,
     gpu_instance: *mut nvmlGpuInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceById");
     if gpu_instance.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -777,6 +790,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
     gpu_instance: nvmlGpuInstance_t,
     info: *mut nvmlGpuInstanceInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetInfo");
     with_gi(gpu_instance, |i, g, gi| {
         let x = g.gpu_instance(gi).expect("checked by with_gi");
         let v = nvmlGpuInstanceInfo_t {
@@ -833,6 +847,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
     eng_profile: c_uint,
     info: *mut nvmlComputeInstanceProfileInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstanceProfileInfo");
     if eng_profile != ENGINE_PROFILE_SHARED {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -850,6 +865,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
     eng_profile: c_uint,
     info: *mut nvmlComputeInstanceProfileInfo_v2_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstanceProfileInfoV");
     if info.is_null() || eng_profile != ENGINE_PROFILE_SHARED {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -911,6 +927,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
     profile_id: c_uint,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstanceRemainingCapacity");
     with_gi(gpu_instance, |_, g, gi| {
         match g.compute_instance_capacity(gi, profile_id) {
             // SAFETY: `count` is the caller's out-pointer.
@@ -927,6 +944,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstancePossiblePlacements(
     placements: *mut nvmlComputeInstancePlacement_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstancePossiblePlacements");
     with_gi(gpu_instance, |_, g, gi| {
         match ci_profile(g, gi, profile_id) {
             Ok(c) => {
@@ -978,6 +996,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
     profile_id: c_uint,
     compute_instance: *mut nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceCreateComputeInstance");
     create_ci(gpu_instance, profile_id, None, compute_instance)
 }
 
@@ -988,6 +1007,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(
     placement: *const nvmlComputeInstancePlacement_t,
     compute_instance: *mut nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceCreateComputeInstanceWithPlacement");
     if placement.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -1001,6 +1021,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(
 pub unsafe extern "C" fn nvmlComputeInstanceDestroy(
     compute_instance: nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlComputeInstanceDestroy");
     with_ci(compute_instance, |i, g, gi, ci| {
         let uuid = g
             .mig_devices()
@@ -1024,6 +1045,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
     compute_instances: *mut nvmlComputeInstance_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstances");
     if compute_instances.is_null() || count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -1053,6 +1075,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
     id: c_uint,
     compute_instance: *mut nvmlComputeInstance_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlGpuInstanceGetComputeInstanceById");
     if compute_instance.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -1074,6 +1097,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
     compute_instance: nvmlComputeInstance_t,
     info: *mut nvmlComputeInstanceInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlComputeInstanceGetInfo_v2");
     with_ci(compute_instance, |i, g, gi, ci| {
         let x = g
             .gpu_instance(gi)
@@ -1099,6 +1123,7 @@ pub unsafe extern "C" fn nvmlComputeInstanceGetInfo(
     compute_instance: nvmlComputeInstance_t,
     info: *mut nvmlComputeInstanceInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlComputeInstanceGetInfo");
     // SAFETY: same contract.
     unsafe { nvmlComputeInstanceGetInfo_v2(compute_instance, info) }
 }
@@ -1110,6 +1135,7 @@ pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
     device: nvmlDevice_t,
     is_mig: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceIsMigDeviceHandle");
     let mig = is_mig_handle(device);
     // SAFETY: `is_mig` is the caller's out-pointer.
     live(|_, _| unsafe { answer(is_mig, Some(c_uint::from(mig))) })
@@ -1121,6 +1147,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
     device: nvmlDevice_t,
     count: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMaxMigDeviceCount");
     with_gpu_mig(device, |_, g| {
         let n = g.capable.then(|| g.facts().compute_slices);
         // SAFETY: `count` is the caller's out-pointer.
@@ -1135,6 +1162,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
     index: c_uint,
     mig: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetMigDeviceHandleByIndex");
     if mig.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -1161,6 +1189,7 @@ pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
     mig: nvmlDevice_t,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetDeviceHandleFromMigDeviceHandle");
     if !is_mig_handle(mig) {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -1174,6 +1203,7 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
     device: nvmlDevice_t,
     attrs: *mut nvmlDeviceAttributes_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetAttributes_v2");
     if !is_mig_handle(device) {
         // Whole GPUs: nothing in a node description says this.
         return with_gpu_mig(device, |_, _| ERROR_NOT_SUPPORTED);
@@ -1200,6 +1230,7 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
     device: nvmlDevice_t,
     id: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetGpuInstanceId");
     if !is_mig_handle(device) {
         return with_gpu_mig(device, |_, _| ERROR_NOT_SUPPORTED);
     }
@@ -1212,6 +1243,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
     device: nvmlDevice_t,
     id: *mut c_uint,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetComputeInstanceId");
     if !is_mig_handle(device) {
         return with_gpu_mig(device, |_, _| ERROR_NOT_SUPPORTED);
     }
@@ -1248,6 +1280,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     count: *mut c_uint,
     infos: *mut nvmlProcessInfo_t,
 ) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetComputeRunningProcesses_v3");
     if count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
