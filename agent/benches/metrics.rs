@@ -45,7 +45,7 @@ fn render_cost() {
             gpu_agent::backend::sim::SimulatedBackend::new(node),
         )
     };
-    let inv = gpu_agent::inventory::discover(&sys, &backend).unwrap();
+    let inv = gpu_agent::inventory::discover(&sys, &backend);
     let fields = FieldSet::default();
     let sample: Sample = backend.sampler().unwrap().sample(&fields).unwrap();
     let mut pods = PodMap::default();

@@ -62,7 +62,7 @@ async fn main() {
     desc.materialize(dir.path()).unwrap();
     let host = HostRoot::new(dir.path()).unwrap();
     let backend = SimulatedBackend::new(desc);
-    let inv = Arc::new(inventory::discover(&host, &backend).unwrap());
+    let inv = Arc::new(inventory::discover(&host, &backend));
     let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     let ksock = plugin_dir.join(KUBELET_SOCKET);

@@ -216,7 +216,7 @@ async fn kernel_log_to_list_and_watch() {
     let dir = fixture_host();
     let host = HostRoot::new(dir.path()).unwrap();
     let backend = SimulatedBackend::new(simnode::NodeDescription::load("h100-sxm-8").unwrap());
-    let inv = Arc::new(gpu_agent::inventory::discover(&host, &backend).unwrap());
+    let inv = Arc::new(gpu_agent::inventory::discover(&host, &backend));
     let kmsg = dir.path().join("dev/kmsg");
     nix::unistd::mkfifo(&kmsg, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
     let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");

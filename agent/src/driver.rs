@@ -223,7 +223,7 @@ pub fn plan_nodes(
     sys: &HostRoot,
     inv: Option<&Inventory>,
 ) -> Result<Vec<devnodes::Node>, DriverError> {
-    let state = DriverState::read(sys)?;
+    let state = DriverState::read(sys);
     let extra = mig_access_caps(sys, inv)?;
     Ok(devnodes::plan(sys, &state, &extra)?)
 }
@@ -234,6 +234,7 @@ pub fn nodes_summary(out: &[devnodes::Outcome]) -> String {
     let created = count(|o| matches!(o, devnodes::Outcome::Created(_)));
     let replaced = count(|o| matches!(o, devnodes::Outcome::Replaced { .. }));
     let right = count(|o| matches!(o, devnodes::Outcome::Unchanged(_)));
+    let admin = count(|o| matches!(o, devnodes::Outcome::LeftToAdmin { .. }));
     let mut parts = Vec::new();
     if created > 0 {
         parts.push(format!("created {created}"));
@@ -242,6 +243,11 @@ pub fn nodes_summary(out: &[devnodes::Outcome]) -> String {
         parts.push(format!("replaced {replaced} wrong"));
     }
     parts.push(format!("{right} already right"));
+    if admin > 0 {
+        parts.push(format!(
+            "{admin} left to the administrator (the driver says not to make or change them)"
+        ));
+    }
     format!("{} device node(s): {}", out.len(), parts.join(", "))
 }
 
@@ -252,7 +258,7 @@ pub fn validate(
     expected: Option<&str>,
     nvml: Option<&dyn Fn() -> Result<String, String>>,
 ) -> Result<String, DriverError> {
-    let state = DriverState::read(sys)?;
+    let state = DriverState::read(sys);
     if !state.is_loaded() {
         return Err(DriverError::Validate(
             "the nvidia module is not loaded".into(),
@@ -616,7 +622,7 @@ mod tests {
 
     fn inventory(node: &str) -> Inventory {
         let (_dir, sys, backend) = sim_node(node);
-        crate::inventory::discover(&sys, &backend).unwrap()
+        crate::inventory::discover(&sys, &backend)
     }
 
     #[test]

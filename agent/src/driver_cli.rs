@@ -150,7 +150,7 @@ fn env(cli: &Cli) -> Result<Env, Failure> {
             "gpu-agent driver works on the host's kernel; it cannot be used with --simulate"
         )));
     }
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref()).ok();
+    let inv = Some(gpu_agent::inventory::discover(&view.sys, view.backend.as_ref()));
     let kernel = driver::running_kernel(&host).map_err(map_driver)?;
     Ok(Env {
         host,
@@ -288,7 +288,7 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             let what = format!("driver install {}", shown(&file.to_string_lossy()));
             let _lock = lock_host_files(&e.host, &what, *no_wait)?;
             let name = install_file(&e, file, sha256.as_deref())?;
-            let loaded = hostlib::driver::DriverState::read(&e.host)?.is_loaded();
+            let loaded = hostlib::driver::DriverState::read(&e.host).is_loaded();
             let current = bundle::current(&e.host).map_err(map_bundle)?;
             if current.as_deref() == Some(name.as_str()) {
                 println!("{name} is the current driver");
@@ -380,7 +380,7 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
                 )
                 .into());
             };
-            if hostlib::driver::DriverState::read(&e.host)?.is_loaded() {
+            if hostlib::driver::DriverState::read(&e.host).is_loaded() {
                 upgrade(&e, &sys, &prev)
             } else {
                 bundle::rollback(&e.host).map_err(map_bundle)?;
@@ -414,6 +414,9 @@ fn nodes(e: &Env, sys: &dyn hostlib::Syscalls) -> Result<(), Failure> {
                 println!("replaced {path} (was {was})")
             }
             kmod::devnodes::Outcome::Unchanged(_) => {}
+            kmod::devnodes::Outcome::LeftToAdmin { path, is } => {
+                println!("left {path} to the administrator (the driver says so); it is {is}")
+            }
         }
     }
     println!("{}", driver::nodes_summary(&out));
@@ -473,7 +476,7 @@ fn list(e: &Env) -> Result<ExitCode, Failure> {
             render::table(&["NAME", "DRIVER", "KERNELS", "FLAVOURS", ""], &rows)
         );
     }
-    let state = hostlib::driver::DriverState::read(&e.host)?;
+    let state = hostlib::driver::DriverState::read(&e.host);
     let loaded: Vec<String> = state
         .modules
         .iter()

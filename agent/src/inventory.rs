@@ -34,6 +34,11 @@ pub struct Inventory {
     pub pairs: Vec<GpuPair>,
     /// Things an operator should know, in plain words.
     pub warnings: Vec<String>,
+    /// Host files (or lines) discovery could not read: what they hold is
+    /// unknown, everything else was read. A stage that needs one of them
+    /// says so, naming the file and line.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<hostlib::Unreadable>,
 }
 
 /// The backend that answered.
@@ -93,29 +98,37 @@ pub struct GpuPair {
     pub pcie: Option<PcieLevel>,
 }
 
-/// Discovery could not read the host.
-#[derive(Debug, thiserror::Error)]
-pub enum DiscoveryError {
-    #[error(transparent)]
-    Pci(#[from] pci::PciError),
-    #[error(transparent)]
-    Driver(#[from] hostlib::driver::DriverError),
-    #[error(transparent)]
-    Host(#[from] hostlib::HostError),
-}
-
 /// Reads sysfs and `/proc` under `sys` and asks `backend`, then builds the
-/// inventory. A backend that cannot answer is not an error: the GPUs sysfs
-/// shows are still listed, and the reason is in [`BackendInfo::error`].
-pub fn discover(sys: &HostRoot, backend: &dyn GpuBackend) -> Result<Inventory, DiscoveryError> {
-    let functions = pci::discover_nvidia_gpus(sys)?;
-    let driver = DriverState::read(sys)?;
-    let machine = sys
-        .read_optional(DMI_PRODUCT_NAME)?
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty());
+/// inventory. Nothing here fails the whole: a backend that cannot answer
+/// leaves the GPUs sysfs shows, with the reason in [`BackendInfo::error`];
+/// a host file or line that cannot be read is in [`Inventory::unreadable`]
+/// (and a warning) and everything else is still read.
+pub fn discover(sys: &HostRoot, backend: &dyn GpuBackend) -> Inventory {
+    let scan = pci::scan_nvidia_gpus(sys);
+    let driver = DriverState::read(sys);
+    let mut unreadable: Vec<hostlib::Unreadable> =
+        scan.unreadable.iter().map(|e| e.unreadable()).collect();
+    unreadable.extend(driver.unreadable.iter().cloned());
+    let machine = match sys.read_optional(DMI_PRODUCT_NAME) {
+        Ok(m) => m.map(|s| s.trim().to_string()).filter(|s| !s.is_empty()),
+        Err(e) => {
+            unreadable.push(hostlib::Unreadable::from_host_error(
+                sys,
+                DMI_PRODUCT_NAME,
+                &e,
+            ));
+            None
+        }
+    };
     let snapshot = backend.snapshot();
-    Ok(build(machine, functions, driver, backend.name(), snapshot))
+    let mut inv = build(machine, scan.functions, driver, backend.name(), snapshot);
+    for u in &unreadable {
+        inv.warnings.push(format!(
+            "cannot read {u}; what it holds is unknown, the rest of the node was read"
+        ));
+    }
+    inv.unreadable = unreadable;
+    inv
 }
 
 /// Joins sysfs's PCI functions with the backend's GPUs by bus id.
@@ -253,6 +266,7 @@ pub fn build(
         gpus,
         pairs,
         warnings,
+        unreadable: Vec::new(),
     }
 }
 
@@ -363,7 +377,7 @@ mod tests {
         desc.driver = None;
         desc.materialize(dir.path()).unwrap();
         let root = HostRoot::new(dir.path()).unwrap();
-        let inv = discover(&root, &SimulatedBackend::new(desc)).unwrap();
+        let inv = discover(&root, &SimulatedBackend::new(desc));
         assert_eq!(inv.gpus.len(), 1);
         assert_eq!(inv.gpus[0].uuid, None);
         assert_eq!(inv.gpus[0].bus_id.to_string(), "0000:00:1e.0");

@@ -348,8 +348,7 @@ fn print_json<T: Serialize>(value: &T) -> Result<(), Failure> {
 fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let view = node_view(cli, &host)?;
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
-        .context("cannot discover the node's GPUs")?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
     match output {
         Output::Json => print_json(&inv)?,
         Output::Table => print!("{}", render::inventory(&inv)),
@@ -361,8 +360,7 @@ fn labels(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
-        .context("cannot discover the node's GPUs")?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
     let labels = gpu_agent::labels::node_labels(&inv, &policy)?;
     match output {
         Output::Json => print_json(&labels)?,
@@ -449,8 +447,7 @@ fn cdi_generate(cli: &Cli, write: bool, no_wait: bool) -> Result<ExitCode, Failu
     let host = host_root(cli)?;
     let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref())
-        .context("cannot discover the node's GPUs")?;
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
     let opts = cdi::Options {
         hook_path: policy.cdi.hook_path.clone(),
     };

@@ -213,7 +213,7 @@ fn sim_node() -> (
     let desc = simnode::NodeDescription::load("h100-sxm-8").unwrap();
     desc.materialize(dir.path()).unwrap();
     let host = HostRoot::new(dir.path()).unwrap();
-    let inv = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)).unwrap());
+    let inv = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)));
     let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     (dir, host, inv, plugin_dir)

@@ -33,7 +33,7 @@ fn node(name: &str) -> Node {
     let desc = simnode::NodeDescription::load(name).unwrap();
     desc.materialize(dir.path()).unwrap();
     let host = HostRoot::new(dir.path()).unwrap();
-    let inventory = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)).unwrap());
+    let inventory = Arc::new(inventory::discover(&host, &SimulatedBackend::new(desc)));
     let plugin_dir = dir.path().join("var/lib/kubelet/device-plugins");
     std::fs::create_dir_all(&plugin_dir).unwrap();
     Node {

@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use procfs_core::{FromRead, KernelModules};
 use serde::{Deserialize, Serialize};
 
 use crate::pci::PciAddress;
@@ -40,8 +39,60 @@ pub enum DriverFlavour {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadedModule {
     pub name: String,
-    pub refcount: i32,
+    /// The reference count; `None` where the kernel shows `-` (built
+    /// without module unloading: nothing can be unloaded).
+    pub refcount: Option<i32>,
     pub used_by: Vec<String>,
+}
+
+/// A host file, or one line of it, that could not be read. What it would
+/// have told is missing; everything else was still read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unreadable {
+    /// The file, as resolved under the host root (`/host/proc/modules`).
+    pub path: PathBuf,
+    /// The 1-based line, where one line was the trouble.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.line {
+            Some(n) => write!(f, "{}: line {n}: {}", self.path.display(), self.message),
+            None => write!(f, "{}: {}", self.path.display(), self.message),
+        }
+    }
+}
+
+impl Unreadable {
+    /// A read error (the error already names the file).
+    pub fn from_host_error(root: &HostRoot, host_path: &str, e: &HostError) -> Self {
+        let message = match e {
+            HostError::Io { source, .. } => source.to_string(),
+            other => other.to_string(),
+        };
+        Unreadable {
+            path: resolved(root, host_path),
+            line: None,
+            message,
+        }
+    }
+}
+
+/// Whether `/proc/modules` was there to say which modules are loaded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ModuleList {
+    /// Read (lines that could not be read are in [`DriverState::unreadable`]).
+    #[default]
+    Read,
+    /// There is no `/proc/modules`: the kernel has no loadable-module
+    /// support, so a driver can only be built in.
+    NoModuleSupport,
+    /// `/proc/modules` could not be read (see [`DriverState::unreadable`]).
+    Unreadable,
 }
 
 /// What `/proc` says about the NVIDIA driver.
@@ -52,6 +103,9 @@ pub struct DriverState {
     pub flavour: Option<DriverFlavour>,
     /// Loaded NVIDIA modules, in [`NVIDIA_MODULES`] order.
     pub modules: Vec<LoadedModule>,
+    /// Whether [`Self::modules`] could be read at all.
+    #[serde(default)]
+    pub module_list: ModuleList,
     /// Character majors of NVIDIA devices (`nvidia-frontend`, `nvidia-uvm`,
     /// `nvidia-caps`, ...), by name.
     pub char_majors: BTreeMap<String, u32>,
@@ -60,6 +114,10 @@ pub struct DriverState {
     /// What the loaded driver says of each GPU it drives
     /// (`/proc/driver/nvidia/gpus/<bus>/information`).
     pub gpus: Vec<ProcGpu>,
+    /// Files and lines that could not be read; what they hold is missing
+    /// above, and everything else was read.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<Unreadable>,
 }
 
 /// One GPU as `/proc/driver/nvidia/gpus/<bus>/information` shows it; known
@@ -83,53 +141,101 @@ pub enum DriverError {
 }
 
 impl DriverState {
-    /// Reads the driver state from `/proc` under `root`.
-    pub fn read(root: &HostRoot) -> Result<Self, DriverError> {
+    /// Reads the driver state from `/proc` under `root`. Never fails: each
+    /// file is read on its own, and a file or line that cannot be read is
+    /// in [`Self::unreadable`] while the rest is still read.
+    pub fn read(root: &HostRoot) -> Self {
         let mut state = DriverState::default();
-        if let Some(text) = root.read_optional(PROC_VERSION)? {
-            let (version, flavour) =
-                parse_version_file(&text).ok_or_else(|| DriverError::Parse {
+        let mut bad = Vec::new();
+        match root.read_optional(PROC_VERSION) {
+            Ok(Some(text)) => match parse_version_file(&text) {
+                Some((version, flavour)) => {
+                    state.version = Some(version);
+                    state.flavour = Some(flavour);
+                }
+                None => bad.push(Unreadable {
                     path: resolved(root, PROC_VERSION),
+                    line: None,
                     message: "no \"NVRM version:\" line with a version number".into(),
-                })?;
-            state.version = Some(version);
-            state.flavour = Some(flavour);
+                }),
+            },
+            Ok(None) => {}
+            Err(e) => bad.push(Unreadable::from_host_error(root, PROC_VERSION, &e)),
         }
-        let modules =
-            KernelModules::from_read(root.open(PROC_MODULES)?).map_err(|e| DriverError::Parse {
-                path: resolved(root, PROC_MODULES),
-                message: e.to_string(),
-            })?;
-        for name in NVIDIA_MODULES {
-            if let Some(m) = modules.0.get(*name) {
-                let mut used_by = m.used_by.clone();
-                used_by.sort();
-                state.modules.push(LoadedModule {
-                    name: m.name.clone(),
-                    refcount: m.refcount,
-                    used_by,
-                });
+        match root.read_optional(PROC_MODULES) {
+            Ok(Some(text)) => {
+                let parsed = crate::procfiles::parse_modules(&text);
+                bad.extend(parsed.bad_lines.into_iter().map(|b| Unreadable {
+                    path: resolved(root, PROC_MODULES),
+                    line: Some(b.line),
+                    message: b.message,
+                }));
+                for name in NVIDIA_MODULES {
+                    if let Some(m) = parsed.modules.get(*name) {
+                        state.modules.push(LoadedModule {
+                            name: m.name.clone(),
+                            refcount: m.refcount.count(),
+                            used_by: m.used_by.clone(),
+                        });
+                    }
+                }
+                state.nouveau_loaded = parsed.modules.contains_key("nouveau");
+            }
+            Ok(None) => state.module_list = ModuleList::NoModuleSupport,
+            Err(e) => {
+                state.module_list = ModuleList::Unreadable;
+                bad.push(Unreadable::from_host_error(root, PROC_MODULES, &e));
             }
         }
-        state.nouveau_loaded = modules.0.contains_key("nouveau");
-        let devices = procfs_core::Devices::from_read(root.open(PROC_DEVICES)?).map_err(|e| {
-            DriverError::Parse {
+        match root.read_optional(PROC_DEVICES) {
+            Ok(Some(text)) => {
+                let parsed = crate::procfiles::parse_devices(&text);
+                bad.extend(parsed.bad_lines.into_iter().map(|b| Unreadable {
+                    path: resolved(root, PROC_DEVICES),
+                    line: Some(b.line),
+                    message: b.message,
+                }));
+                state.char_majors = parsed
+                    .char_majors
+                    .into_iter()
+                    .filter(|(name, _)| name.starts_with("nvidia"))
+                    .collect();
+            }
+            Ok(None) => bad.push(Unreadable {
                 path: resolved(root, PROC_DEVICES),
-                message: e.to_string(),
-            }
-        })?;
-        for d in devices.char_devices {
-            if d.name.starts_with("nvidia") {
-                state.char_majors.insert(d.name, d.major);
-            }
+                line: None,
+                message: "no such file: the device majors are unknown".into(),
+            }),
+            Err(e) => bad.push(Unreadable::from_host_error(root, PROC_DEVICES, &e)),
         }
-        state.gpus = read_proc_gpus(root)?;
-        Ok(state)
+        state.gpus = read_proc_gpus(root, &mut bad);
+        state.unreadable = bad;
+        state
     }
 
-    /// True when the `nvidia` module is loaded.
+    /// True when the `nvidia` module is loaded: listed in `/proc/modules`,
+    /// or (built in, or `/proc/modules` unreadable) its version file is there,
+    /// which only the loaded driver makes.
     pub fn is_loaded(&self) -> bool {
-        self.modules.iter().any(|m| m.name == "nvidia")
+        self.modules.iter().any(|m| m.name == "nvidia") || self.version.is_some()
+    }
+
+    /// Whether `module` is loaded: `Some` from `/proc/modules`; where that
+    /// could not be read, what the module itself shows (`nvidia` its version
+    /// file, `nvidia_uvm` and the others their `/proc/devices` major), and
+    /// `None` where nothing tells.
+    pub fn module_loaded(&self, module: &str) -> Option<bool> {
+        if self.modules.iter().any(|m| m.name == module) {
+            return Some(true);
+        }
+        if self.module_list == ModuleList::Read {
+            return Some(module == "nvidia" && self.version.is_some());
+        }
+        match module {
+            "nvidia" => Some(self.version.is_some()),
+            "nvidia_uvm" => self.char_majors.contains_key("nvidia-uvm").then_some(true),
+            _ => None,
+        }
     }
 
     /// The major of `/dev/nvidia*` and `/dev/nvidiactl`: `nvidia-frontend`,
@@ -142,25 +248,37 @@ impl DriverState {
     }
 }
 
-fn read_proc_gpus(root: &HostRoot) -> Result<Vec<ProcGpu>, DriverError> {
+fn read_proc_gpus(root: &HostRoot, bad: &mut Vec<Unreadable>) -> Vec<ProcGpu> {
     let names = match root.read_dir_names(PROC_GPUS) {
         Ok(n) => n,
-        Err(e) if e.is_not_found() => return Ok(Vec::new()),
-        Err(e) => return Err(e.into()),
+        Err(e) if e.is_not_found() => return Vec::new(),
+        Err(e) => {
+            bad.push(Unreadable::from_host_error(root, PROC_GPUS, &e));
+            return Vec::new();
+        }
     };
     let mut gpus = Vec::new();
     for name in names {
         let path = format!("{PROC_GPUS}/{name}/information");
-        let Some(text) = root.read_optional(&path)? else {
+        let text = match root.read_optional(&path) {
+            Ok(Some(t)) => t,
+            Ok(None) => continue,
+            Err(e) => {
+                bad.push(Unreadable::from_host_error(root, &path, &e));
+                continue;
+            }
+        };
+        let Ok(bus_id) = name.parse() else {
+            bad.push(Unreadable {
+                path: resolved(root, &path),
+                line: None,
+                message: format!("directory name {name:?} is not a PCI address"),
+            });
             continue;
         };
-        let bus_id = name.parse().map_err(|_| DriverError::Parse {
-            path: resolved(root, &path),
-            message: format!("directory name {name:?} is not a PCI address"),
-        })?;
         gpus.push(parse_information(bus_id, &text));
     }
-    Ok(gpus)
+    gpus
 }
 
 /// Parses the `Key: value` lines of a GPU's `information` file.
@@ -287,7 +405,7 @@ mod tests {
             modules,
             DEVICES,
         );
-        let s = DriverState::read(&root).unwrap();
+        let s = DriverState::read(&root);
         assert!(s.is_loaded());
         assert_eq!(s.version.as_deref(), Some("550.54.15"));
         assert_eq!(s.flavour, Some(DriverFlavour::Open));
@@ -318,7 +436,7 @@ mod tests {
             "nouveau 2000 0 - Live 0x0\n",
             "Character devices:\n  1 mem\n\nBlock devices:\n",
         );
-        let s = DriverState::read(&root).unwrap();
+        let s = DriverState::read(&root);
         assert!(!s.is_loaded());
         assert_eq!(s.version, None);
         assert!(s.char_majors.is_empty());
@@ -326,10 +444,47 @@ mod tests {
     }
 
     #[test]
-    fn unparseable_version_names_the_file() {
-        let (_d, root) = proc_tree(Some("hello\n"), "", DEVICES);
-        let err = DriverState::read(&root).unwrap_err().to_string();
+    fn unparseable_version_names_the_file_and_the_rest_is_read() {
+        let (_d, root) = proc_tree(Some("hello\n"), "nvidia 1 0 - Live 0x0\n", DEVICES);
+        let s = DriverState::read(&root);
+        assert_eq!(s.unreadable.len(), 1, "{:?}", s.unreadable);
+        let err = s.unreadable[0].to_string();
         assert!(err.contains("proc/driver/nvidia/version"), "{err}");
+        assert_eq!(s.frontend_major(), Some(195));
+        assert!(s.is_loaded());
+    }
+
+    /// The real H100 host's kernel has no module unloading: `-` counts.
+    #[test]
+    fn reference_counts_of_dash_and_bad_lines() {
+        let modules = "nvidia_uvm 1830912 - - Live 0xffffffffc080c000 (O)\nnvidia 14299136 - - Live 0xffffffffc0400000 (O)\nnvidia_drm 1 zz - Live 0x0\n";
+        let (_d, root) = proc_tree(None, modules, DEVICES);
+        let s = DriverState::read(&root);
+        let names: Vec<&str> = s.modules.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["nvidia", "nvidia_uvm"]);
+        assert_eq!(s.modules[0].refcount, None);
+        assert_eq!(s.module_list, ModuleList::Read);
+        assert_eq!(s.unreadable.len(), 1);
+        let err = s.unreadable[0].to_string();
+        assert!(err.ends_with("proc/modules: line 3: nvidia_drm: reference count \"zz\" is neither a number nor \"-\""), "{err}");
+    }
+
+    #[test]
+    fn a_kernel_without_proc_modules_is_a_fact_not_a_failure() {
+        let (d, root) = proc_tree(
+            Some("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build\n"),
+            "",
+            DEVICES,
+        );
+        std::fs::remove_file(d.path().join("proc/modules")).unwrap();
+        let s = DriverState::read(&root);
+        assert_eq!(s.module_list, ModuleList::NoModuleSupport);
+        assert!(s.unreadable.is_empty(), "{:?}", s.unreadable);
+        // Built in: the version file tells that the driver is there.
+        assert!(s.is_loaded());
+        assert_eq!(s.module_loaded("nvidia"), Some(true));
+        assert_eq!(s.module_loaded("nvidia_uvm"), Some(true));
+        assert_eq!(s.module_loaded("nvidia_modeset"), None);
     }
 
     #[test]

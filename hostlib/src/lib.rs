@@ -11,11 +11,12 @@ pub mod fsutil;
 pub mod managed;
 pub mod pci;
 pub mod process;
+pub mod procfiles;
 pub mod root;
 pub mod strict;
 pub mod syscalls;
 
-pub use driver::{DriverFlavour, DriverState, LoadedModule};
+pub use driver::{DriverFlavour, DriverState, LoadedModule, Unreadable};
 pub use pci::{PciAddress, PciFunction};
 pub use root::{HostError, HostRoot};
 pub use syscalls::{Call, LinuxSyscalls, RecordingSyscalls, SyscallError, Syscalls};

@@ -139,43 +139,129 @@ pub enum PciError {
 }
 
 /// Every NVIDIA GPU function under `/sys/bus/pci/devices`, sorted by address.
-/// Other NVIDIA functions (HDMI audio, NVSwitch bridges) are left out.
+/// Other NVIDIA functions (HDMI audio, NVSwitch bridges) are left out. The
+/// first file that cannot be read is an error (see [`scan_nvidia_gpus`] for
+/// the reading that goes on past it).
 pub fn discover_nvidia_gpus(root: &HostRoot) -> Result<Vec<PciFunction>, PciError> {
-    let names = root
-        .read_dir_names(SYSFS_PCI_DEVICES)
-        .map_err(PciError::List)?;
-    let mut out = Vec::new();
+    let scan = scan_nvidia_gpus(root);
+    match scan.unreadable.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(scan.functions),
+    }
+}
+
+/// What [`scan_nvidia_gpus`] found, and what it could not read.
+#[derive(Debug, Default)]
+pub struct PciScan {
+    pub functions: Vec<PciFunction>,
+    /// Each file that could not be read, naming it. A function whose vendor,
+    /// class or device cannot be read is left out; one whose other
+    /// attributes cannot be read is kept without them.
+    pub unreadable: Vec<PciError>,
+}
+
+/// Every NVIDIA GPU function under `/sys/bus/pci/devices`, sorted by
+/// address, reading past what cannot be read: one bad sysfs file never
+/// hides the other GPUs.
+pub fn scan_nvidia_gpus(root: &HostRoot) -> PciScan {
+    let mut scan = PciScan::default();
+    let names = match root.read_dir_names(SYSFS_PCI_DEVICES) {
+        Ok(n) => n,
+        Err(e) => {
+            scan.unreadable.push(PciError::List(e));
+            return scan;
+        }
+    };
     for name in names {
         let Ok(address) = name.parse::<PciAddress>() else {
             tracing::debug!(entry = %name, "skipping sysfs entry that is not a PCI address");
             continue;
         };
-        let base = format!("{SYSFS_PCI_DEVICES}/{name}");
-        let vendor = read_hex(root, &format!("{base}/vendor"))?;
-        if vendor != u32::from(NVIDIA_VENDOR) {
-            continue;
-        }
-        let class = read_hex(root, &format!("{base}/class"))?;
-        let f = PciFunction {
-            address,
-            vendor: vendor as u16,
-            device: read_hex(root, &format!("{base}/device"))? as u16,
-            class,
-            subsystem_vendor: read_hex_optional(root, &format!("{base}/subsystem_vendor"))?
-                .map(|v| v as u16),
-            subsystem_device: read_hex_optional(root, &format!("{base}/subsystem_device"))?
-                .map(|v| v as u16),
-            numa_node: read_numa(root, &format!("{base}/numa_node"))?,
-            iommu_group: link_basename(root, &format!("{base}/iommu_group"))?
-                .and_then(|g| g.parse().ok()),
-            driver: link_basename(root, &format!("{base}/driver"))?,
-        };
-        if f.is_nvidia_gpu() {
-            out.push(f);
+        match read_function(root, address, &name, &mut scan.unreadable) {
+            Ok(Some(f)) => scan.functions.push(f),
+            Ok(None) => {}
+            Err(e) => scan.unreadable.push(e),
         }
     }
-    out.sort_by_key(|f| f.address);
-    Ok(out)
+    scan.functions.sort_by_key(|f| f.address);
+    scan
+}
+
+/// One function: `None` when it is not an NVIDIA GPU; an error when what
+/// tells (vendor, class, device) cannot be read. The optional attributes
+/// that cannot be read go to `bad` and are left unset.
+fn read_function(
+    root: &HostRoot,
+    address: PciAddress,
+    name: &str,
+    bad: &mut Vec<PciError>,
+) -> Result<Option<PciFunction>, PciError> {
+    let base = format!("{SYSFS_PCI_DEVICES}/{name}");
+    let vendor = read_hex(root, &format!("{base}/vendor"))?;
+    if vendor != u32::from(NVIDIA_VENDOR) {
+        return Ok(None);
+    }
+    let class = read_hex(root, &format!("{base}/class"))?;
+    let device = read_hex(root, &format!("{base}/device"))? as u16;
+    let mut optional = |r: Result<Option<u32>, PciError>| match r {
+        Ok(v) => v,
+        Err(e) => {
+            bad.push(e);
+            None
+        }
+    };
+    let subsystem_vendor =
+        optional(read_hex_optional(root, &format!("{base}/subsystem_vendor"))).map(|v| v as u16);
+    let subsystem_device =
+        optional(read_hex_optional(root, &format!("{base}/subsystem_device"))).map(|v| v as u16);
+    let numa_node = optional(read_numa(root, &format!("{base}/numa_node")));
+    let iommu_group = match link_basename(root, &format!("{base}/iommu_group")) {
+        Ok(g) => g.and_then(|g| g.parse().ok()),
+        Err(e) => {
+            bad.push(e);
+            None
+        }
+    };
+    let driver = match link_basename(root, &format!("{base}/driver")) {
+        Ok(d) => d,
+        Err(e) => {
+            bad.push(e);
+            None
+        }
+    };
+    let f = PciFunction {
+        address,
+        vendor: vendor as u16,
+        device,
+        class,
+        subsystem_vendor,
+        subsystem_device,
+        numa_node,
+        iommu_group,
+        driver,
+    };
+    Ok(f.is_nvidia_gpu().then_some(f))
+}
+
+impl PciError {
+    /// The file this error is about, and what went wrong with it.
+    pub fn unreadable(&self) -> crate::driver::Unreadable {
+        let (path, message) = match self {
+            PciError::List(e) | PciError::Read(e) => match e {
+                HostError::Io { path, source } => (path.clone(), source.to_string()),
+                other => (PathBuf::from(SYSFS_PCI_DEVICES), other.to_string()),
+            },
+            PciError::Parse { path, value } => (
+                path.clone(),
+                format!("cannot parse {value:?} as a hex number"),
+            ),
+        };
+        crate::driver::Unreadable {
+            path,
+            line: None,
+            message,
+        }
+    }
 }
 
 fn parse_hex(path: &str, root: &HostRoot, text: &str) -> Result<u32, PciError> {
@@ -307,6 +393,28 @@ mod tests {
         let err = discover_nvidia_gpus(&root).unwrap_err().to_string();
         assert!(err.contains("0000:18:00.0/class"), "{err}");
         assert!(err.contains("\"garbage\""), "{err}");
+    }
+
+    #[test]
+    fn a_bad_file_of_one_gpu_leaves_the_others_and_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        write_fn(dir.path(), "0000:18:00.0", "0x10de", "garbage", None);
+        write_fn(dir.path(), "0000:19:00.0", "0x10de", "0x030200", None);
+        write_fn(dir.path(), "0000:1a:00.0", "0x10de", "0x030200", None);
+        fs::write(
+            dir.path().join("sys/devices/pci0000:00/0000:1a:00.0/numa_node"),
+            "many\n",
+        )
+        .unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        let scan = scan_nvidia_gpus(&root);
+        let addrs: Vec<String> = scan.functions.iter().map(|g| g.address.to_string()).collect();
+        assert_eq!(addrs, ["0000:19:00.0", "0000:1a:00.0"]);
+        assert_eq!(scan.functions[1].numa_node, None);
+        let errs: Vec<String> = scan.unreadable.iter().map(|e| e.to_string()).collect();
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert!(errs[0].contains("0000:18:00.0/class"), "{errs:?}");
+        assert!(errs[1].contains("0000:1a:00.0/numa_node") && errs[1].contains("\"many\""), "{errs:?}");
     }
 
     #[test]

@@ -112,8 +112,16 @@ pub enum ModuleError {
         #[source]
         source: SyscallError,
     },
-    #[error("/proc/modules: {0}")]
-    ProcModules(String),
+    #[error("{path}: {message}")]
+    ProcModules { path: String, message: String },
+    #[error(
+        "{path} does not exist: the kernel has no loadable-module support, so no module can be loaded or unloaded (use a kernel with the driver built in and spec.driver.enabled: false)"
+    )]
+    NoModuleSupport { path: String },
+    #[error(
+        "{module} cannot be unloaded: the kernel was built without module unloading (CONFIG_MODULE_UNLOAD; /proc/modules shows \"-\" for its reference count); reboot to change the driver"
+    )]
+    NoUnload { module: String },
     #[error(transparent)]
     Host(#[from] HostError),
 }
@@ -155,28 +163,46 @@ pub struct Holder {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Loaded {
     pub name: String,
-    pub refcount: i32,
+    /// `None` where the kernel shows `-`: it was built without module
+    /// unloading, and nothing can be unloaded.
+    pub refcount: Option<i32>,
     /// Modules using it (`/proc/modules`' used-by column, or `holders/`).
     pub holders: Vec<String>,
 }
 
-/// The loaded modules, by name (`/proc/modules`, through procfs-core).
+/// The loaded modules, by name (`/proc/modules`, through our own parser:
+/// procfs-core fails on the `-` counts real kernels print, see
+/// `hostlib::procfiles`). Loading and unloading need the whole list: a line
+/// that cannot be read is an error naming it.
 pub fn loaded(host: &HostRoot) -> Result<BTreeMap<String, Loaded>, ModuleError> {
-    use procfs_core::FromRead;
-    let modules = procfs_core::KernelModules::from_read(host.open("/proc/modules")?)
-        .map_err(|e| ModuleError::ProcModules(e.to_string()))?;
-    Ok(modules
-        .0
+    const PROC_MODULES: &str = "/proc/modules";
+    let path = || {
+        host.resolve(PROC_MODULES)
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| PROC_MODULES.into())
+    };
+    let Some(text) = host.read_optional(PROC_MODULES)? else {
+        return Err(ModuleError::NoModuleSupport { path: path() });
+    };
+    let parsed = hostlib::procfiles::parse_modules(&text);
+    if let Some(bad) = parsed.bad_lines.first() {
+        return Err(ModuleError::ProcModules {
+            path: path(),
+            message: format!(
+                "{bad}; cannot tell which modules are loaded (nothing was loaded or unloaded)"
+            ),
+        });
+    }
+    Ok(parsed
+        .modules
         .into_values()
         .map(|m| {
-            let mut holders = m.used_by;
-            holders.sort();
             (
                 m.name.clone(),
                 Loaded {
                     name: m.name,
-                    refcount: m.refcount,
-                    holders,
+                    refcount: m.refcount.count(),
+                    holders: m.used_by,
                 },
             )
         })
@@ -344,7 +370,12 @@ pub fn unload(
             .cloned()
             .collect();
         let inside = l.holders.len() - outside.len();
-        if !outside.is_empty() || l.refcount > inside as i32 {
+        let Some(refcount) = l.refcount else {
+            return Err(ModuleError::NoUnload {
+                module: name.clone(),
+            });
+        };
+        if !outside.is_empty() || refcount > inside as i32 {
             return Err(ModuleError::InUse {
                 module: name.clone(),
                 holders: outside,

@@ -291,7 +291,7 @@ fn mig_node() -> (tempfile::TempDir, HostRoot, DriverState) {
     // A fresh host: no /dev yet.
     fs::remove_dir_all(dir.path().join("dev")).unwrap();
     let root = HostRoot::new(dir.path()).unwrap();
-    let state = DriverState::read(&root).unwrap();
+    let state = DriverState::read(&root);
     (dir, root, state)
 }
 
@@ -316,7 +316,8 @@ fn device_nodes_use_the_majors_from_proc_devices() {
             ("/dev/nvidia1".into(), 195, 1, 0o666),
             ("/dev/nvidia-uvm".into(), 234, 0, 0o666),
             ("/dev/nvidia-uvm-tools".into(), 234, 1, 0o666),
-            ("/dev/nvidia-caps/nvidia-cap1".into(), 237, 1, 0o444),
+            // MIG config: only root (the driver's capability file says 0400).
+            ("/dev/nvidia-caps/nvidia-cap1".into(), 237, 1, 0o400),
             ("/dev/nvidia-caps/nvidia-cap2".into(), 237, 2, 0o444),
             ("/dev/nvidia-caps/nvidia-cap3".into(), 237, 3, 0o444),
             ("/dev/nvidia-caps/nvidia-cap4".into(), 237, 4, 0o444),
@@ -379,7 +380,7 @@ fn no_frontend_major_is_said_plainly() {
         "Character devices:\n  1 mem\n\nBlock devices:\n",
     )
     .unwrap();
-    let state = DriverState::read(&root).unwrap();
+    let state = DriverState::read(&root);
     let err = devnodes::plan(&root, &state, &[]).unwrap_err();
     assert_eq!(
         err.to_string(),

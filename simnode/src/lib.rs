@@ -691,6 +691,12 @@ impl NodeDescription {
                     d.version
                 ),
             )?;
+            // The device-file settings, as the driver publishes them (its
+            // defaults: 0666, root:root, nodes may be made).
+            fs::write(
+                nv.join("params"),
+                "ModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 0\nDeviceFileMode: 438\n",
+            )?;
             // nvidia is used by every other NVIDIA module loaded.
             let users: Vec<&str> = d
                 .modules
@@ -826,16 +832,35 @@ impl NodeDescription {
                 }
             }
             fs::write(caps.join("mig-minors"), text)?;
+            // The capability files a real driver publishes (modes as on a
+            // real H100 host: config 0400, monitor and access 0444).
+            let capfile = |rel: String, minor: u32, mode: u32| -> io::Result<()> {
+                let p = root.join("proc/driver/nvidia/capabilities").join(rel);
+                fs::create_dir_all(p.parent().expect("a capability file has a parent"))?;
+                fs::write(
+                    p,
+                    format!("DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"),
+                )
+            };
+            capfile("mig/config".into(), 1, 256)?;
+            capfile("mig/monitor".into(), 2, 292)?;
             for (gpu, g) in self.gpus.iter().enumerate() {
                 for (k, m) in g.mig.devices.iter().enumerate() {
                     // (Only where there are nodes: git keeps no empty directories.)
                     fs::create_dir_all(dev.join("nvidia-caps"))?;
                     let gi = m.gi_id(k);
-                    for minor in [
-                        mig_cap_minor(gpu as u32, gi, None),
-                        mig_cap_minor(gpu as u32, gi, Some(m.ci_id())),
+                    for (rel, minor) in [
+                        (
+                            format!("gpu{gpu}/mig/gi{gi}/access"),
+                            mig_cap_minor(gpu as u32, gi, None),
+                        ),
+                        (
+                            format!("gpu{gpu}/mig/gi{gi}/ci{}/access", m.ci_id()),
+                            mig_cap_minor(gpu as u32, gi, Some(m.ci_id())),
+                        ),
                     ] {
                         fs::write(dev.join(format!("nvidia-caps/nvidia-cap{minor}")), "")?;
+                        capfile(rel, minor, 292)?;
                     }
                 }
             }
@@ -1058,7 +1083,7 @@ mod tests {
             assert_eq!(g.numa_node, want.numa_node);
             assert_eq!(g.driver.as_deref(), Some("nvidia"));
         }
-        let state = hostlib::DriverState::read(&root).unwrap();
+        let state = hostlib::DriverState::read(&root);
         assert_eq!(state.version.as_deref(), Some("550.127.08"));
         assert_eq!(state.frontend_major(), Some(195));
         assert_eq!(state.modules.len(), 3);

@@ -24,6 +24,12 @@ use crate::metrics::fields::{Field, FieldSet};
 
 const MIB: f64 = 1024.0 * 1024.0;
 
+/// Whole MiB, as DCGM reports framebuffer sizes (dcgm-exporter's
+/// `DCGM_FI_DEV_FB_*` are integers: the bytes divided down, the rest dropped).
+fn whole_mib(bytes: u64) -> f64 {
+    (bytes / (1024 * 1024)) as f64
+}
+
 /// GPM metrics behind the DCGM profiling fields, and how to scale them.
 const GPM: &[(Field, GpmMetricId, f64)] = &[
     (Field::ProfGrEngineActive, GpmMetricId::GraphicsUtil, 0.01),
@@ -200,10 +206,10 @@ impl NvmlSampler {
         if fb.iter().any(|f| want.wants(*f))
             && let Some(m) = reading(index, "memory", d.memory_info())
         {
-            put(Field::FbFree, Some(m.free as f64 / MIB));
-            put(Field::FbUsed, Some(m.used as f64 / MIB));
-            put(Field::FbReserved, Some(m.reserved as f64 / MIB));
-            put(Field::FbTotal, Some(m.total as f64 / MIB));
+            put(Field::FbFree, Some(whole_mib(m.free)));
+            put(Field::FbUsed, Some(whole_mib(m.used)));
+            put(Field::FbReserved, Some(whole_mib(m.reserved)));
+            put(Field::FbTotal, Some(whole_mib(m.total)));
         }
         if want.wants(Field::MemoryTemp) || want.wants(Field::NvlinkBandwidthTotal) {
             let ids = [
@@ -294,9 +300,9 @@ impl NvmlSampler {
                 let a = m.attributes()?;
                 let mut values = Vec::new();
                 if let Some(mem) = reading(index, "MIG memory", m.memory_info()) {
-                    values.push((Field::FbFree, mem.free as f64 / MIB));
-                    values.push((Field::FbUsed, mem.used as f64 / MIB));
-                    values.push((Field::FbTotal, mem.total as f64 / MIB));
+                    values.push((Field::FbFree, whole_mib(mem.free)));
+                    values.push((Field::FbUsed, whole_mib(mem.used)));
+                    values.push((Field::FbTotal, whole_mib(mem.total)));
                 }
                 mig.push(MigSample {
                     uuid: m.uuid()?,
@@ -321,5 +327,16 @@ impl NvmlSampler {
             values: v,
             mig,
         })
+    }
+}
+
+#[cfg(test)]
+mod mib_tests {
+    /// The real H100 showed 1138.8125 MiB used; dcgm-exporter says 1138.
+    #[test]
+    fn framebuffer_sizes_are_whole_mib() {
+        assert_eq!(super::whole_mib(1_194_131_456), 1138.0);
+        assert_eq!(super::whole_mib(1024 * 1024 - 1), 0.0);
+        assert_eq!(super::whole_mib(81559 * 1024 * 1024), 81559.0);
     }
 }

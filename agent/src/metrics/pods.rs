@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn replicas_renamed_resources_index_names_and_mig_devices_resolve() {
         let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
-        let inv = crate::inventory::discover(&sys, &backend).unwrap();
+        let inv = crate::inventory::discover(&sys, &backend);
         let gpu1 = inv.gpus[1].uuid.clone().unwrap();
         let mig0 = inv.gpus[0].mig_devices[2].clone();
         let list = ListPodResourcesResponse {

@@ -553,7 +553,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn answers_get_on_its_paths_only_and_makes_room_by_closing_idle_connections() {
         let (_d, sys, backend) = crate::test_support::sim_node("a10g-1");
-        let inv = crate::inventory::discover(&sys, &backend).unwrap();
+        let inv = crate::inventory::discover(&sys, &backend);
         let spec = DcgmExporterSpec {
             listen: Some("127.0.0.1:0".into()),
             ..Default::default()

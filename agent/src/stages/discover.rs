@@ -4,13 +4,26 @@ use crate::inventory::Inventory;
 
 pub(super) fn discover_detail(inv: &Inventory) -> String {
     if inv.gpus.is_empty() {
-        return "no NVIDIA GPU on this node".into();
+        let mut s = String::from("no NVIDIA GPU on this node");
+        if inv.driver.module_list == hostlib::driver::ModuleList::NoModuleSupport {
+            s.push_str(" (kernel without loadable-module support)");
+        }
+        if !inv.unreadable.is_empty() {
+            s.push_str(&format!("; {} host file(s) unreadable", inv.unreadable.len()));
+        }
+        return s;
     }
     let mut s = format!("{} GPU(s): {}", inv.gpus.len(), inv.models_summary());
     match (&inv.driver.version, &inv.backend.error) {
         (Some(v), None) => s.push_str(&format!("; driver {v}")),
         (None, None) => {}
         (_, Some(e)) => s.push_str(&format!("; {} unavailable: {e}", inv.backend.name)),
+    }
+    if let Some(u) = inv.unreadable.first() {
+        s.push_str(&format!("; cannot read {u}"));
+        if inv.unreadable.len() > 1 {
+            s.push_str(&format!(" (and {} more)", inv.unreadable.len() - 1));
+        }
     }
     if !inv.warnings.is_empty() {
         s.push_str(&format!("; {} warning(s)", inv.warnings.len()));
@@ -19,21 +32,19 @@ pub(super) fn discover_detail(inv: &Inventory) -> String {
 }
 
 /// Discovers the node (sysfs, /proc, the GPU backend): the inventory every
-/// later stage and front end reads.
+/// later stage and front end reads. Always done: a host file that cannot be
+/// read is a warning naming it, and the stages that need what it holds say
+/// so themselves.
 pub(super) fn discover_stage(
     ctx: &super::Context<'_>,
 ) -> ((super::StageState, String), Option<Inventory>) {
-    match crate::inventory::discover(ctx.sys, ctx.backend) {
-        Ok(inv) => {
-            let detail = discover_detail(&inv);
-            for w in &inv.warnings {
-                tracing::warn!(stage = "discover", "{w}");
-            }
-            for g in &inv.gpus {
-                tracing::info!(stage = "discover", gpu_uuid = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
-            }
-            ((super::StageState::Done, detail), Some(inv))
-        }
-        Err(e) => ((super::StageState::Failed, e.to_string()), None),
+    let inv = crate::inventory::discover(ctx.sys, ctx.backend);
+    let detail = discover_detail(&inv);
+    for w in &inv.warnings {
+        tracing::warn!(stage = "discover", "{w}");
     }
+    for g in &inv.gpus {
+        tracing::info!(stage = "discover", gpu_uuid = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
+    }
+    ((super::StageState::Done, detail), Some(inv))
 }

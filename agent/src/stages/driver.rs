@@ -57,6 +57,27 @@ pub(super) fn driver_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, S
             )
         };
     }
+    // Loading and unloading need the list of loaded modules, whole.
+    match state.module_list {
+        hostlib::driver::ModuleList::NoModuleSupport => {
+            return (
+                StageState::Failed,
+                "the kernel has no loadable-module support (no /proc/modules): gpu-agent cannot load a driver; use a kernel with the driver built in and spec.driver.enabled: false".into(),
+            );
+        }
+        hostlib::driver::ModuleList::Unreadable | hostlib::driver::ModuleList::Read => {
+            if let Some(u) = inv
+                .unreadable
+                .iter()
+                .find(|u| u.path.ends_with("proc/modules"))
+            {
+                return (
+                    StageState::Failed,
+                    format!("cannot tell which modules are loaded, so none is loaded or unloaded: {u}"),
+                );
+            }
+        }
+    }
     match driver_apply(ctx, inv) {
         Ok((state, detail)) => (state, detail),
         Err(e) => (StageState::Failed, e.to_string()),

@@ -172,7 +172,7 @@ mod tests {
         }
 
         fn inventory(&self) -> Inventory {
-            crate::inventory::discover(&self.sys, &self.backend).unwrap()
+            crate::inventory::discover(&self.sys, &self.backend)
         }
 
         fn file(&self) -> Option<String> {
