@@ -150,7 +150,10 @@ fn env(cli: &Cli) -> Result<Env, Failure> {
             "gpu-agent driver works on the host's kernel; it cannot be used with --simulate"
         )));
     }
-    let inv = Some(gpu_agent::inventory::discover(&view.sys, view.backend.as_ref()));
+    let inv = Some(gpu_agent::inventory::discover(
+        &view.sys,
+        view.backend.as_ref(),
+    ));
     let kernel = driver::running_kernel(&host).map_err(map_driver)?;
     Ok(Env {
         host,

@@ -472,7 +472,9 @@ mod tests {
     #[test]
     fn a_kernel_without_proc_modules_is_a_fact_not_a_failure() {
         let (d, root) = proc_tree(
-            Some("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build\n"),
+            Some(
+                "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build\n",
+            ),
             "",
             DEVICES,
         );

@@ -134,8 +134,13 @@ pub enum PciError {
     List(#[source] HostError),
     #[error(transparent)]
     Read(#[from] HostError),
-    #[error("{path}: cannot parse {value:?} as a hex number")]
-    Parse { path: PathBuf, value: String },
+    #[error("{path}: {value:?} is not {expected}")]
+    Parse {
+        path: PathBuf,
+        value: String,
+        /// What the file should hold (`a hex number`).
+        expected: &'static str,
+    },
 }
 
 /// Every NVIDIA GPU function under `/sys/bus/pci/devices`, sorted by address.
@@ -251,10 +256,11 @@ impl PciError {
                 HostError::Io { path, source } => (path.clone(), source.to_string()),
                 other => (PathBuf::from(SYSFS_PCI_DEVICES), other.to_string()),
             },
-            PciError::Parse { path, value } => (
-                path.clone(),
-                format!("cannot parse {value:?} as a hex number"),
-            ),
+            PciError::Parse {
+                path,
+                value,
+                expected,
+            } => (path.clone(), format!("{value:?} is not {expected}")),
         };
         crate::driver::Unreadable {
             path,
@@ -270,6 +276,7 @@ fn parse_hex(path: &str, root: &HostRoot, text: &str) -> Result<u32, PciError> {
     u32::from_str_radix(digits, 16).map_err(|_| PciError::Parse {
         path: root.resolve(path).unwrap_or_else(|_| path.into()),
         value: t.to_string(),
+        expected: "a hex number",
     })
 }
 
@@ -295,6 +302,7 @@ fn read_numa(root: &HostRoot, path: &str) -> Result<Option<u32>, PciError> {
         Err(_) => Err(PciError::Parse {
             path: root.resolve(path).unwrap_or_else(|_| path.into()),
             value: text.trim().to_string(),
+            expected: "a NUMA node number",
         }),
     }
 }
@@ -402,19 +410,27 @@ mod tests {
         write_fn(dir.path(), "0000:19:00.0", "0x10de", "0x030200", None);
         write_fn(dir.path(), "0000:1a:00.0", "0x10de", "0x030200", None);
         fs::write(
-            dir.path().join("sys/devices/pci0000:00/0000:1a:00.0/numa_node"),
+            dir.path()
+                .join("sys/devices/pci0000:00/0000:1a:00.0/numa_node"),
             "many\n",
         )
         .unwrap();
         let root = HostRoot::new(dir.path()).unwrap();
         let scan = scan_nvidia_gpus(&root);
-        let addrs: Vec<String> = scan.functions.iter().map(|g| g.address.to_string()).collect();
+        let addrs: Vec<String> = scan
+            .functions
+            .iter()
+            .map(|g| g.address.to_string())
+            .collect();
         assert_eq!(addrs, ["0000:19:00.0", "0000:1a:00.0"]);
         assert_eq!(scan.functions[1].numa_node, None);
         let errs: Vec<String> = scan.unreadable.iter().map(|e| e.to_string()).collect();
         assert_eq!(errs.len(), 2, "{errs:?}");
         assert!(errs[0].contains("0000:18:00.0/class"), "{errs:?}");
-        assert!(errs[1].contains("0000:1a:00.0/numa_node") && errs[1].contains("\"many\""), "{errs:?}");
+        assert!(
+            errs[1].contains("0000:1a:00.0/numa_node") && errs[1].contains("\"many\""),
+            "{errs:?}"
+        );
     }
 
     #[test]

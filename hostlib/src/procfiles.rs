@@ -360,7 +360,10 @@ mod tests {
         let m = parse_modules(text);
         assert!(m.bad_lines.is_empty(), "{:?}", m.bad_lines);
         assert_eq!(m.modules["nvidia"].refcount, RefCount::Count(2));
-        assert_eq!(m.modules["nvidia"].used_by, ["nvidia_modeset", "nvidia_uvm"]);
+        assert_eq!(
+            m.modules["nvidia"].used_by,
+            ["nvidia_modeset", "nvidia_uvm"]
+        );
         assert_eq!(m.modules["nvidia_drm"].refcount, RefCount::Count(-1));
         assert_eq!(m.modules["nvidia_drm"].state, ModuleState::Unloading);
         assert_eq!(m.modules["gone"].refcount.count(), Some(-2));
@@ -372,10 +375,7 @@ mod tests {
     fn a_bad_line_is_named_and_the_others_still_count() {
         let text = "ext4 1003520 1 - Live 0x0\nnvidia 14299136 x - Live 0x0\n\nbroken\nnvidia_uvm 1830912 - - Live 0x0\n";
         let m = parse_modules(text);
-        assert_eq!(
-            m.modules.keys().collect::<Vec<_>>(),
-            ["ext4", "nvidia_uvm"]
-        );
+        assert_eq!(m.modules.keys().collect::<Vec<_>>(), ["ext4", "nvidia_uvm"]);
         assert_eq!(m.bad_lines.len(), 2);
         assert_eq!(m.bad_lines[0].line, 2);
         assert!(

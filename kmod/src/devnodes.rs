@@ -221,11 +221,17 @@ pub fn plan(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Created(String),
-    Replaced { path: String, was: String },
+    Replaced {
+        path: String,
+        was: String,
+    },
     Unchanged(String),
     /// The driver leaves it to the administrator; it is not right, and was
     /// not touched (`is` says what is there).
-    LeftToAdmin { path: String, is: String },
+    LeftToAdmin {
+        path: String,
+        is: String,
+    },
 }
 
 fn describe(meta: &std::fs::Metadata) -> String {

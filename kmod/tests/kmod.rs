@@ -429,3 +429,133 @@ fn real_nodes_are_made_once_and_wrong_ones_replaced() {
     );
     assert_eq!(m.permissions().mode() & 0o777, 0o666);
 }
+
+/// The driver's params choose /dev/nvidia*'s mode and group (a site that
+/// gives GPUs to the `video` group: NVreg_DeviceFileMode=0660,
+/// NVreg_DeviceFileGID=44); nothing wider is made.
+#[test]
+fn nvidia_nodes_take_mode_and_owner_from_the_drivers_params() {
+    let (d, root, state) = mig_node();
+    fs::write(
+        d.path().join("proc/driver/nvidia/params"),
+        "ModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 44\nDeviceFileMode: 432\n",
+    )
+    .unwrap();
+    let nodes = devnodes::plan(&root, &state, &[]).unwrap();
+    let ctl = nodes.iter().find(|n| n.path == "/dev/nvidiactl").unwrap();
+    assert_eq!(
+        (ctl.mode, ctl.uid, ctl.gid, ctl.modify),
+        (0o660, 0, 44, true)
+    );
+    // uvm publishes no mode of its own: nvidia-modprobe's 0666.
+    let uvm = nodes.iter().find(|n| n.path == "/dev/nvidia-uvm").unwrap();
+    assert_eq!(uvm.mode, 0o666);
+    let sys = RecordingSyscalls::new();
+    devnodes::ensure(&root, &sys, &nodes[..1]).unwrap();
+    let path = root.resolve("/dev/nvidiactl").unwrap();
+    assert_eq!(
+        sys.calls(),
+        vec![
+            Call::MknodChar {
+                path: path.clone(),
+                mode: 0o660,
+                major: 195,
+                minor: 255
+            },
+            Call::Chmod {
+                path: path.clone(),
+                mode: 0o660
+            },
+            Call::Chown {
+                path,
+                uid: Some(0),
+                gid: Some(44)
+            },
+        ]
+    );
+}
+
+/// `ModifyDeviceFiles: 0` and `DeviceFileModify: 0`: the administrator
+/// keeps those nodes; gpu-agent makes and changes none of them, and says so.
+#[test]
+fn nodes_the_driver_leaves_to_the_administrator_are_not_touched() {
+    let (d, root, state) = mig_node();
+    fs::write(
+        d.path().join("proc/driver/nvidia/params"),
+        "ModifyDeviceFiles: 0\nDeviceFileMode: 438\n",
+    )
+    .unwrap();
+    fs::write(
+        d.path().join("proc/driver/nvidia/capabilities/mig/config"),
+        "DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 0\n",
+    )
+    .unwrap();
+    let nodes = devnodes::plan(&root, &state, &[]).unwrap();
+    let sys = RecordingSyscalls::new();
+    let out = devnodes::ensure(&root, &sys, &nodes).unwrap();
+    let left: Vec<&str> = out
+        .iter()
+        .filter_map(|o| match o {
+            Outcome::LeftToAdmin { path, is } => {
+                assert_eq!(is, "missing");
+                Some(path.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        left,
+        [
+            "/dev/nvidiactl",
+            "/dev/nvidia-modeset",
+            "/dev/nvidia0",
+            "/dev/nvidia1",
+            "/dev/nvidia-caps/nvidia-cap1"
+        ]
+    );
+    // Only what the driver lets us make: uvm's two and the monitor capability.
+    let made: Vec<String> = sys
+        .calls()
+        .iter()
+        .filter_map(|c| match c {
+            Call::MknodChar { path, .. } => Some(path.display().to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(made.len(), 3, "{made:?}");
+    assert!(made.iter().all(|p| p.ends_with("nvidia-uvm")
+        || p.ends_with("nvidia-uvm-tools")
+        || p.ends_with("nvidia-cap2")));
+}
+
+/// The real H100 host's capability files: MIG config 0400, monitor 0444,
+/// the node minors the driver gave them.
+#[test]
+fn capability_nodes_of_the_real_host() {
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hosts/h100-pcie-vm");
+    let root = HostRoot::new(&fixture).unwrap();
+    let state = DriverState::read(&root);
+    assert!(state.unreadable.is_empty(), "{:?}", state.unreadable);
+    let nodes = devnodes::plan(&root, &state, &[]).unwrap();
+    let got: Vec<(String, u32, u32, u32)> = nodes
+        .iter()
+        .map(|n| (n.path.clone(), n.major, n.minor, n.mode))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("/dev/nvidiactl".into(), 195, 255, 0o666),
+            ("/dev/nvidia0".into(), 195, 0, 0o666),
+            ("/dev/nvidia-uvm".into(), 238, 0, 0o666),
+            ("/dev/nvidia-uvm-tools".into(), 238, 1, 0o666),
+            ("/dev/nvidia-caps/nvidia-cap1".into(), 241, 1, 0o400),
+            ("/dev/nvidia-caps/nvidia-cap2".into(), 241, 2, 0o444),
+        ]
+    );
+    // No module can be unloaded on that kernel, and that is said.
+    let err = modules::unload(&root, &RecordingSyscalls::new(), &["nvidia_uvm".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("built without module unloading"), "{err}");
+}

@@ -839,7 +839,9 @@ impl NodeDescription {
                 fs::create_dir_all(p.parent().expect("a capability file has a parent"))?;
                 fs::write(
                     p,
-                    format!("DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"),
+                    format!(
+                        "DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+                    ),
                 )
             };
             capfile("mig/config".into(), 1, 256)?;

@@ -198,9 +198,21 @@ impl DriverFiles {
                 firmware.push(canonical(host, &format!("{fw}/{n}"))?);
             }
         }
+        // The usual places, then the `bin` beside each library directory:
+        // a driver installed under its own prefix (`/usr/local/nvidia/lib64`
+        // on the real H100 host, and the GPU Operator's `/run/nvidia/driver`)
+        // keeps its programs in `<prefix>/bin`.
+        let mut bin_dirs: Vec<String> = BIN_DIRS.iter().map(|d| d.to_string()).collect();
+        for l in &libraries {
+            if let Some((dir, _)) = l.rsplit_once('/')
+                && let Some((prefix, _)) = dir.rsplit_once('/')
+            {
+                push_unique(&mut bin_dirs, format!("{prefix}/bin"));
+            }
+        }
         let mut binaries = Vec::new();
         for b in BINARIES {
-            if let Some(dir) = BIN_DIRS.iter().find(|d| host.exists(format!("{d}/{b}"))) {
+            if let Some(dir) = bin_dirs.iter().find(|d| host.exists(format!("{d}/{b}"))) {
                 push_unique(&mut binaries, canonical(host, &format!("{dir}/{b}"))?);
             }
         }

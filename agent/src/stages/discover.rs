@@ -9,7 +9,10 @@ pub(super) fn discover_detail(inv: &Inventory) -> String {
             s.push_str(" (kernel without loadable-module support)");
         }
         if !inv.unreadable.is_empty() {
-            s.push_str(&format!("; {} host file(s) unreadable", inv.unreadable.len()));
+            s.push_str(&format!(
+                "; {} host file(s) unreadable",
+                inv.unreadable.len()
+            ));
         }
         return s;
     }

@@ -73,7 +73,9 @@ pub(super) fn driver_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState, S
             {
                 return (
                     StageState::Failed,
-                    format!("cannot tell which modules are loaded, so none is loaded or unloaded: {u}"),
+                    format!(
+                        "cannot tell which modules are loaded, so none is loaded or unloaded: {u}"
+                    ),
                 );
             }
         }
