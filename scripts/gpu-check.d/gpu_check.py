@@ -17,6 +17,7 @@ host), so the kubelet it registers with is the stand-in, not the node's.
 Standard library only; Python 3.8 or newer.
 """
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -485,6 +486,7 @@ class Check:
             code, ms = stop(agent)
             agent = None
             self.r.row("run: stop (SIGTERM)", "ok" if code == 0 else "FAILED", f"exit {code} in {ms:.0f} ms")
+            self.agent_timeline()
             self.agent_log_findings()
         finally:
             if agent is not None:
@@ -624,6 +626,57 @@ class Check:
                    f"{done['tflops']:.0f} TFLOP/s; peak " + ", ".join(f"{label} {peak[n]:g}" for n, label in FIELDS
                                                                     if n in peak)
                    + (f"; nvidia-smi {smi[0]}" if smi else ""))
+
+    def agent_timeline(self):
+        """When the agent itself says each stage finished, it registered and
+        it was ready, in ms after its own first log line, for every start."""
+        starts = []
+        try:
+            with open(self.a.log_out, errors="replace") as f:
+                for line in f:
+                    if line.startswith("=== start "):
+                        starts.append([])
+                    elif starts:
+                        try:
+                            starts[-1].append(json.loads(line))
+                        except ValueError:
+                            pass
+        except OSError:
+            return
+        per_start = []
+        for n, events in enumerate(starts, 1):
+            marks = {}
+            t_first = None
+            for e in events:
+                try:
+                    t = datetime.datetime.strptime(e["timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ")
+                except (KeyError, ValueError):
+                    continue
+                t_first = t_first or t
+                f = e.get("fields") or {}
+                msg = f.get("message", "")
+                key = None
+                if f.get("stage") and f.get("state") in ("done", "failed"):
+                    key = f"{f['stage']} {f['state']}"
+                elif msg.startswith("registered with the kubelet"):
+                    key = "registered"
+                elif msg.startswith("told systemd the agent is ready"):
+                    key = "ready"
+                if key and key not in marks:
+                    marks[key] = (t - t_first).total_seconds() * 1e3
+            if marks:
+                per_start.append(marks)
+                self.r.say(f"start {n}, the agent's log (ms after its first line): "
+                           + ", ".join(f"{k} +{v:.1f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1])))
+        if not per_start:
+            return
+        keys = [k for k in ("discover done", "registered", "devnodes done", "validate done", "ready")
+                if all(k in m for m in per_start)]
+        if keys:
+            med = {k: sorted(m[k] for m in per_start)[len(per_start) // 2] for k in keys}
+            self.r.row("run: the agent's own timeline", "ok",
+                       ", ".join(f"{k} +{med[k]:.1f}" for k in keys)
+                       + f" ms after its first log line (median of {len(per_start)} start(s))")
 
     def agent_log_findings(self):
         """The agent's warnings and errors over every start, each said once."""
