@@ -584,8 +584,11 @@ class Check:
         if self.a.load_seconds <= 0:
             self.r.row("metrics under CUDA load", "skipped", "--load-seconds 0")
             return
+        env = dict(self.env)
+        # CUDA's device 0 is then NVML's GPU 0, whose metrics are read.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         p = subprocess.Popen([py, loader, str(self.a.load_seconds)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=self.env)
+                             stderr=subprocess.PIPE, env=env)
         events = queue.Queue()
         threading.Thread(target=read_lines, args=(p.stdout, events, []), daemon=True).start()
         first = wait_event(events, lambda e: True, 300)
@@ -602,7 +605,8 @@ class Check:
             try:
                 done = events.get(timeout=1.0)
             except queue.Empty:
-                pass
+                if p.poll() is not None:
+                    break
             try:
                 samples, _ = scrape(url)
             except OSError:
@@ -622,10 +626,13 @@ class Check:
         self.r.say("GPU 0 peak under load: " + ", ".join(f"{label} {peak[n]:g}" for n, label in FIELDS if n in peak))
         if smi:
             self.r.say(f"nvidia-smi during the load (util %, power W, memory MiB): {smi[0]}")
-        self.r.row("metrics under CUDA load", "ok" if peak else "FAILED",
-                   f"{done['tflops']:.0f} TFLOP/s; peak " + ", ".join(f"{label} {peak[n]:g}" for n, label in FIELDS
-                                                                    if n in peak)
-                   + (f"; nvidia-smi {smi[0]}" if smi else ""))
+        value = (f"{done['tflops']:.0f} TFLOP/s; peak " + ", ".join(f"{label} {peak[n]:g}" for n, label in FIELDS
+                                                                   if n in peak)
+                 + (f"; nvidia-smi (util %, W, MiB) {smi[0]}" if smi else ""))
+        util = peak.get("DCGM_FI_DEV_GPU_UTIL")
+        if util is None or util < 50:
+            value = f"the load ran but DCGM_FI_DEV_GPU_UTIL peaked at {util}; {value}"
+        self.r.row("metrics under CUDA load", "ok" if util is not None and util >= 50 else "FAILED", value)
 
     def agent_timeline(self):
         """When the agent itself says each stage finished, it registered and
@@ -879,7 +886,15 @@ def remove_tmp(tmp):
 
 
 def main():
-    ap = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="gpu-check",
+        description="gpu-agent on this GPU node: NVML's per-call costs, inventory, labels, status, "
+                    "cdi generate, `gpu-agent run` under a grpcio kubelet stand-in (start -> Register, "
+                    "start -> first ListAndWatch, Allocate, RSS, idle CPU), /metrics during a short CUDA "
+                    "load; one summary table, also written to a file. Changes no GPU setting and no host "
+                    "file; run it as root.",
+        epilog="`gpu-check bundle DIR [--binary PATH]` (in a checkout, with network) makes a directory "
+               "that runs this with no network. See docs/real-gpu.md.")
     ap.add_argument("--home", required=True, help=argparse.SUPPRESS)
     ap.add_argument("--binary", default=os.environ.get("GPU_CHECK_BINARY"),
                     help="the gpu-agent release binary (default: gpu-agent beside gpu-check in a bundle, "
@@ -895,7 +910,8 @@ def main():
                     help="a checkout's Python with grpcio and grpcio-tools (default target/pyvenv/bin/python; "
                          "a bundle brings its own wheels; env GPU_CHECK_PYTHON)")
     ap.add_argument("--torch-python", default=os.environ.get("GPU_CHECK_TORCH_PYTHON", "python3"),
-                    help="the Python that imports torch for the CUDA load (default python3)")
+                    help="the Python that imports torch for the CUDA load (default python3; "
+                         "env GPU_CHECK_TORCH_PYTHON)")
     ap.add_argument("--sandbox", choices=["auto", "bind", "copy"], default="auto",
                     help="the run's host root: bind (the host's parts read-only in a private mount namespace; "
                          "auto for host root /) or copy (a copy of --host-root; auto otherwise)")
