@@ -93,6 +93,8 @@ fn gpu_check_runs_whole_over_the_captured_h100_and_the_fake_nvml() {
         .args(["--starts", "2", "--allocations", "20", "--calls", "5"])
         .args(["--idle-seconds", "0.5", "--load-seconds", "1"])
         .env("FAKE_NVML_NODE", &node)
+        // The fake's default: the captured host's NVML costs.
+        .env_remove("FAKE_NVML_COSTS")
         // The venv has no PyTorch: the CUDA load says it is skipped.
         .env("GPU_CHECK_TORCH_PYTHON", &py)
         .current_dir(dir.path()));
