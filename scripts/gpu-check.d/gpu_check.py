@@ -194,7 +194,8 @@ class Check:
         except ValueError:
             summary = {"error": f"exit {p.returncode}: {first} {p.stderr.decode(errors='replace').strip()}"}
         if "error" in summary:
-            self.r.row("NVML costs", "FAILED", summary["error"])
+            hint = "" if self.a.nvml_lib else " (name the library with --nvml-lib PATH)"
+            self.r.row("NVML costs", "FAILED", summary["error"] + hint)
             return
         for line in table.rstrip("\n").splitlines():
             self.r.say(line)
