@@ -189,6 +189,7 @@ async fn serve_plugin(
         inventory,
         Default::default(),
         health.as_ref().map(|h| h.view()),
+        None,
     )?;
     let registered = mock.wait_for(1, std::time::Duration::from_secs(5)).await;
     // Let the plugin record the kubelet's answer.

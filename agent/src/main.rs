@@ -619,7 +619,12 @@ fn run(
 ) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
     let policy = load_policy(cli.policy.as_deref())?;
-    let view = node_view(cli, &host)?;
+    // NVML is opened by the supervisor on a thread of its own, once it has
+    // trimmed its capabilities, while it sets itself up.
+    let view = match &cli.simulate {
+        Some(_) => node_view(cli, &host)?,
+        None => NodeView::host_opening_later(&host, cli.nvml_lib.as_deref()),
+    };
     let report = controller.config(&host);
     let ok = gpu_agent::supervisor::run(gpu_agent::supervisor::Options {
         host,

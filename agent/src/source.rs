@@ -4,6 +4,7 @@
 //! the same discovery code reads both.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hostlib::HostRoot;
 use simnode::{DescError, NodeDescription};
@@ -30,6 +31,8 @@ pub struct NodeView {
     pub backend: Box<dyn GpuBackend>,
     /// The node description's name when simulated.
     pub simulated: Option<String>,
+    /// NVML being opened in the background ([`NodeView::host_opening_later`]).
+    opening: Option<Arc<Opening>>,
     _sandbox: Option<tempfile::TempDir>,
 }
 
@@ -76,25 +79,133 @@ pub fn nvml_lib_path(host: &HostRoot, asked: Option<&Path>) -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
+/// NVML from `lib`, or a backend that says why it cannot be had.
+fn open_nvml(lib: Option<&Path>) -> Box<dyn GpuBackend> {
+    match NvmlBackend::open(lib) {
+        Ok(b) => Box::new(b),
+        Err(e) => {
+            tracing::info!(error = %e, "NVML is not available");
+            Box::new(Unavailable {
+                name: "nvml",
+                reason: e.to_string(),
+            })
+        }
+    }
+}
+
+/// NVML opened on a thread of its own while the agent sets itself up
+/// (`nvmlInit` took 10.7 ms on a real H100, 71.5 ms after a cold boot: the
+/// longest step before the kubelet can hear from us). The first call that
+/// needs NVML waits for it; a view whose opening was never started opens it
+/// then. Every [`GpuBackend`] method is passed on (a new one must be too).
+#[derive(Debug)]
+struct Opening {
+    lib: Option<PathBuf>,
+    thread: Mutex<Option<std::thread::JoinHandle<Box<dyn GpuBackend>>>>,
+    opened: OnceLock<Box<dyn GpuBackend>>,
+}
+
+impl Opening {
+    /// Starts opening NVML on a thread (once).
+    fn start(&self) {
+        let mut thread = self.thread.lock().unwrap_or_else(|p| p.into_inner());
+        if thread.is_some() || self.opened.get().is_some() {
+            return;
+        }
+        let lib = self.lib.clone();
+        match std::thread::Builder::new()
+            .name("nvml-init".into())
+            .spawn(move || open_nvml(lib.as_deref()))
+        {
+            Ok(t) => *thread = Some(t),
+            // Opened on first use instead.
+            Err(e) => tracing::debug!(error = %e, "cannot start a thread to open NVML"),
+        }
+    }
+
+    /// The opened backend (waiting for the opening thread, if any).
+    fn get(&self) -> &dyn GpuBackend {
+        self.opened
+            .get_or_init(|| {
+                let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+                match thread.map(std::thread::JoinHandle::join) {
+                    Some(Ok(b)) => b,
+                    Some(Err(_)) => Box::new(Unavailable {
+                        name: "nvml",
+                        reason: "opening NVML panicked".into(),
+                    }),
+                    None => open_nvml(self.lib.as_deref()),
+                }
+            })
+            .as_ref()
+    }
+}
+
+impl GpuBackend for Arc<Opening> {
+    fn sampler(&self) -> Result<Box<dyn crate::backend::Sampler>, BackendError> {
+        self.get().sampler()
+    }
+    fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
+        self.get().mig_control()
+    }
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+    fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+        self.get().snapshot()
+    }
+    fn watch_health(&self, events: crate::backend::HealthSender) -> Result<(), BackendError> {
+        self.get().watch_health(events)
+    }
+    fn set_compute_mode(
+        &self,
+        uuid: &str,
+        mode: crate::backend::ComputeMode,
+    ) -> Result<(), BackendError> {
+        self.get().set_compute_mode(uuid, mode)
+    }
+    fn compute_mode(&self, uuid: &str) -> Result<crate::backend::ComputeMode, BackendError> {
+        self.get().compute_mode(uuid)
+    }
+}
+
 impl NodeView {
     /// The real host: sysfs under `host`, NVML from `nvml_lib`.
     pub fn host(host: &HostRoot, nvml_lib: Option<&Path>) -> Self {
         let lib = nvml_lib_path(host, nvml_lib);
-        let backend: Box<dyn GpuBackend> = match NvmlBackend::open(lib.as_deref()) {
-            Ok(b) => Box::new(b),
-            Err(e) => {
-                tracing::info!(error = %e, "NVML is not available");
-                Box::new(Unavailable {
-                    name: "nvml",
-                    reason: e.to_string(),
-                })
-            }
-        };
         NodeView {
             sys: host.clone(),
-            backend,
+            backend: open_nvml(lib.as_deref()),
             simulated: None,
+            opening: None,
             _sandbox: None,
+        }
+    }
+
+    /// [`NodeView::host`] with NVML opened later: on a thread of its own
+    /// from [`NodeView::start_opening`] (`run` calls it once it has trimmed
+    /// its capabilities, which a thread started earlier would keep), or by
+    /// the first call that needs it.
+    pub fn host_opening_later(host: &HostRoot, nvml_lib: Option<&Path>) -> Self {
+        let opening = Arc::new(Opening {
+            lib: nvml_lib_path(host, nvml_lib),
+            thread: Mutex::new(None),
+            opened: OnceLock::new(),
+        });
+        NodeView {
+            sys: host.clone(),
+            backend: Box::new(opening.clone()),
+            simulated: None,
+            opening: Some(opening),
+            _sandbox: None,
+        }
+    }
+
+    /// Starts opening NVML in the background, for a view made by
+    /// [`NodeView::host_opening_later`] (else nothing).
+    pub fn start_opening(&self) {
+        if let Some(o) = &self.opening {
+            o.start();
         }
     }
 
@@ -111,6 +222,7 @@ impl NodeView {
         Ok(NodeView {
             sys,
             simulated: Some(desc.name.clone()),
+            opening: None,
             backend: Box::new(SimulatedBackend::new(desc)),
             _sandbox: Some(dir),
         })

@@ -41,7 +41,7 @@ use tonic::transport::server::Connected;
 
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
-use super::server::PluginService;
+use super::server::{ALLOCATE_WAIT, PluginService, Preparing};
 use crate::health::HealthView;
 use crate::inventory::Inventory;
 
@@ -156,6 +156,8 @@ pub struct PluginManager {
     changed: Arc<Notify>,
     /// The GPUs' health, as the health monitor publishes it.
     health: Option<watch::Receiver<HealthView>>,
+    /// Whether the node is ready for containers (allocations wait while not).
+    preparing: Option<Preparing>,
     /// Replaced or removed servers being stopped (each within
     /// `STOP_GRACE + CUT_GRACE`); awaited at shutdown.
     stopping: JoinSet<()>,
@@ -212,8 +214,17 @@ impl PluginManager {
             board,
             changed: Arc::new(Notify::new()),
             health: None,
+            preparing: None,
             stopping: JoinSet::new(),
         }
+    }
+
+    /// `Allocate` waits (up to [`ALLOCATE_WAIT`], then refuses) while
+    /// `preparing` says the node is not ready for containers (the first
+    /// pass's device nodes, runtime configuration and CDI spec).
+    pub fn with_preparing(mut self, preparing: Preparing) -> Self {
+        self.preparing = Some(preparing);
+        self
     }
 
     /// Follows the health monitor: a GPU's devices are `Unhealthy` in every
@@ -437,8 +448,12 @@ impl PluginManager {
             self.settings.clone(),
             self.dev_root.clone(),
         )
-        .with_stopping(drain_rx.clone())
-        .on_list(move || {
+        .with_stopping(drain_rx.clone());
+        let svc = match &self.preparing {
+            Some(rx) => svc.with_preparing(rx.clone(), ALLOCATE_WAIT),
+            None => svc,
+        };
+        let svc = svc.on_list(move || {
             if let Some(s) = board
                 .lock()
                 .unwrap()

@@ -1,4 +1,19 @@
 //! The `DevicePlugin` gRPC service for one resource.
+//!
+//! `Allocate` before the node is ready for containers: the agent registers
+//! with the kubelet before its first pass has made the device nodes, the
+//! container runtime's configuration and the CDI spec
+//! (`stages::BEFORE_ALLOCATION`). An allocation answered then would name
+//! control nodes that do not exist yet (they are left out of the
+//! response) or CDI devices no spec describes: a container without its GPU.
+//! So an `Allocate` that arrives first waits for those stages (they
+//! normally take milliseconds), at most [`ALLOCATE_WAIT`]; past that it is
+//! refused with `Unavailable`, naming what it waited for, and the kubelet
+//! fails the pod's admission (its controller makes a new pod). Waiting is
+//! for the first pass only: the stages then have run, whatever they came
+//! to (a device node that could not be made is `status`'s to tell, as it
+//! was before the plugin registered first). `ListAndWatch` and
+//! `GetPreferredAllocation` never wait.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,6 +53,15 @@ pub const MAX_LIST_STREAMS: usize = 64;
 pub const MAX_REQUEST_BYTES: usize = 1 << 20;
 /// HTTP/2 streams (calls) one connection may have open at once.
 pub const MAX_CALLS_PER_CONNECTION: u32 = 256;
+/// How long an `Allocate` waits for the first pass to make what containers
+/// need before it is refused: a runtime reload (containerd restarted by
+/// systemd) can take seconds; the kubelet holds the pod's admission
+/// meanwhile and sets no deadline of its own.
+pub const ALLOCATE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What allocations wait for: `Some(what)` while the node is not ready for
+/// containers (`what`: the stages still to run), `None` once it is.
+pub type Preparing = watch::Receiver<Option<String>>;
 
 /// The tonic service for `svc`, with its message limits.
 pub fn grpc_service(svc: PluginService) -> DevicePluginServer<PluginService> {
@@ -91,6 +115,9 @@ pub struct PluginService {
     /// end with `Unavailable`, so a graceful shutdown does not wait on
     /// streams that would otherwise last as long as their clients.
     stopping: Option<watch::Receiver<bool>>,
+    /// Allocations wait (up to the duration) while this says the node is
+    /// not ready for containers.
+    preparing: Option<(Preparing, std::time::Duration)>,
 }
 
 /// Called when a `ListAndWatch` stream opens (the kubelet lists the devices).
@@ -123,6 +150,46 @@ impl PluginService {
             streams: Arc::default(),
             refused: Arc::default(),
             stopping: None,
+            preparing: None,
+        }
+    }
+
+    /// Holds `Allocate` (up to `wait`, then refuses it) while `preparing`
+    /// says the node is not ready for containers.
+    pub fn with_preparing(mut self, preparing: Preparing, wait: std::time::Duration) -> Self {
+        self.preparing = Some((preparing, wait));
+        self
+    }
+
+    /// Waits until the node is ready for containers, or says why not.
+    async fn prepared(&self, resource: &str) -> Result<(), Status> {
+        let Some((rx, wait)) = &self.preparing else {
+            return Ok(());
+        };
+        let mut rx = rx.clone();
+        let Some(what) = rx.borrow_and_update().clone() else {
+            return Ok(());
+        };
+        let started = std::time::Instant::now();
+        tracing::info!(resource = %resource, waiting_for = %what, "an allocation waits for the node to be ready for containers");
+        let refused = |why: &str| {
+            let why = format!(
+                "{resource}: the node is not ready for containers yet: gpu-agent's first pass has not finished {what} ({why}); try again"
+            );
+            tracing::warn!(resource = %resource, "refused an allocation: {why}");
+            Status::unavailable(why)
+        };
+        match tokio::time::timeout(*wait, rx.wait_for(Option::is_none)).await {
+            Ok(Ok(_)) => {
+                tracing::info!(
+                    resource = %resource,
+                    waited_ms = started.elapsed().as_secs_f64() * 1e3,
+                    "the node is ready for containers; allocating"
+                );
+                Ok(())
+            }
+            Ok(Err(_)) => Err(refused("the agent is stopping")),
+            Err(_) => Err(refused(&format!("waited {} s", wait.as_secs_f64()))),
         }
     }
 
@@ -240,6 +307,8 @@ impl DevicePlugin for PluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
+        let name = self.resource.borrow().name.clone();
+        self.prepared(&name).await?;
         let resource = self.resource.borrow().clone();
         let request = request.into_inner();
         allocate::check_size(
@@ -348,5 +417,88 @@ impl Stream for Counted {
         Pin::new(&mut self.inner)
             .poll_next(cx)
             .map(|r| r.map(|r| Ok(list_response(&r))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin::resources::build;
+    use crate::test_support::inventory_of;
+    use gpu_agent_proto::deviceplugin::v1beta1::ContainerAllocateRequest;
+    use std::time::Duration;
+
+    /// A service for the first whole-GPU resource of an 8x H100 node, and
+    /// a request for its first device.
+    fn service() -> (PluginService, AllocateRequest) {
+        let inv = Arc::new(inventory_of("h100-sxm-8"));
+        let settings = PluginSettings::default();
+        let r = build(&inv, &settings).unwrap().remove(0);
+        let req = AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: vec![r.devices[0].id.clone()],
+            }],
+        };
+        let (_tx, rx) = watch::channel(r);
+        let svc = PluginService::new(rx, inv, Arc::new(settings), HostRoot::system());
+        (svc, req)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_allocation_waits_until_the_node_is_ready_for_containers() {
+        let (svc, req) = service();
+        let (tx, rx) = watch::channel(Some("devnodes, runtime, cdi".to_string()));
+        let svc = svc.with_preparing(rx, Duration::from_secs(10));
+        let call = tokio::spawn({
+            let svc = svc.clone();
+            let req = req.clone();
+            async move { svc.allocate(Request::new(req)).await }
+        });
+        // Still waiting after 9 s (the clock is paused: no real wait).
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert!(!call.is_finished());
+        tx.send_replace(None);
+        let resp = call.await.unwrap().unwrap().into_inner();
+        assert_eq!(resp.container_responses.len(), 1);
+        assert!(
+            resp.container_responses[0]
+                .envs
+                .contains_key("NVIDIA_VISIBLE_DEVICES")
+        );
+        // Once ready, allocations do not wait at all.
+        let t = tokio::time::Instant::now();
+        svc.allocate(Request::new(req)).await.unwrap();
+        assert_eq!(t.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_allocation_that_waits_too_long_is_refused_naming_why() {
+        let (svc, req) = service();
+        let (tx, rx) = watch::channel(Some("devnodes, cdi".to_string()));
+        let svc = svc.with_preparing(rx, Duration::from_secs(10));
+        let t = tokio::time::Instant::now();
+        let e = svc.allocate(Request::new(req.clone())).await.unwrap_err();
+        assert_eq!(t.elapsed(), Duration::from_secs(10));
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        assert_eq!(
+            e.message(),
+            "nvidia.com/gpu: the node is not ready for containers yet: gpu-agent's first pass has not finished devnodes, cdi (waited 10 s); try again"
+        );
+        // The agent stopping meanwhile refuses it at once.
+        drop(tx);
+        let e = svc.allocate(Request::new(req)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        assert!(
+            e.message().contains("(the agent is stopping)"),
+            "{}",
+            e.message()
+        );
+    }
+
+    #[tokio::test]
+    async fn without_a_gate_an_allocation_is_answered_at_once() {
+        let (svc, req) = service();
+        let resp = svc.allocate(Request::new(req)).await.unwrap().into_inner();
+        assert_eq!(resp.container_responses.len(), 1);
     }
 }

@@ -17,7 +17,7 @@ mod validate;
 
 pub use health::apply_health_status;
 pub use plugin::apply_plugin_status;
-pub use validate::{driver_ready_text, host_ready, plugin_validation, ready, revalidate};
+pub use validate::{driver_ready_text, host_ready, plugin_validation, ready};
 
 use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
@@ -340,10 +340,9 @@ pub struct Context<'a> {
     /// Stops the device plugin's advertising before a driver upgrade;
     /// `None`: nothing is advertised yet.
     pub drain: Option<&'a dyn crate::driver::Drain>,
-    /// `run`'s first pass: stages the device plugin does not need before it
-    /// serves (the CDI spec, when no CDI device-list strategy hands out CDI
-    /// names) are left for [`run_deferred`], so the kubelet hears from us
-    /// sooner.
+    /// `run`'s first pass: the stages the kubelet's registration does not
+    /// need ([`AFTER_REGISTRATION`]) are left for [`run_deferred`], so the
+    /// kubelet hears from us sooner.
     pub serve_first: bool,
     /// What stages changed on the host during this pass (drained per stage).
     pub changes: ChangeLog,
@@ -367,145 +366,189 @@ impl Context<'_> {
     }
 }
 
-/// Runs the stages in order, once.
+/// The stages `run`'s first pass leaves until the device plugin has
+/// registered ([`Context::serve_first`]): none of them is needed to tell the
+/// kubelet what the node has. The first three make what a container needs
+/// (device nodes, the runtime's configuration, the CDI spec): the device
+/// plugin's `Allocate` waits for them (`plugin::server`); validation and
+/// labels gate nothing.
+pub const AFTER_REGISTRATION: [Stage; 5] = [
+    Stage::Devnodes,
+    Stage::Runtime,
+    Stage::Cdi,
+    Stage::Validate,
+    Stage::Labels,
+];
+
+/// Of [`AFTER_REGISTRATION`], the stages an allocation needs done first.
+pub const BEFORE_ALLOCATION: [Stage; 3] = [Stage::Devnodes, Stage::Runtime, Stage::Cdi];
+
+/// What a deferred stage says until it runs.
+pub const DEFERRED_DETAIL: &str = "runs right after the device plugin's first registration";
+
+/// A pass under way: what the stages run so far produced.
+#[derive(Default)]
+struct Progress {
+    stages: Vec<StageStatus>,
+    inventory: Option<Inventory>,
+    plugin: Option<PluginPlan>,
+    /// Why the container runtime will not inject CDI devices, if known.
+    runtime_no_cdi: Option<String>,
+    mig: Option<crate::mig::MigStatus>,
+}
+
+/// Runs the stages in order, once. With `ctx.serve_first`, the stages of
+/// [`AFTER_REGISTRATION`] that could run are left for [`run_deferred`]
+/// (listed in [`Pass::deferred`], `ready` until then).
 pub fn run_pass(ctx: &Context<'_>) -> Pass {
-    let mut stages: Vec<StageStatus> = Vec::new();
-    let mut inventory: Option<Inventory> = None;
-    let mut plugin_plan = None;
+    let mut p = Progress::default();
     let mut deferred = Vec::new();
-    // Why the container runtime will not inject CDI devices, if known.
-    let mut runtime_no_cdi: Option<String> = None;
-    let mut mig_status = None;
     for stage in Stage::ALL {
-        let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
-        let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
-        let missing = ctx.caps.missing(stage_needs);
-        let (state, detail) = if let Some(gated) =
-            gate(stage, stage.implemented(), ctx.policy, &missing, &stages)
-        {
-            match gated {
-                // A capability dropped at start says so (caps.rs).
-                (StageState::Blocked, _) => {
-                    (StageState::Blocked, ctx.caps.blocked_detail(&missing))
-                }
-                other => other,
-            }
-        } else {
-            let _span = tracing::info_span!("stage", stage = stage.name()).entered();
-            match stage {
-                Stage::Discover => {
-                    let (outcome, inv) = discover::discover_stage(ctx);
-                    inventory = inv;
-                    outcome
-                }
-                Stage::Plugin => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => {
-                        let (outcome, plan) =
-                            plugin::plugin_stage(ctx, inv, runtime_no_cdi.as_deref());
-                        plugin_plan = plan;
-                        outcome
-                    }
-                },
-                Stage::Driver => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => driver::driver_stage(ctx, inv),
-                },
-                Stage::Mig => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => {
-                        let m = mig::mig_stage(ctx, inv);
-                        mig_status = m.status;
-                        if m.changed {
-                            // The later stages describe the new MIG devices.
-                            let (_, again) = discover::discover_stage(ctx);
-                            if again.is_some() {
-                                inventory = again;
-                            }
-                        }
-                        m.outcome
-                    }
-                },
-                Stage::Devnodes => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => devnodes::devnodes_stage(ctx, inv),
-                },
-                Stage::Runtime => runtime::runtime_stage(ctx, &mut runtime_no_cdi),
-                Stage::Cdi => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(_) if ctx.serve_first && !plugin::plugin_needs_cdi(ctx.policy) => {
-                        deferred.push(Stage::Cdi);
-                        (
-                            StageState::Ready,
-                            "runs once the device plugin serves (its device-list strategy hands out no CDI names)".to_string(),
-                        )
-                    }
-                    Some(inv) => cdi::cdi_stage(ctx, inv),
-                },
-                Stage::Validate => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => validate::validate_stage(ctx, inv, &mut stages),
-                },
-                Stage::Health => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => health::health_plan(inv, ctx.policy),
-                },
-                Stage::Metrics => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => metrics::metrics_plan(inv, ctx.policy),
-                },
-                Stage::Labels => match inventory.as_ref() {
-                    None => (StageState::Waiting, "waiting on discover".to_string()),
-                    Some(inv) => labels::labels_stage(ctx, inv),
-                },
-            }
-        };
-        log_stage(stage, state, &detail);
-        let mut status = StageStatus {
-            needs,
-            missing,
-            changed: ctx.changes.take(),
-            ..StageStatus::new(stage, state, detail)
-        };
-        // Stages after `validate` are checked as soon as they ran.
-        if let Some(inv) = inventory.as_ref() {
-            validate::validate_late(ctx, inv, &mut status);
+        let defer = ctx.serve_first && AFTER_REGISTRATION.contains(&stage) && p.inventory.is_some();
+        let status = run_stage(ctx, stage, &mut p, defer);
+        if defer && status.state == StageState::Ready && status.detail == DEFERRED_DETAIL {
+            deferred.push(stage);
         }
-        stages.push(status);
+        p.stages.push(status);
     }
     Pass {
-        stages,
-        inventory,
-        plugin: plugin_plan,
+        stages: p.stages,
+        inventory: p.inventory,
+        plugin: p.plugin,
         deferred,
-        mig: mig_status,
+        mig: p.mig,
     }
 }
 
-/// Runs the stages a `serve_first` pass left for later, replacing their
-/// entries in `stages`.
+/// Runs `stage` (or, with `defer`, only says it will run later, once its
+/// gate lets it) and returns its status.
+fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> StageStatus {
+    let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
+    let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
+    let missing = ctx.caps.missing(stage_needs);
+    let (state, detail) = if let Some(gated) =
+        gate(stage, stage.implemented(), ctx.policy, &missing, &p.stages)
+    {
+        match gated {
+            // A capability dropped at start says so (caps.rs).
+            (StageState::Blocked, _) => (StageState::Blocked, ctx.caps.blocked_detail(&missing)),
+            other => other,
+        }
+    } else if defer {
+        (StageState::Ready, DEFERRED_DETAIL.to_string())
+    } else {
+        let _span = tracing::info_span!("stage", stage = stage.name()).entered();
+        let waiting = || (StageState::Waiting, "waiting on discover".to_string());
+        match stage {
+            Stage::Discover => {
+                let (outcome, inv) = discover::discover_stage(ctx);
+                p.inventory = inv;
+                outcome
+            }
+            Stage::Plugin => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => {
+                    let (outcome, plan) =
+                        plugin::plugin_stage(ctx, inv, p.runtime_no_cdi.as_deref());
+                    p.plugin = plan;
+                    outcome
+                }
+            },
+            Stage::Driver => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => driver::driver_stage(ctx, inv),
+            },
+            Stage::Mig => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => {
+                    let m = mig::mig_stage(ctx, inv);
+                    p.mig = m.status;
+                    if m.changed {
+                        // The later stages describe the new MIG devices.
+                        let (_, again) = discover::discover_stage(ctx);
+                        if again.is_some() {
+                            p.inventory = again;
+                        }
+                    }
+                    m.outcome
+                }
+            },
+            Stage::Devnodes => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => devnodes::devnodes_stage(ctx, inv),
+            },
+            Stage::Runtime => runtime::runtime_stage(ctx, &mut p.runtime_no_cdi),
+            Stage::Cdi => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => cdi::cdi_stage(ctx, inv),
+            },
+            Stage::Validate => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => validate::validate_stage(ctx, inv, &mut p.stages),
+            },
+            Stage::Health => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => health::health_plan(inv, ctx.policy),
+            },
+            Stage::Metrics => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => metrics::metrics_plan(inv, ctx.policy),
+            },
+            Stage::Labels => match p.inventory.as_ref() {
+                None => waiting(),
+                Some(inv) => labels::labels_stage(ctx, inv),
+            },
+        }
+    };
+    log_stage(stage, state, &detail);
+    let mut status = StageStatus {
+        needs,
+        missing,
+        changed: ctx.changes.take(),
+        ..StageStatus::new(stage, state, detail)
+    };
+    // Stages after `validate` are checked as soon as they ran.
+    if let Some(inv) = p.inventory.as_ref() {
+        validate::validate_late(ctx, inv, &mut status);
+    }
+    status
+}
+
+/// Runs the stages a `serve_first` pass left for later (those of `deferred`
+/// that `stages` still shows waiting for it), in their order, replacing
+/// their entries in `stages`. Each is gated again on what the ones before
+/// it came to (the CDI spec waits on device nodes that could not be made).
 pub fn run_deferred(
     ctx: &Context<'_>,
     deferred: &[Stage],
     inventory: &Inventory,
-    stages: &mut [StageStatus],
+    stages: &mut Vec<StageStatus>,
 ) {
-    for &stage in deferred {
-        let _span = tracing::info_span!("stage", stage = stage.name()).entered();
-        let (state, detail) = match stage {
-            Stage::Cdi => cdi::cdi_stage(ctx, inventory),
-            other => (
-                StageState::Failed,
-                format!("internal error: stage {} cannot be deferred", other.name()),
-            ),
+    let mut p = Progress {
+        stages: std::mem::take(stages),
+        inventory: Some(inventory.clone()),
+        ..Progress::default()
+    };
+    for stage in Stage::ALL.into_iter().filter(|s| deferred.contains(s)) {
+        let Some(at) = p.stages.iter().position(|s| s.stage == stage) else {
+            continue;
         };
-        log_stage(stage, state, &detail);
-        if let Some(st) = stages.iter_mut().find(|s| s.stage == stage) {
-            st.state = state;
-            st.detail = detail;
-            st.changed = ctx.changes.take();
+        if !(p.stages[at].state == StageState::Ready && p.stages[at].detail == DEFERRED_DETAIL) {
+            continue;
+        }
+        let status = run_stage(ctx, stage, &mut p, false);
+        p.stages[at] = status;
+        if stage == Stage::Runtime
+            && let Some(why) = p.runtime_no_cdi.as_deref()
+            && plugin::hands_out_cdi_names(ctx.policy)
+        {
+            tracing::warn!(
+                stage = "plugin",
+                "the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"
+            );
         }
     }
+    *stages = p.stages;
 }
 
 fn log_stage(stage: Stage, state: StageState, detail: &str) {
@@ -593,7 +636,16 @@ mod tests {
     }
 
     #[test]
-    fn serve_first_defers_cdi_unless_the_plugin_hands_out_cdi_names() {
+    fn serve_first_leaves_what_registration_does_not_need_for_after_it() {
+        let policies = [
+            Policy::default(),
+            Policy::from_yaml(
+                "spec:\n  devicePlugin:\n    deviceListStrategy: [envvar, cdi-cri]\n",
+                "p",
+            )
+            .unwrap(),
+            Policy::from_yaml("spec:\n  cdi: {enabled: false}\n", "p").unwrap(),
+        ];
         let (_dir, sys, backend) = sim_node("h100-sxm-8");
         let caps = HeldCaps::from_caps(&[]);
         let recording = hostlib::RecordingSyscalls::new();
@@ -612,26 +664,53 @@ mod tests {
             mig_hold: None,
             upgrade: Default::default(),
         };
-        let envvar = Policy::default();
-        let mut p = run_pass(&ctx(&envvar));
-        assert_eq!(p.deferred, [Stage::Cdi]);
-        let cdi = state_of(&p, Stage::Cdi);
-        assert_eq!(cdi.state, StageState::Ready);
-        assert!(cdi.detail.starts_with("runs once the device plugin serves"));
-        assert_eq!(state_of(&p, Stage::Plugin).state, StageState::Ready);
-        let inv = p.inventory.clone().unwrap();
-        run_deferred(&ctx(&envvar), &p.deferred, &inv, &mut p.stages);
-        let cdi = state_of(&p, Stage::Cdi);
-        assert_eq!(cdi.state, StageState::Ready, "{}", cdi.detail);
-        assert!(cdi.detail.starts_with("would write"), "{}", cdi.detail);
-        let cdi_cri = Policy::from_yaml(
-            "spec:\n  devicePlugin:\n    deviceListStrategy: [envvar, cdi-cri]\n",
-            "p",
-        )
-        .unwrap();
-        let p = run_pass(&ctx(&cdi_cri));
+        // Also when the plugin hands out CDI names: Allocate waits for the spec.
+        for policy in &policies[..2] {
+            let mut p = run_pass(&ctx(policy));
+            // What registration needs ran: the GPUs, the driver, the plan.
+            assert_eq!(state_of(&p, Stage::Discover).state, StageState::Done);
+            assert_eq!(state_of(&p, Stage::Driver).state, StageState::Done);
+            let plugin = state_of(&p, Stage::Plugin);
+            assert_eq!(plugin.state, StageState::Ready);
+            assert_eq!(plugin.detail, "nvidia.com/gpu: 8 device(s)");
+            assert_eq!(p.plugin.as_ref().unwrap().resources[0].devices.len(), 8);
+            // The rest says it runs after, and readiness waits for it.
+            assert_eq!(p.deferred, AFTER_REGISTRATION);
+            for stage in AFTER_REGISTRATION {
+                let st = state_of(&p, stage);
+                assert_eq!(
+                    (st.state, st.detail.as_str()),
+                    (StageState::Ready, DEFERRED_DETAIL),
+                    "{stage:?}"
+                );
+            }
+            assert!(!ready(&p.stages));
+            let inv = p.inventory.clone().unwrap();
+            run_deferred(&ctx(policy), &p.deferred, &inv, &mut p.stages);
+            let order: Vec<Stage> = p.stages.iter().map(|s| s.stage).collect();
+            assert_eq!(order, Stage::ALL);
+            assert!(
+                state_of(&p, Stage::Devnodes)
+                    .detail
+                    .starts_with("simulated node: would make 14 of 14 device node(s)"),
+                "{}",
+                state_of(&p, Stage::Devnodes).detail
+            );
+            let cdi = state_of(&p, Stage::Cdi);
+            assert!(cdi.detail.starts_with("would write"), "{}", cdi.detail);
+            assert_eq!(state_of(&p, Stage::Runtime).state, StageState::Waiting);
+            for stage in AFTER_REGISTRATION {
+                assert_ne!(state_of(&p, stage).detail, DEFERRED_DETAIL, "{stage:?}");
+            }
+        }
+        // A stage the policy turns off is not deferred: it says so at once.
+        let p = run_pass(&ctx(&policies[2]));
+        assert!(!p.deferred.contains(&Stage::Cdi));
+        assert_eq!(state_of(&p, Stage::Cdi).state, StageState::Disabled);
+        // Without serve_first nothing is deferred.
+        let p = pass(&Policy::default(), &caps);
         assert!(p.deferred.is_empty());
-        assert!(state_of(&p, Stage::Cdi).detail.starts_with("would write"));
+        assert!(p.stages.iter().all(|s| s.detail != DEFERRED_DETAIL));
     }
 
     fn state_of(p: &Pass, stage: Stage) -> &StageStatus {

@@ -5,10 +5,10 @@ use super::{Stage, StageState, StageStatus};
 use crate::plugin::manager::ResourceStatus;
 use crate::policy::Policy;
 
-/// Whether the device plugin hands out CDI names, so that the spec must be
-/// written before it serves (an unreadable device-plugin config counts as
+/// Whether the device plugin hands out CDI names, which the container
+/// runtime must then resolve (an unreadable device-plugin config counts as
 /// yes: the plugin stage reports it).
-pub(super) fn plugin_needs_cdi(policy: &Policy) -> bool {
+pub(super) fn hands_out_cdi_names(policy: &Policy) -> bool {
     policy.device_plugin.enabled
         && crate::plugin::settings(&policy.device_plugin, policy.mig.strategy)
             .map_or(true, |s| s.hands_out_cdi_names())

@@ -116,6 +116,9 @@ pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
         host_is_system: opts.host.is_system(),
     });
     opts.caps = held;
+    // nvmlInit (10.7 ms on a real H100) runs beside what follows, on a
+    // thread started now: it holds only the capabilities kept.
+    opts.view.start_opening();
     // One agent per host; `status` knows it lives by this lock.
     let _lock = state::AgentLock::take(&opts.host)?;
     tracing::info!(
@@ -171,6 +174,9 @@ struct Supervisor {
     health_policy: watch::Sender<HealthPolicy>,
     plugin_plan: Option<PluginPlan>,
     plugin: Option<RunningPlugin>,
+    /// `Some(stages)` while the first pass has not yet made what containers
+    /// need (the device plugin registers before): allocations wait on it.
+    preparing: watch::Sender<Option<String>>,
     health: Option<RunningHealth>,
     tasks: BTreeMap<&'static str, TaskControl>,
     /// The kernel-log reader's current run, and where its XIDs start.
@@ -252,6 +258,7 @@ impl Supervisor {
             health_policy,
             plugin_plan: None,
             plugin: None,
+            preparing: watch::Sender::new(None),
             health: None,
             tasks: BTreeMap::new(),
             kmsg: None,
@@ -332,36 +339,40 @@ impl Supervisor {
             self.inventory = Some(watch::Sender::new(Arc::new(inv.clone())));
         }
         self.plugin_plan = pass.plugin.clone();
+        // Allocations wait for what the first pass has yet to make.
+        let before_allocation: Vec<Stage> = stages::BEFORE_ALLOCATION
+            .into_iter()
+            .filter(|s| pass.deferred.contains(s))
+            .collect();
+        if !before_allocation.is_empty() {
+            let names: Vec<&str> = before_allocation.iter().map(|s| s.name()).collect();
+            self.preparing.send_replace(Some(names.join(", ")));
+        }
+        // The device plugin follows the health monitor's view: it starts first.
         self.start_health();
         // MPS replicas are advertised once their daemons serve.
         self.reconcile_mps().await;
         self.start_plugin();
-        self.start_metrics();
-        self.start_report();
         // What the pass found, for `status`, before anything waits.
         self.refresh();
         self.sync_state();
+        // The kubelet hears from us first; then the rest of the first pass.
+        if let Some(p) = &self.plugin {
+            p.first_attempts(
+                &self.changed,
+                Duration::from_secs(1),
+                Duration::from_millis(250),
+            )
+            .await;
+            self.refresh();
+            self.sync_state();
+        }
+        self.start_metrics();
+        self.start_report();
         if let Some(inv) = pass.inventory.clone()
             && !pass.deferred.is_empty()
         {
-            // The kubelet hears from us first; then the deferred stages.
-            if let Some(p) = &self.plugin {
-                p.first_attempts(
-                    &self.changed,
-                    Duration::from_secs(1),
-                    Duration::from_millis(250),
-                )
-                .await;
-            }
-            self.refresh();
-            self.sync_state();
-            let ctx = self.context(false);
-            let mut stages_now = self.st.stages.clone();
-            stages::run_deferred(&ctx, &pass.deferred, &inv, &mut stages_now);
-            stages::revalidate(&ctx, &inv, &mut stages_now, &pass.deferred);
-            drop(ctx);
-            self.st.stages = stages_now;
-            self.validation_files();
+            self.after_registration(&inv, &pass.deferred, &before_allocation);
         }
         self.workload_check(true).await;
         self.refresh();
@@ -538,6 +549,37 @@ impl Supervisor {
         self.st.ready = false;
         self.sync_state();
         Ok(!self.st.stages.iter().any(|s| s.state == StageState::Failed))
+    }
+
+    /// The stages the first pass left until the device plugin registered:
+    /// first what containers need (then allocations go ahead), then the
+    /// rest (validation, labels). Under the host-files lock, as a pass.
+    fn after_registration(&mut self, inv: &Inventory, deferred: &[Stage], first: &[Stage]) {
+        let started = std::time::Instant::now();
+        let host_files = host_files_lock(&self.opts.host, "the first pass (after registration)");
+        let ctx = self.context(false);
+        let mut stages_now = self.st.stages.clone();
+        stages::run_deferred(&ctx, first, inv, &mut stages_now);
+        if self.preparing.send_replace(None).is_some() {
+            tracing::info!(
+                stages = %first.iter().map(|s| s.name()).collect::<Vec<_>>().join(", "),
+                "the node is ready for containers; allocations go ahead"
+            );
+        }
+        let rest: Vec<Stage> = deferred
+            .iter()
+            .copied()
+            .filter(|s| !first.contains(s))
+            .collect();
+        stages::run_deferred(&ctx, &rest, inv, &mut stages_now);
+        drop(ctx);
+        drop(host_files);
+        self.st.stages = stages_now;
+        tracing::debug!(
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "first pass, after registration"
+        );
+        self.validation_files();
     }
 
     fn next_reconcile(&self) -> Option<Instant> {
@@ -1066,7 +1108,14 @@ impl Supervisor {
         {
             tracing::warn!(stage = "plugin", error = %e, "cannot make the kubelet's plugin directory");
         }
-        match RunningPlugin::start(&self.opts.host, plan, inv, self.changed.clone(), health) {
+        match RunningPlugin::start(
+            &self.opts.host,
+            plan,
+            inv,
+            self.changed.clone(),
+            health,
+            Some(self.preparing.subscribe()),
+        ) {
             Ok(p) => {
                 self.plugin = Some(p);
                 self.task_started("plugin");
@@ -1638,13 +1687,15 @@ pub struct RunningPlugin {
 }
 
 impl RunningPlugin {
-    /// Serves `plan` (devices' health from `health`, if given).
+    /// Serves `plan` (devices' health from `health`, if given; allocations
+    /// held while `preparing` says the node is not ready for containers).
     pub fn start(
         host: &HostRoot,
         plan: PluginPlan,
         inventory: Arc<Inventory>,
         changed: Arc<Notify>,
         health: Option<watch::Receiver<HealthView>>,
+        preparing: Option<crate::plugin::server::Preparing>,
     ) -> Result<Self, PluginError> {
         let dir = manager::plugin_dir(host).map_err(|e| PluginError::Dir {
             path: host
@@ -1662,6 +1713,9 @@ impl RunningPlugin {
         .with_change_signal(changed.clone());
         if let Some(h) = health {
             mgr = mgr.with_health(h);
+        }
+        if let Some(p) = preparing {
+            mgr = mgr.with_preparing(p);
         }
         let board = mgr.board();
         let updater = mgr.updater();

@@ -9,10 +9,11 @@
 //! be read fails `nvmlInit` (with the reason on stderr), never silently
 //! charges nothing.
 //!
-//! Each exported function charges its p50 once per call from C (a function
-//! that calls another exported function charges only its own cost). Short
-//! waits spin; long ones sleep, then spin the last [`SLEEP_MARGIN`], so a
-//! slow call does not burn a core but still lasts at least its cost.
+//! Each call from C lasts at least its function's p50: the fake's own work
+//! counts towards it and the rest is waited (a function that calls another
+//! exported function is charged once, its own cost). Short waits spin; long
+//! ones sleep, then spin the last [`SLEEP_MARGIN`], so a slow call does not
+//! burn a core but still lasts at least its cost.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -243,7 +244,8 @@ thread_local! {
     static IN_CALL: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Time charged so far in this process.
+/// Time charged so far in this process: the sum of the charged calls'
+/// costs.
 pub fn charged() -> Duration {
     Duration::from_nanos(CHARGED_NS.load(Ordering::Relaxed))
 }
@@ -261,60 +263,68 @@ pub fn wait(d: Duration) {
     while Instant::now() < deadline {
         std::hint::spin_loop();
     }
-    CHARGED_NS.fetch_add(
-        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX),
-        Ordering::Relaxed,
-    );
 }
 
-/// A charged call in progress: calls it makes to other exported functions
-/// are not charged again.
-#[must_use = "the call is nested-free only while the guard lives"]
+/// A charged call in progress. When it ends (the guard drops) it has
+/// lasted at least its cost: the fake's own work counts towards it, the
+/// rest is waited. Calls it makes to other exported functions are not
+/// charged again.
+#[must_use = "the call is charged when the guard drops"]
 pub struct Call {
     outer: bool,
+    started: Instant,
+    cost: Duration,
 }
 
 impl Drop for Call {
     fn drop(&mut self) {
-        if self.outer {
-            IN_CALL.with(|c| c.set(false));
+        if !self.outer {
+            return;
         }
+        if !self.cost.is_zero() {
+            wait(self.cost.saturating_sub(self.started.elapsed()));
+            CHARGED_NS.fetch_add(
+                u64::try_from(self.cost.as_nanos()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+        }
+        IN_CALL.with(|c| c.set(false));
     }
 }
 
-/// Marks this thread inside a call; `true` when it is the outermost.
-fn enter() -> Call {
+/// Marks this thread inside a call costing `cost` (charged only when it is
+/// the outermost).
+fn enter(cost: impl FnOnce() -> Duration) -> Call {
     let outer = IN_CALL.with(|c| !c.replace(true));
-    Call { outer }
+    Call {
+        outer,
+        started: Instant::now(),
+        cost: if outer { cost() } else { Duration::ZERO },
+    }
 }
 
-/// Charges the exported function `name` its cost (nothing when nested in
-/// another charged call, or when the costs are off or unreadable).
+/// Charges the exported function `name` its cost when the returned guard
+/// drops (nothing when nested in another charged call, or when the costs
+/// are off or unreadable).
 pub fn charge(name: &str) -> Call {
-    let call = enter();
-    if call.outer
-        && let Ok(Some(costs)) = active()
-    {
-        wait(costs.of(name));
-    }
-    call
+    enter(|| match active() {
+        Ok(Some(costs)) => costs.of(name),
+        _ => Duration::ZERO,
+    })
 }
 
 /// Charges `nvmlInit`: the cold cost the first time in the process, the
 /// warm one after. `Err` (why) when the table named by `FAKE_NVML_COSTS`
 /// cannot be read.
 pub fn charge_init() -> Result<Call, String> {
-    let call = enter();
-    match active() {
-        Err(e) => Err(e.clone()),
-        Ok(None) => Ok(call),
-        Ok(Some(_)) if !call.outer => Ok(call),
-        Ok(Some(costs)) => {
-            let first = !INIT_SEEN.swap(true, Ordering::SeqCst);
-            wait(costs.init(first));
-            Ok(call)
-        }
-    }
+    let costs = match active() {
+        Err(e) => return Err(e.clone()),
+        Ok(c) => c.as_ref(),
+    };
+    Ok(enter(|| match costs {
+        Some(c) => c.init(!INIT_SEEN.swap(true, Ordering::SeqCst)),
+        None => Duration::ZERO,
+    }))
 }
 
 #[cfg(test)]
@@ -396,23 +406,31 @@ mod tests {
     #[test]
     fn a_wait_lasts_at_least_its_cost_spun_or_slept() {
         for d in [us(3.0), us(150.0), us(3181.2)] {
-            let before = charged();
             let t = Instant::now();
             wait(d);
             assert!(t.elapsed() >= d, "{d:?} took {:?}", t.elapsed());
-            assert!(charged() - before >= d);
         }
     }
 
     #[test]
-    fn a_nested_call_is_not_charged_again() {
-        let outer = enter();
+    fn a_call_lasts_its_cost_and_a_nested_one_is_not_charged_again() {
+        // FAKE_NVML_COSTS is not set in the tests: the built-in table.
+        let energy = Costs::built_in().of("nvmlDeviceGetTotalEnergyConsumption");
+        let before = charged();
+        let t = Instant::now();
+        let outer = charge("nvmlDeviceGetTotalEnergyConsumption");
         assert!(outer.outer);
-        let inner = enter();
+        let inner = charge("nvmlDeviceGetTotalEnergyConsumption");
         assert!(!inner.outer);
+        assert_eq!(inner.cost, Duration::ZERO);
         drop(inner);
         assert!(IN_CALL.with(Cell::get));
+        // The call's own work counts towards its cost.
+        std::thread::sleep(us(1000.0));
         drop(outer);
         assert!(!IN_CALL.with(Cell::get));
+        let took = t.elapsed();
+        assert!(took >= energy, "took {took:?}");
+        assert!(charged() - before >= energy);
     }
 }

@@ -38,7 +38,7 @@
 //!   GPU's `bus/pci/devices/<bus id>/reset` resets it: its pending MIG mode
 //!   applies and its GPU instances are gone.
 //! - `FAKE_NVML_COSTS`: what each call costs in time. Unset (or `on`):
-//!   every call waits as long as the real library took on a real H100
+//!   every call lasts as long as the real library took on a real H100
 //!   (`costs/h100-pcie-vm.txt`, built in: `nvmlInit` 10.7 ms the first time
 //!   in a process and 2.1 ms after, most calls 2–10 µs, MIG mode ~164 µs,
 //!   the PCIe replay counter ~173 µs, violation status 0.74 ms, total energy
