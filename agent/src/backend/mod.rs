@@ -349,6 +349,17 @@ pub trait Sampler: Send {
     fn sample(&mut self, fields: &FieldSet) -> Result<Sample, BackendError>;
 }
 
+/// The sampler of a node without a GPU: every sample is empty, so the
+/// exporter serves gpu-agent's own series only.
+#[derive(Debug, Default)]
+pub struct NoGpuSampler;
+
+impl Sampler for NoGpuSampler {
+    fn sample(&mut self, _fields: &FieldSet) -> Result<Sample, BackendError> {
+        Ok(Sample::default())
+    }
+}
+
 /// A source of per-GPU facts.
 pub trait GpuBackend: std::fmt::Debug + Send + Sync {
     /// A sampler of the readings the metrics exporter serves.

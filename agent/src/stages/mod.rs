@@ -477,7 +477,9 @@ fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> 
                 None => waiting(),
                 Some(inv) => devnodes::devnodes_stage(ctx, inv),
             },
-            Stage::Runtime => runtime::runtime_stage(ctx, &mut p.runtime_no_cdi),
+            Stage::Runtime => {
+                runtime::runtime_stage(ctx, p.inventory.as_ref(), &mut p.runtime_no_cdi)
+            }
             Stage::Cdi => match p.inventory.as_ref() {
                 None => waiting(),
                 Some(inv) => cdi::cdi_stage(ctx, inv),

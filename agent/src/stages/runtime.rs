@@ -5,24 +5,46 @@ use super::{Context, StageState};
 use crate::policy::ContainerRuntime;
 use crate::runtime;
 
+/// The files that tell the policy's container runtime is on the host.
+fn runtime_files(p: &crate::policy::Policy) -> Vec<&str> {
+    match p.operator.default_runtime {
+        ContainerRuntime::Containerd => vec![
+            p.toolkit.containerd.binary.as_str(),
+            p.toolkit.containerd.config.as_str(),
+        ],
+        ContainerRuntime::Crio => vec!["/usr/bin/crio", "/etc/crio"],
+        ContainerRuntime::Docker => vec!["/usr/bin/dockerd", "/etc/docker"],
+    }
+}
+
+fn runtime_present(ctx: &Context<'_>) -> bool {
+    runtime_files(ctx.policy)
+        .iter()
+        .any(|path| ctx.host.exists(path))
+}
+
+/// A node without a GPU and without a driver needs no GPU runtime: that is a
+/// fact, not something to wait for.
+fn no_gpu_runtime(inv: &crate::inventory::Inventory) -> Option<String> {
+    (inv.gpus.is_empty() && !inv.driver.is_loaded())
+        .then(|| "no NVIDIA GPU and no container runtime on this host: nothing to configure".into())
+}
+
 /// Plans the container runtime's configuration; with `ctx.apply`, writes
 /// it and reloads the runtime, only when something changed.
 pub(super) fn runtime_stage(
     ctx: &Context<'_>,
+    inv: Option<&crate::inventory::Inventory>,
     no_cdi: &mut Option<String>,
 ) -> (StageState, String) {
     let p = ctx.policy;
     let rt = p.operator.default_runtime;
     let name = format!("{rt:?}").to_lowercase();
-    let present: &[&str] = match rt {
-        ContainerRuntime::Containerd => &[
-            p.toolkit.containerd.binary.as_str(),
-            p.toolkit.containerd.config.as_str(),
-        ],
-        ContainerRuntime::Crio => &["/usr/bin/crio", "/etc/crio"],
-        ContainerRuntime::Docker => &["/usr/bin/dockerd", "/etc/docker"],
-    };
+    let present = runtime_files(p);
     if !present.iter().any(|path| ctx.host.exists(path)) {
+        if let Some(why) = inv.and_then(no_gpu_runtime) {
+            return (StageState::Done, why);
+        }
         return (
             StageState::Waiting,
             format!(
@@ -89,8 +111,14 @@ pub(super) fn runtime_stage(
 }
 
 /// Validation: is what this stage set up still there and right?
-pub(super) fn validate(ctx: &Context<'_>) -> Result<String, String> {
+pub(super) fn validate(
+    ctx: &Context<'_>,
+    inv: &crate::inventory::Inventory,
+) -> Result<String, String> {
     let p = ctx.policy;
+    if let (false, Some(why)) = (runtime_present(ctx), no_gpu_runtime(inv)) {
+        return Ok(why);
+    }
     let version = match p.operator.default_runtime {
         crate::policy::ContainerRuntime::Containerd => {
             crate::runtime::containerd::cached_host_version(ctx.host, &p.toolkit.containerd.binary)

@@ -113,7 +113,7 @@ fn check(ctx: &Context<'_>, inv: &Inventory, st: &StageStatus) -> Option<Result<
     match st.stage {
         Stage::Driver => Some(super::driver::validate(ctx, inv)),
         Stage::Devnodes => Some(super::devnodes::validate(ctx, inv)),
-        Stage::Runtime => Some(super::runtime::validate(ctx)),
+        Stage::Runtime => Some(super::runtime::validate(ctx, inv)),
         Stage::Cdi => Some(super::cdi::validate(ctx, inv)),
         Stage::Labels => Some(super::labels::validate(ctx, inv)),
         _ => None,

@@ -1484,8 +1484,16 @@ impl Supervisor {
             Ok(c) => c,
             Err(e) => return fail(&mut self.st, e.to_string()),
         };
+        let no_gpu = self
+            .st
+            .inventory
+            .as_ref()
+            .is_some_and(|i| i.gpus.is_empty());
         let sampler = match self.opts.view.backend.sampler() {
             Ok(s) => s,
+            // A node without a GPU has nothing to sample: the agent's own
+            // series are still served, and the stage is not failed.
+            Err(_) if no_gpu => Box::new(crate::backend::NoGpuSampler),
             Err(e) => return fail(&mut self.st, format!("cannot sample the GPUs: {e}")),
         };
         let listener = match crate::metrics::server::bind(&cfg) {
