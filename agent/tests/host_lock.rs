@@ -269,10 +269,18 @@ impl Agent {
             log,
             child,
         };
-        // Signals are handled once the state says a running agent.
-        agent.until(60, "the agent serves", |a| {
+        // Signals are handled once the state says a running agent; the
+        // first pass is over when no stage still waits to run after the
+        // device plugin's first registration.
+        agent.until(60, "the agent serves, its first pass over", |a| {
             let (code, out, _) = run(at(&a.host).args(["status", "-o", "json"]));
-            code == 0 && json(&out)["source"] == "running-agent"
+            let st = if code == 0 { json(&out) } else { return false };
+            st["source"] == "running-agent"
+                && st["stages"].as_array().is_some_and(|stages| {
+                    stages
+                        .iter()
+                        .all(|s| s["detail"] != gpu_agent::stages::DEFERRED_DETAIL)
+                })
         });
         agent
     }

@@ -17,7 +17,7 @@ mod validate;
 
 pub use health::apply_health_status;
 pub use plugin::apply_plugin_status;
-pub use validate::{driver_ready_text, host_ready, plugin_validation, ready};
+pub use validate::{driver_ready_text, host_ready, plugin_validation, ready, revalidate};
 
 use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
