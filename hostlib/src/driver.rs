@@ -67,6 +67,20 @@ impl std::fmt::Display for Unreadable {
 }
 
 impl Unreadable {
+    /// The lines of `host_path` a parser could not read.
+    pub fn lines(
+        root: &HostRoot,
+        host_path: &str,
+        bad: Vec<crate::procfiles::BadLine>,
+    ) -> impl Iterator<Item = Unreadable> {
+        let path = resolved(root, host_path);
+        bad.into_iter().map(move |b| Unreadable {
+            path: path.clone(),
+            line: Some(b.line),
+            message: b.message,
+        })
+    }
+
     /// A read error (the error already names the file).
     pub fn from_host_error(root: &HostRoot, host_path: &str, e: &HostError) -> Self {
         let message = match e {
@@ -165,11 +179,7 @@ impl DriverState {
         match root.read_optional(PROC_MODULES) {
             Ok(Some(text)) => {
                 let parsed = crate::procfiles::parse_modules(&text);
-                bad.extend(parsed.bad_lines.into_iter().map(|b| Unreadable {
-                    path: resolved(root, PROC_MODULES),
-                    line: Some(b.line),
-                    message: b.message,
-                }));
+                bad.extend(Unreadable::lines(root, PROC_MODULES, parsed.bad_lines));
                 for name in NVIDIA_MODULES {
                     if let Some(m) = parsed.modules.get(*name) {
                         state.modules.push(LoadedModule {
@@ -190,11 +200,7 @@ impl DriverState {
         match root.read_optional(PROC_DEVICES) {
             Ok(Some(text)) => {
                 let parsed = crate::procfiles::parse_devices(&text);
-                bad.extend(parsed.bad_lines.into_iter().map(|b| Unreadable {
-                    path: resolved(root, PROC_DEVICES),
-                    line: Some(b.line),
-                    message: b.message,
-                }));
+                bad.extend(Unreadable::lines(root, PROC_DEVICES, parsed.bad_lines));
                 state.char_majors = parsed
                     .char_majors
                     .into_iter()
