@@ -322,7 +322,14 @@ impl Supervisor {
         self.st.inventory = pass.inventory.clone();
         crate::metrics::agent::pass_took(started.elapsed());
         tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, "first pass");
-        self.validation_files();
+        // With stages left for after the registration, the operator's files
+        // wait for them (after_registration): judged now, the deferred
+        // stages' "not run yet" would remove the files a restarted agent's
+        // pods and the operator's tools rely on, only to write them again
+        // milliseconds later.
+        if pass.deferred.is_empty() {
+            self.validation_files();
+        }
         pass
     }
 
