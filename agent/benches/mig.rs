@@ -39,14 +39,7 @@ fn report(what: &str, mut v: Vec<Duration>) {
 
 fn main() {
     println!("gpu-agent MIG layout benchmark");
-    println!(
-        "NVML: the fake libnvidia-ml, {}",
-        match std::env::var("FAKE_NVML_COSTS").as_deref() {
-            Ok("off" | "0" | "none") => "answering at once (FAKE_NVML_COSTS=off): NVML's own cost is not in these figures".to_string(),
-            Ok(t) if !t.is_empty() && t != "on" && t != "h100-pcie-vm" => format!("each call charged its cost from {t} (FAKE_NVML_COSTS)"),
-            _ => "each call charged what it cost on a real H100 (tests/fake-nvml/costs; FAKE_NVML_COSTS=off to leave NVML's cost out)".to_string(),
-        }
-    );
+    println!("NVML: the fake libnvidia-ml, {}", support::nvml_costs());
     let (_dir, lib) = common::fake_nvml();
     let state = tempfile::tempdir().unwrap();
     // SAFETY: set before NVML is loaded, while this is the only thread.
