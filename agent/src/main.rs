@@ -505,6 +505,14 @@ fn host_exec(cli: &Cli, shm: Option<&str>, argv: &[String]) -> Result<ExitCode, 
 fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
     let policy = load_policy(Some(file))?;
     println!("{}: valid policy", file.display());
+    let settings = gpu_agent::plugin::settings(&policy.device_plugin, policy.mig.strategy)
+        .map_err(bad_input)?;
+    for u in &settings.unacted {
+        println!(
+            "{}: device-plugin config key not acted on: {u}",
+            if u.warn { "warning" } else { "note" }
+        );
+    }
     let rows: Vec<Vec<String>> = Stage::ALL
         .iter()
         .map(|s| {

@@ -918,7 +918,7 @@ mod tests {
         // `kernelModuleConfig: {name: ""}`: no ConfigMap, no parameters.
         assert!(p.driver.kernel_module_config.is_empty());
         assert_eq!(p.operator.runtime_class, "nvidia");
-        assert_eq!(p.mig.strategy, MigStrategy::Single);
+        assert_eq!(p.mig.strategy, Some(MigStrategy::Single));
         assert_eq!(p.mig_manager.selected_layout(), Some("all-disabled"));
         assert!(p.dcgm_exporter.enabled && p.dcgm_exporter.config.is_none());
         // Every key of the operator's that gpu-agent does not use (in the
@@ -1117,7 +1117,10 @@ mod tests {
         let p = Policy::from_yaml("", "p").unwrap();
         assert_eq!(p, Policy::default());
         assert!(p.driver.enabled && p.toolkit.enabled && p.device_plugin.enabled);
-        assert_eq!(p.mig.strategy, MigStrategy::Single);
+        assert_eq!(
+            p.mig.strategy, None,
+            "single unless the device-plugin config names one (plugin::settings)"
+        );
         assert_eq!(p.operator.default_runtime, ContainerRuntime::Containerd);
         assert_eq!(p.operator.runtime_class, "nvidia");
     }
@@ -1127,7 +1130,7 @@ mod tests {
         let text = "apiVersion: nvidia.com/v1\nkind: ClusterPolicy\nmetadata:\n  name: cluster-policy\nspec:\n  driver:\n    enabled: false\n  toolkit:\n    enabled: false\n  mig:\n    strategy: mixed\n";
         let p = Policy::from_yaml(text, "p").unwrap();
         assert!(!p.driver.enabled && !p.toolkit.enabled);
-        assert_eq!(p.mig.strategy, MigStrategy::Mixed);
+        assert_eq!(p.mig.strategy, Some(MigStrategy::Mixed));
     }
 
     #[test]

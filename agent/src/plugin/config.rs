@@ -7,22 +7,82 @@
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
+/// A key of NVIDIA's config that gpu-agent accepts but does not act on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unacted {
+    /// Its path in the config, e.g. `flags.failOnInitError`.
+    pub key: String,
+    /// What gpu-agent does instead, in plain words.
+    pub why: String,
+    /// The value asks for something containers will not get (logged at
+    /// WARN; the others at INFO).
+    pub warn: bool,
+}
+
+impl std::fmt::Display for Unacted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.key, self.why)
+    }
+}
+
 /// A whole config file.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PluginConfig {
-    /// Must be `v1`.
+    /// Must be `v1`; a file without it is `v1` (as NVIDIA's plugin reads it).
+    #[serde(default = "version_v1")]
     pub version: String,
     #[serde(default)]
     pub flags: Flags,
-    /// NVIDIA ignores this section too (resource renaming through patterns);
-    /// accepted so that existing files parse, refused if non-empty.
+    /// Resource renaming by pattern. NVIDIA's plugin ignores this section
+    /// (with a warning), and so does gpu-agent: named in `status`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resources: Option<serde_yaml_ng::Value>,
+    pub resources: Option<Resources>,
     #[serde(default)]
     pub sharing: Sharing,
+    /// IMEX channels for fabric-attached GPUs (not injected by gpu-agent
+    /// yet: named in `status` when set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub imex: Option<serde_yaml_ng::Value>,
+    pub imex: Option<Imex>,
+}
+
+fn version_v1() -> String {
+    "v1".into()
+}
+
+/// `resources`: `gpus` and `mig`, each a list of `{pattern, name}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<ResourcePattern>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig: Vec<ResourcePattern>,
+}
+
+/// One `resources.gpus[]` / `resources.mig[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourcePattern {
+    pub pattern: String,
+    pub name: String,
+}
+
+/// `imex`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Imex {
+    /// The spelling is upstream's struct tag; `channelIds` is taken too
+    /// (NVIDIA's reader matches keys in any case).
+    #[serde(
+        default,
+        rename = "channelIDs",
+        alias = "channelIds",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub channel_ids: Vec<u32>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub required: bool,
 }
 
 /// `flags`: the plugin's command-line flags as config.
@@ -45,15 +105,49 @@ pub struct Flags {
     pub gds_enabled: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mofed_enabled: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Upstream's spelling (`useNodeFeatureAPI`); `useNodeFeatureApi` is
+    /// taken too.
+    #[serde(
+        default,
+        rename = "useNodeFeatureAPI",
+        alias = "useNodeFeatureApi",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub use_node_feature_api: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_discovery_strategy: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plugin: Option<PluginFlags>,
-    /// GPU feature discovery's flags; read by the labels stage.
+    /// GPU feature discovery's flags (gpu-agent's labels stage has its own
+    /// settings: named in `status` when set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gfd: Option<serde_yaml_ng::Value>,
+    pub gfd: Option<GfdFlags>,
+}
+
+/// `flags.gfd`: GPU feature discovery's command-line flags.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GfdFlags {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oneshot: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_timestamp: Option<bool>,
+    /// A Go duration (`60s`, `1m30s`), kept as written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sleep_interval: Option<GoDuration>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_file: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub machine_type_file: Option<String>,
+}
+
+/// A duration as NVIDIA's config takes it: Go's `60s` form, or a number
+/// (nanoseconds, as Go's JSON reads one).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum GoDuration {
+    Text(String),
+    Nanos(i64),
 }
 
 /// `flags.plugin`.
@@ -64,11 +158,24 @@ pub struct PluginFlags {
     pub pass_device_specs: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Upstream's spelling (`deviceIDStrategy`); `deviceIdStrategy` is
+    /// taken too (NVIDIA's reader matches keys in any case).
+    #[serde(
+        default,
+        rename = "deviceIDStrategy",
+        alias = "deviceIdStrategy",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub device_id_strategy: Option<DeviceIdStrategy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cdi_annotation_prefix: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Upstream's spelling (`nvidiaCTKPath`); `nvidiaCtkPath` is taken too.
+    #[serde(
+        default,
+        rename = "nvidiaCTKPath",
+        alias = "nvidiaCtkPath",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub nvidia_ctk_path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_driver_root: Option<String>,
@@ -176,7 +283,10 @@ pub struct SharingSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ReplicatedResource {
-    /// The resource shared, `nvidia.com/gpu` (or a MIG resource).
+    /// The resource shared, `nvidia.com/gpu` (or a MIG resource); a name
+    /// without the `nvidia.com/` prefix gets it, as NVIDIA's plugin reads it
+    /// (`name: gpu` is `nvidia.com/gpu`).
+    #[serde(deserialize_with = "qualified_resource_name")]
     pub name: String,
     /// Advertise the replicas under this name instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -187,6 +297,15 @@ pub struct ReplicatedResource {
     pub devices: DeviceSelection,
     /// Replicas of each selected GPU, at least 2.
     pub replicas: u32,
+}
+
+fn qualified_resource_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    let name = String::deserialize(d)?;
+    Ok(if name.starts_with("nvidia.com/") {
+        name
+    } else {
+        format!("nvidia.com/{name}")
+    })
 }
 
 /// `devices: all | N | [0, 1, "GPU-..."]`.
@@ -287,25 +406,7 @@ impl PluginConfig {
                 ),
             ));
         }
-        if let Some(r) = &self.resources
-            && !r.is_null()
-            && r.as_mapping().is_none_or(|m| !m.is_empty())
-        {
-            return Err(invalid(
-                "resources".into(),
-                "resource renaming by pattern is not supported (NVIDIA's plugin ignores it too); use sharing.timeSlicing.resources[].rename".into(),
-            ));
-        }
         let f = &self.flags;
-        for (key, on) in [
-            ("flags.gdrcopyEnabled", f.gdrcopy_enabled),
-            ("flags.gdsEnabled", f.gds_enabled),
-            ("flags.mofedEnabled", f.mofed_enabled),
-        ] {
-            if on == Some(true) {
-                return Err(invalid(key.into(), "not supported by gpu-agent yet".into()));
-            }
-        }
         if let Some(root) = &f.mps_root
             && !root.starts_with('/')
         {
@@ -353,6 +454,125 @@ impl PluginConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The keys of NVIDIA's schema set here that gpu-agent takes but does
+    /// not act on (a key whose value asks for what gpu-agent does anyway is
+    /// not named). Never an error: NVIDIA's configs carry over unchanged.
+    pub fn not_acted_on(&self) -> Vec<Unacted> {
+        let mut out = Vec::new();
+        let mut note = |key: &str, warn: bool, why: &str| {
+            out.push(Unacted {
+                key: key.to_string(),
+                warn,
+                why: why.to_string(),
+            })
+        };
+        let f = &self.flags;
+        if f.fail_on_init_error == Some(true) {
+            note(
+                "flags.failOnInitError",
+                false,
+                "gpu-agent never exits on a failed start: the stage that failed says why in `status` and the others go on",
+            );
+        }
+        for (key, root) in [
+            ("flags.nvidiaDriverRoot", &f.nvidia_driver_root),
+            ("flags.nvidiaDevRoot", &f.nvidia_dev_root),
+        ] {
+            if root.as_deref().is_some_and(|r| r != "/") {
+                note(
+                    key,
+                    false,
+                    "gpu-agent finds the driver and its device nodes on the host itself (the driver and devnodes stages)",
+                );
+            }
+        }
+        for (key, on, what) in [
+            ("flags.gdrcopyEnabled", f.gdrcopy_enabled, "gdrcopy"),
+            ("flags.gdsEnabled", f.gds_enabled, "GPUDirect Storage"),
+            ("flags.mofedEnabled", f.mofed_enabled, "MOFED"),
+        ] {
+            if on == Some(true) {
+                note(
+                    key,
+                    true,
+                    &format!("containers get no {what} devices from gpu-agent yet"),
+                );
+            }
+        }
+        if f.use_node_feature_api == Some(true) {
+            note(
+                "flags.useNodeFeatureAPI",
+                false,
+                "labels go to node-feature-discovery's features.d file (spec.gfd), which NFD turns into the same node labels",
+            );
+        }
+        match f.device_discovery_strategy.as_deref() {
+            None | Some("auto") | Some("nvml") => {}
+            Some(other) => note(
+                "flags.deviceDiscoveryStrategy",
+                true,
+                &format!("{other:?}: gpu-agent discovers PCI GPUs through sysfs and NVML only"),
+            ),
+        }
+        if let Some(p) = &f.plugin {
+            if p.nvidia_ctk_path.is_some() {
+                note(
+                    "flags.plugin.nvidiaCTKPath",
+                    false,
+                    "gpu-agent's CDI specs name its own hook (spec.cdi.hookPath)",
+                );
+            }
+            if p.container_driver_root.is_some() {
+                note(
+                    "flags.plugin.containerDriverRoot",
+                    false,
+                    "gpu-agent reads the driver's files on the host, not through a mount",
+                );
+            }
+        }
+        if let Some(g) = &f.gfd {
+            let labels = "gpu-agent's labels stage (spec.gfd) writes node-feature-discovery's features.d file when the GPUs change";
+            for (key, set) in [
+                ("flags.gfd.oneshot", g.oneshot.is_some()),
+                ("flags.gfd.sleepInterval", g.sleep_interval.is_some()),
+                ("flags.gfd.outputFile", g.output_file.is_some()),
+                ("flags.gfd.machineTypeFile", g.machine_type_file.is_some()),
+            ] {
+                if set {
+                    note(key, false, labels);
+                }
+            }
+            if g.no_timestamp == Some(false) {
+                note(
+                    "flags.gfd.noTimestamp",
+                    false,
+                    "gpu-agent never writes nvidia.com/gfd.timestamp (it would relabel the node at every refresh)",
+                );
+            }
+        }
+        if self
+            .resources
+            .as_ref()
+            .is_some_and(|r| !r.gpus.is_empty() || !r.mig.is_empty())
+        {
+            note(
+                "resources",
+                true,
+                "renaming by pattern is ignored, as NVIDIA's plugin ignores it; use sharing.timeSlicing.resources[].rename",
+            );
+        }
+        if let Some(imex) = &self.imex
+            && (!imex.channel_ids.is_empty() || imex.required)
+        {
+            note(
+                "imex",
+                true,
+                "gpu-agent does not inject IMEX channels into containers yet",
+            );
+        }
+        out
     }
 
     /// The sharing in force, as NVIDIA's plugin decides it: MPS when
@@ -449,7 +669,7 @@ sharing:
                 "sharing.timeSlicing.resources[0].replicas",
             ),
             (
-                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n",
+                "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: example.com/gpu, replicas: 2}\n",
                 "sharing.timeSlicing.resources[0].name",
             ),
             (
@@ -457,8 +677,8 @@ sharing:
                 "sharing.timeSlicing.resources[0].devcies",
             ),
             (
-                "version: v1\nflags:\n  gdsEnabled: true\n",
-                "flags.gdsEnabled",
+                "version: v1\nflags:\n  plugin:\n    deviceIdStrateg: uuid\n",
+                "flags.plugin.deviceIdStrateg",
             ),
             (
                 "version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, magic]\n",
@@ -553,6 +773,138 @@ sharing:
         )));
     }
 
+    /// Every key of NVIDIA's schema, spelled as upstream's struct tags spell
+    /// them (k8s-device-plugin v0.20.0, `api/config/v1`), is taken.
+    const EVERY_UPSTREAM_KEY: &str = r#"
+version: v1
+flags:
+  migStrategy: mixed
+  failOnInitError: true
+  mpsRoot: /run/nvidia/mps
+  nvidiaDriverRoot: /run/nvidia/driver
+  nvidiaDevRoot: /
+  gdrcopyEnabled: true
+  gdsEnabled: false
+  mofedEnabled: false
+  useNodeFeatureAPI: true
+  deviceDiscoveryStrategy: auto
+  plugin:
+    passDeviceSpecs: true
+    deviceListStrategy: [envvar, cdi-cri]
+    deviceIDStrategy: index
+    cdiAnnotationPrefix: cdi.k8s.io/
+    nvidiaCTKPath: /usr/bin/nvidia-ctk
+    containerDriverRoot: /driver-root
+    sharedDevicesAllocationPolicy: packed
+  gfd:
+    oneshot: false
+    noTimestamp: true
+    sleepInterval: 60s
+    outputFile: /etc/kubernetes/node-feature-discovery/features.d/gfd
+    machineTypeFile: /sys/class/dmi/id/product_name
+resources:
+  gpus:
+  - pattern: "*A100*"
+    name: a100
+  mig:
+  - pattern: "1g.10gb"
+    name: mig-small
+sharing:
+  timeSlicing:
+    renameByDefault: true
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      rename: gpu.shared
+      devices: [0, "1"]
+      replicas: 4
+imex:
+  channelIDs: [0]
+  required: true
+"#;
+
+    #[test]
+    fn every_key_upstream_has_is_taken_in_upstreams_spelling() {
+        let c = PluginConfig::from_yaml(EVERY_UPSTREAM_KEY, "c.yaml").unwrap();
+        let p = c.flags.plugin.as_ref().unwrap();
+        assert_eq!(p.device_id_strategy, Some(DeviceIdStrategy::Index));
+        assert_eq!(p.nvidia_ctk_path.as_deref(), Some("/usr/bin/nvidia-ctk"));
+        assert_eq!(c.flags.use_node_feature_api, Some(true));
+        assert_eq!(c.flags.mig_strategy, Some(MigStrategy::Mixed));
+        assert_eq!(c.imex.as_ref().unwrap().channel_ids, [0]);
+        // Written back in upstream's spelling.
+        let back = serde_yaml_ng::to_string(&c).unwrap();
+        for key in [
+            "deviceIDStrategy:",
+            "nvidiaCTKPath:",
+            "useNodeFeatureAPI:",
+            "channelIDs:",
+        ] {
+            assert!(back.contains(key), "{key} in {back}");
+        }
+        assert_eq!(PluginConfig::from_yaml(&back, "back").unwrap(), c);
+        // Each key gpu-agent does not act on is named, the ones that leave
+        // containers without something asked for as warnings.
+        let named: Vec<(String, bool)> = c
+            .not_acted_on()
+            .into_iter()
+            .map(|u| (u.key, u.warn))
+            .collect();
+        let expected: Vec<(String, bool)> = [
+            ("flags.failOnInitError", false),
+            ("flags.nvidiaDriverRoot", false),
+            ("flags.gdrcopyEnabled", true),
+            ("flags.useNodeFeatureAPI", false),
+            ("flags.plugin.nvidiaCTKPath", false),
+            ("flags.plugin.containerDriverRoot", false),
+            ("flags.gfd.oneshot", false),
+            ("flags.gfd.sleepInterval", false),
+            ("flags.gfd.outputFile", false),
+            ("flags.gfd.machineTypeFile", false),
+            ("resources", true),
+            ("imex", true),
+        ]
+        .into_iter()
+        .map(|(k, w)| (k.to_string(), w))
+        .collect();
+        assert_eq!(named, expected);
+    }
+
+    /// The camelCase spellings gpu-agent documented before are still taken
+    /// (NVIDIA's reader matches keys in any case, so they work there too).
+    #[test]
+    fn earlier_spellings_are_still_taken() {
+        let c = PluginConfig::from_yaml(
+            "version: v1\nflags:\n  useNodeFeatureApi: false\n  plugin:\n    deviceIdStrategy: index\n    nvidiaCtkPath: /x\nimex:\n  channelIds: [0]\n",
+            "c",
+        )
+        .unwrap();
+        let p = c.flags.plugin.unwrap();
+        assert_eq!(p.device_id_strategy, Some(DeviceIdStrategy::Index));
+        assert_eq!(p.nvidia_ctk_path.as_deref(), Some("/x"));
+        assert_eq!(c.flags.use_node_feature_api, Some(false));
+    }
+
+    /// As NVIDIA's plugin reads them: no `version` is v1, and a resource
+    /// name without its prefix is an `nvidia.com/` one.
+    #[test]
+    fn upstream_defaults_hold() {
+        let c = PluginConfig::from_yaml(
+            "sharing:\n  timeSlicing:\n    resources:\n    - {name: gpu, replicas: 2}\n",
+            "c",
+        )
+        .unwrap();
+        assert_eq!(c.version, "v1");
+        assert_eq!(
+            c.sharing.time_slicing.unwrap().resources[0].name,
+            "nvidia.com/gpu"
+        );
+        // A key no version of the schema has stays an error, naming it.
+        let err = PluginConfig::from_yaml("flags:\n  migStrategyy: none\n", "c.yaml").unwrap_err();
+        assert_eq!(err.path, "flags.migStrategyy");
+        assert!(err.message.contains("migStrategy"), "{err}");
+    }
+
     #[test]
     fn device_list_strategy_one_or_many() {
         let c = PluginConfig::from_yaml(
@@ -589,8 +941,13 @@ pub struct DevicePluginSpec {
     /// `envvar` (default), `volume-mounts`, `cdi-annotations`, `cdi-cri`, or a list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_list_strategy: Option<OneOrMany<DeviceListStrategy>>,
-    /// `uuid` (default) or `index`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// `uuid` (default) or `index`; `deviceIDStrategy`, the config file's
+    /// spelling, is taken too.
+    #[serde(
+        default,
+        alias = "deviceIDStrategy",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub device_id_strategy: Option<DeviceIdStrategy>,
     /// Also pass device nodes (`/dev/nvidiaN` and control nodes) to the runtime.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -660,8 +1017,9 @@ impl<T> Default for ConfigSource<T> {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct MigSpec {
-    #[serde(default)]
-    pub strategy: MigStrategy,
+    /// Unset: the device-plugin config's `flags.migStrategy`, else `single`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<MigStrategy>,
 }
 
 /// How MIG devices are advertised (as NVIDIA's device plugin does).
@@ -676,6 +1034,16 @@ pub enum MigStrategy {
     Single,
     /// Each profile gets its own resource, `nvidia.com/mig-1g.10gb`.
     Mixed,
+}
+
+impl MigStrategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MigStrategy::None => "none",
+            MigStrategy::Single => "single",
+            MigStrategy::Mixed => "mixed",
+        }
+    }
 }
 
 fn enabled() -> bool {

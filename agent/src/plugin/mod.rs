@@ -34,10 +34,11 @@ pub enum SettingsError {
 
 /// The device plugin's effective settings: the policy's `spec.devicePlugin`
 /// keys, then the config's `flags.plugin`, then the defaults. The MIG
-/// strategy is the policy's `spec.mig.strategy`.
+/// strategy is the policy's `spec.mig.strategy`, else the config's
+/// `flags.migStrategy`, else `single`.
 pub fn settings(
     dp: &DevicePluginSpec,
-    mig_strategy: MigStrategy,
+    mig_strategy: Option<MigStrategy>,
 ) -> Result<PluginSettings, SettingsError> {
     let config: Option<PluginConfig> = match dp.config.as_ref() {
         Some(c) if c.file.is_some() => {
@@ -56,8 +57,27 @@ pub fn settings(
         .and_then(|c| c.flags.plugin.clone())
         .unwrap_or_default();
     let d = PluginSettings::default();
+    let mut unacted = config
+        .as_ref()
+        .map(PluginConfig::not_acted_on)
+        .unwrap_or_default();
+    let config_mig = config.as_ref().and_then(|c| c.flags.mig_strategy);
+    if let (Some(policy), Some(file)) = (mig_strategy, config_mig)
+        && policy != file
+    {
+        unacted.push(config::Unacted {
+            key: "flags.migStrategy".into(),
+            warn: false,
+            why: format!(
+                "{}: the policy's spec.mig.strategy ({}) wins, as the operator's MIG_STRATEGY does",
+                file.as_str(),
+                policy.as_str()
+            ),
+        });
+    }
     Ok(PluginSettings {
-        mig_strategy,
+        mig_strategy: mig_strategy.or(config_mig).unwrap_or_default(),
+        unacted,
         list_strategies: dp
             .device_list_strategy
             .as_ref()
@@ -173,8 +193,35 @@ mod settings_tests {
         assert_eq!(strategy, crate::plugin::config::SharingStrategy::Mps);
         assert_eq!(spec.resources.len(), 1);
         // Without the flag, NVIDIA's operator default.
-        let d = settings(&Policy::default().device_plugin, MigStrategy::Single).unwrap();
+        let d = settings(&Policy::default().device_plugin, None).unwrap();
         assert_eq!(d.mps_root, crate::plugin::resources::DEFAULT_MPS_ROOT);
         assert!(d.sharing().is_none());
+    }
+
+    /// The config's `flags.migStrategy` counts when the policy names none;
+    /// the policy's `spec.mig.strategy` wins otherwise, and the config's is
+    /// then named as not acted on.
+    #[test]
+    fn config_mig_strategy_counts_unless_the_policy_names_one() {
+        let config = "    config:\n      inline:\n        version: v1\n        flags:\n          migStrategy: mixed\n";
+        let p = Policy::from_yaml(&format!("spec:\n  devicePlugin:\n{config}"), "p").unwrap();
+        let s = settings(&p.device_plugin, p.mig.strategy).unwrap();
+        assert_eq!(s.mig_strategy, MigStrategy::Mixed);
+        assert!(s.unacted.is_empty(), "{:?}", s.unacted);
+        let p = Policy::from_yaml(
+            &format!("spec:\n  mig:\n    strategy: none\n  devicePlugin:\n{config}"),
+            "p",
+        )
+        .unwrap();
+        let s = settings(&p.device_plugin, p.mig.strategy).unwrap();
+        assert_eq!(s.mig_strategy, MigStrategy::None);
+        assert_eq!(s.unacted.len(), 1);
+        assert_eq!(
+            s.unacted[0].to_string(),
+            "flags.migStrategy (mixed: the policy's spec.mig.strategy (none) wins, as the operator's MIG_STRATEGY does)"
+        );
+        // Neither: single, ClusterPolicy's default.
+        let s = settings(&Policy::default().device_plugin, None).unwrap();
+        assert_eq!(s.mig_strategy, MigStrategy::Single);
     }
 }

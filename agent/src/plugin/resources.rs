@@ -45,6 +45,9 @@ pub struct PluginSettings {
     /// and shm directories.
     #[serde(default = "default_mps_root")]
     pub mps_root: String,
+    /// The config's keys gpu-agent takes but does not act on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unacted: Vec<super::config::Unacted>,
 }
 
 fn default_mps_root() -> String {
@@ -87,6 +90,7 @@ impl Default for PluginSettings {
             time_slicing: None,
             mps: None,
             mps_root: default_mps_root(),
+            unacted: Vec::new(),
         }
     }
 }

@@ -65,6 +65,18 @@ pub(super) fn plugin_stage(
                 resources,
             };
             let mut detail = plan.summary();
+            if !plan.settings.unacted.is_empty() {
+                let keys: Vec<&str> = plan
+                    .settings
+                    .unacted
+                    .iter()
+                    .map(|u| u.key.as_str())
+                    .collect();
+                detail = format!(
+                    "{detail}; device-plugin config keys not acted on: {}",
+                    keys.join(", ")
+                );
+            }
             if let Some(why) = no_cdi.filter(|_| cdi_names) {
                 let warning = format!(
                     "warning: the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"

@@ -128,6 +128,7 @@ pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
         caps = %opts.caps.names().join(","),
         "gpu-agent starting"
     );
+    log_unacted(&opts.policy);
     let mut sup = Supervisor::new(opts);
     sup.st.privileges = Some(privileges);
     if sup.opts.once {
@@ -161,6 +162,22 @@ pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
     let pass = sup.first_pass();
     let ok = rt.block_on(sup.serve(pass, policy_watch))?;
     Ok(ok)
+}
+
+/// Names, once per policy, the device-plugin config's keys that gpu-agent
+/// takes but does not act on: WARN where containers will miss what the key
+/// asks for, INFO otherwise.
+fn log_unacted(policy: &Policy) {
+    let Ok(settings) = crate::plugin::settings(&policy.device_plugin, policy.mig.strategy) else {
+        return;
+    };
+    for u in &settings.unacted {
+        if u.warn {
+            tracing::warn!(key = %u.key, what_instead = %u.why, "device-plugin config key not acted on");
+        } else {
+            tracing::info!(key = %u.key, what_instead = %u.why, "device-plugin config key not acted on");
+        }
+    }
 }
 
 /// The running agent's state and tasks.
@@ -635,6 +652,18 @@ impl Supervisor {
                     }
                     if policy_changed {
                         tracing::info!(policy = %path, "policy changed");
+                        if crate::plugin::settings(&p.device_plugin, p.mig.strategy)
+                            .map(|s| s.unacted)
+                            .ok()
+                            != crate::plugin::settings(
+                                &self.opts.policy.device_plugin,
+                                self.opts.policy.mig.strategy,
+                            )
+                            .map(|s| s.unacted)
+                            .ok()
+                        {
+                            log_unacted(&p);
+                        }
                         self.drain_for_driver_change(&p).await;
                         self.opts.policy = p;
                     }

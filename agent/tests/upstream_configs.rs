@@ -1,0 +1,224 @@
+//! NVIDIA's own device-plugin config files, unchanged (`../shared/upstream/`,
+//! whose README names project and version), through the path a user takes:
+//! `gpu-agent policy check`, then `status` and `labels` (what `run`
+//! advertises and writes) on a simulated node of each GPU family, then one
+//! `run --once`. A user switching from the GPU Operator keeps these files.
+
+mod common;
+
+use common::{bin, json, run};
+use std::path::{Path, PathBuf};
+
+/// Every simulated node: each GPU family, a MIG node, a mixed node, none.
+const NODES: &[&str] = &[
+    "t4-4",
+    "a10g-1",
+    "h100-sxm-8",
+    "h100-mig-2",
+    "a100-h100-mixed",
+    "no-gpu",
+];
+
+fn upstream() -> PathBuf {
+    let dir = common::repo().join("../shared/upstream");
+    assert!(
+        dir.join("README.md").is_file(),
+        "{}: upstream's files are not there (CI has ../shared beside the checkout)",
+        dir.display()
+    );
+    dir
+}
+
+/// Every device-plugin config upstream ships in `../shared/upstream`: the
+/// device plugin's README configs and the operator's test config.
+fn device_plugin_configs() -> Vec<PathBuf> {
+    let up = upstream();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(up.join("k8s-device-plugin"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files.push(up.join("gpu-operator/tests_plugin-config.yaml"));
+    assert!(files.len() >= 6, "{files:?}");
+    files
+}
+
+fn policy_naming(dir: &Path, config: &Path) -> PathBuf {
+    let p = dir.join("policy.yaml");
+    std::fs::write(
+        &p,
+        format!(
+            "spec:\n  devicePlugin:\n    config:\n      file: {}\n",
+            config.display()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+fn plugin_stage(node: &str, policy: &Path) -> (String, String) {
+    let (code, out, err) = run(bin()
+        .args(["--simulate", node, "--policy"])
+        .arg(policy)
+        .args(["status", "-o", "json"]));
+    assert_eq!(code, 0, "{node}: {err}");
+    let st = common::stage(&json(&out), "plugin");
+    (
+        st["state"].as_str().unwrap().to_string(),
+        st["detail"].as_str().unwrap().to_string(),
+    )
+}
+
+/// GPUs of a node not in MIG mode.
+fn whole_gpus(node: &str) -> usize {
+    let (code, out, err) = run(bin().args(["--simulate", node, "inventory", "-o", "json"]));
+    assert_eq!(code, 0, "{err}");
+    json(&out)["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|g| g["mig"]["current"] != true)
+        .count()
+}
+
+/// The replicas a config asks of `nvidia.com/gpu`, and the MIG strategy
+/// its flags name, read from the file itself (not from gpu-agent's parser).
+fn asks(config: &Path) -> (Option<u64>, Option<String>) {
+    let v: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(config).unwrap()).unwrap();
+    let replicas = ["timeSlicing", "mps"]
+        .iter()
+        .find_map(|k| v["sharing"][*k]["resources"][0]["replicas"].as_u64());
+    let mig = v["flags"]["migStrategy"].as_str().map(str::to_string);
+    (replicas, mig)
+}
+
+#[test]
+fn every_device_plugin_config_upstream_ships_passes_policy_check() {
+    let dir = tempfile::tempdir().unwrap();
+    for config in device_plugin_configs() {
+        let policy = policy_naming(dir.path(), &config);
+        let (code, out, err) = run(bin().args(["policy", "check"]).arg(&policy));
+        assert_eq!(code, 0, "{}: {out}{err}", config.display());
+        assert!(out.contains("valid policy"), "{out}");
+        // What the file asks that gpu-agent does not do is named, never fatal.
+        let text = std::fs::read_to_string(&config).unwrap();
+        if text.contains("failOnInitError: true") {
+            assert!(
+                out.contains("note: device-plugin config key not acted on: flags.failOnInitError"),
+                "{}: {out}",
+                config.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn every_device_plugin_config_upstream_ships_is_honoured_on_every_node_family() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rows = Vec::new();
+    for config in device_plugin_configs() {
+        let policy = policy_naming(dir.path(), &config);
+        let (replicas, mig) = asks(&config);
+        for node in NODES {
+            let (state, detail) = plugin_stage(node, &policy);
+            let name = config.file_name().unwrap().to_string_lossy().into_owned();
+            rows.push(format!("{name} {node}: {state}: {detail}"));
+            let gpus = whole_gpus(node);
+            if *node == "no-gpu" {
+                assert_eq!(state, "ready", "{name}: {detail}");
+                assert!(detail.starts_with("no devices to advertise"), "{detail}");
+                continue;
+            }
+            if *node == "h100-mig-2" {
+                // Two MIG GPUs of several profiles: `single` (the default
+                // when neither the policy nor the file names one) cannot
+                // advertise them, in words; `none` and `mixed` can.
+                match mig.as_deref() {
+                    Some("none") => {
+                        assert_eq!(state, "ready", "{name}: {detail}");
+                        assert!(
+                            detail.starts_with("nvidia.com/gpu: 2 device(s)"),
+                            "{detail}"
+                        );
+                    }
+                    Some("mixed") => {
+                        assert_eq!(state, "ready", "{name}: {detail}");
+                        assert!(detail.contains("nvidia.com/mig-1g.10gb: "), "{detail}");
+                    }
+                    _ => {
+                        assert_eq!(state, "failed", "{name}: {detail}");
+                        assert!(
+                            detail.contains("single needs one (or use mixed)"),
+                            "{detail}"
+                        );
+                    }
+                }
+                continue;
+            }
+            assert_eq!(state, "ready", "{name} on {node}: {detail}");
+            let expected = gpus as u64 * replicas.unwrap_or(1);
+            assert!(
+                detail.starts_with(&format!("nvidia.com/gpu: {expected} device(s)")),
+                "{name} on {node}: {detail}"
+            );
+        }
+    }
+    // The table, for whoever reads the test's output.
+    println!("{}", rows.join("\n"));
+}
+
+/// The sharing a config asks for shows in the node's labels as GFD writes
+/// them: `gpu.replicas` and `sharing-strategy`.
+#[test]
+fn sharing_configs_upstream_ships_label_the_node_as_gfd_does() {
+    let dir = tempfile::tempdir().unwrap();
+    for config in device_plugin_configs() {
+        let policy = policy_naming(dir.path(), &config);
+        let (replicas, _) = asks(&config);
+        let (code, out, err) = run(bin()
+            .args(["--simulate", "t4-4", "--policy"])
+            .arg(&policy)
+            .args(["labels", "-o", "json"]));
+        assert_eq!(code, 0, "{err}");
+        let l = json(&out);
+        let text = std::fs::read_to_string(&config).unwrap();
+        let strategy = if text.contains("mps:") {
+            "mps"
+        } else if text.contains("timeSlicing:") {
+            "time-slicing"
+        } else {
+            "none"
+        };
+        assert_eq!(
+            l["nvidia.com/gpu.replicas"],
+            replicas.unwrap_or(1).to_string(),
+            "{}",
+            config.display()
+        );
+        assert_eq!(
+            l["nvidia.com/gpu.sharing-strategy"],
+            strategy,
+            "{}",
+            config.display()
+        );
+    }
+}
+
+/// `run --once` with each config: the pass ends, and the agent did not
+/// refuse its configuration (exit 2 is bad input, a DaemonSet's crash loop).
+#[test]
+fn run_takes_every_device_plugin_config_upstream_ships() {
+    let dir = tempfile::tempdir().unwrap();
+    for config in device_plugin_configs() {
+        let host = tempfile::tempdir().unwrap();
+        let policy = policy_naming(dir.path(), &config);
+        let (code, _, err) = run(common::at(host.path())
+            .args(["--simulate", "t4-4", "--policy"])
+            .arg(&policy)
+            .args(["run", "--once"]));
+        assert_ne!(code, 2, "{}: refused: {err}", config.display());
+        assert!(!err.contains("unknown key"), "{}: {err}", config.display());
+    }
+}
