@@ -913,7 +913,7 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     }
     if report.health.iter().any(|g| !g.healthy || g.events > 0) {
         out.push('\n');
-        out.push_str(&render::health(&report.health));
+        out.push_str(&render::health(&report.health, report.inventory.as_ref()));
     }
     if !report.tasks.is_empty() {
         out.push('\n');

@@ -275,12 +275,27 @@ pub fn ago(now: u64, then: u64) -> String {
     }
 }
 
-/// Each GPU's health, with the advice for the unhealthy ones.
-pub fn health(board: &[crate::health::GpuHealth]) -> String {
-    let rows: Vec<Vec<String>> = board
+/// Each GPU's health, with the advice for the unhealthy ones, in the
+/// order of the GPUs' indices, each named by index and bus id as well as
+/// UUID (from `inventory`; a GPU it does not name comes last, by UUID).
+pub fn health(
+    board: &[crate::health::GpuHealth],
+    inventory: Option<&crate::inventory::Inventory>,
+) -> String {
+    let find = |uuid: &str| {
+        inventory.and_then(|inv| inv.gpus.iter().find(|g| g.uuid.as_deref() == Some(uuid)))
+    };
+    let mut sorted: Vec<_> = board
         .iter()
-        .map(|g| {
+        .map(|g| (find(&g.uuid).and_then(|i| i.index), find(&g.uuid), g))
+        .collect();
+    sorted.sort_by(|a, b| (a.0.is_none(), a.0, &a.2.uuid).cmp(&(b.0.is_none(), b.0, &b.2.uuid)));
+    let rows: Vec<Vec<String>> = sorted
+        .into_iter()
+        .map(|(index, gpu, g)| {
             vec![
+                index.map_or("-".into(), |i| i.to_string()),
+                gpu.map_or("-".into(), |i| i.bus_id.to_string()),
                 g.uuid.clone(),
                 if g.healthy { "healthy" } else { "UNHEALTHY" }.into(),
                 g.events.to_string(),
@@ -292,7 +307,7 @@ pub fn health(board: &[crate::health::GpuHealth]) -> String {
             ]
         })
         .collect();
-    table(&["GPU", "HEALTH", "EVENTS", "WHY"], &rows)
+    table(&["IDX", "BUS ID", "GPU", "HEALTH", "EVENTS", "WHY"], &rows)
 }
 
 /// The supervised tasks.
@@ -332,6 +347,49 @@ pub fn error_words(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The health table is in index order, each GPU named by index and bus
+    /// id (it was sorted by UUID, GPU 0 the fifth row on an 8-GPU node).
+    #[test]
+    fn health_rows_follow_the_gpu_indices() {
+        let inv = crate::test_support::inventory_of("h100-sxm-8");
+        let mut board: Vec<crate::health::GpuHealth> = inv
+            .gpus
+            .iter()
+            .map(|g| crate::health::GpuHealth {
+                uuid: g.uuid.clone().unwrap(),
+                healthy: g.index != Some(3),
+                reason: (g.index == Some(3)).then(|| "XID 79".to_string()),
+                advice: None,
+                events: u64::from(g.index == Some(3)),
+            })
+            .collect();
+        board.sort_by(|a, b| a.uuid.cmp(&b.uuid));
+        board.push(crate::health::GpuHealth {
+            uuid: "GPU-00000000-gone".into(),
+            healthy: false,
+            reason: Some("GPU lost".into()),
+            advice: None,
+            events: 1,
+        });
+        let out = health(&board, Some(&inv));
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("IDX  BUS ID"), "{out}");
+        for (row, g) in lines[1..9].iter().zip(&inv.gpus) {
+            let idx = g.index.unwrap().to_string();
+            let bus = g.bus_id.to_string();
+            assert!(
+                row.starts_with(&format!("{idx:<5}{bus}")),
+                "{row} is not GPU {idx} ({bus}):\n{out}"
+            );
+        }
+        assert!(
+            lines[4].contains("UNHEALTHY") && lines[4].contains("XID 79"),
+            "{out}"
+        );
+        // A GPU the inventory no longer has comes last, without index.
+        assert!(lines[9].starts_with("-    -"), "{out}");
+    }
 
     #[test]
     fn columns_align_and_last_is_not_padded() {

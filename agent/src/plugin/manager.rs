@@ -161,6 +161,9 @@ pub struct PluginManager {
     /// Replaced or removed servers being stopped (each within
     /// `STOP_GRACE + CUT_GRACE`); awaited at shutdown.
     stopping: JoinSet<()>,
+    /// Registrations of resources no longer served, kept for when one
+    /// comes back: counts never go back.
+    registered_before: HashMap<String, u64>,
 }
 
 impl std::fmt::Debug for PluginManager {
@@ -216,6 +219,7 @@ impl PluginManager {
             health: None,
             preparing: None,
             stopping: JoinSet::new(),
+            registered_before: HashMap::new(),
         }
     }
 
@@ -592,7 +596,11 @@ impl PluginManager {
                 continue;
             }
             let mut p = self.plugins.remove(i);
-            self.board.lock().unwrap().remove(i);
+            let gone = self.board.lock().unwrap().remove(i);
+            // Its count goes on if the resource comes back (a MIG layout
+            // change, advertising stopped for a driver change).
+            self.registered_before
+                .insert(gone.resource, gone.registrations);
             // The kubelet hears the resource has no devices (capacity 0 at
             // once, not after its endpoint grace period) before it goes.
             p.resource.send_modify(|r| r.devices.clear());
@@ -634,10 +642,9 @@ impl PluginManager {
                 continue;
             }
             tracing::info!(stage = "plugin", resource = %r.name, devices = r.devices.len(), "new resource");
-            self.board
-                .lock()
-                .unwrap()
-                .push(ResourceStatus::new(&self.dir, &r));
+            let mut status = ResourceStatus::new(&self.dir, &r);
+            status.registrations = self.registered_before.get(&r.name).copied().unwrap_or(0);
+            self.board.lock().unwrap().push(status);
             self.plugins.push(new_plugin(&self.dir, r));
             self.restart(self.plugins.len() - 1, done)?;
         }

@@ -191,6 +191,10 @@ struct Supervisor {
     health_policy: watch::Sender<HealthPolicy>,
     plugin_plan: Option<PluginPlan>,
     plugin: Option<RunningPlugin>,
+    /// Registrations of device plugins this agent ran before the current
+    /// one, by resource: a restarted plugin's count (and
+    /// `gpu_agent_plugin_registrations_total`) goes on from them.
+    registrations_before: BTreeMap<String, u64>,
     /// `Some(stages)` while the first pass has not yet made what containers
     /// need (the device plugin registers before): allocations wait on it.
     preparing: watch::Sender<Option<String>>,
@@ -275,6 +279,7 @@ impl Supervisor {
             health_policy,
             plugin_plan: None,
             plugin: None,
+            registrations_before: BTreeMap::new(),
             preparing: watch::Sender::new(None),
             health: None,
             tasks: BTreeMap::new(),
@@ -561,7 +566,7 @@ impl Supervisor {
         if let Some(h) = self.health.take() {
             h.stop();
         }
-        if let Some(p) = self.plugin.take() {
+        if let Some(p) = self.take_plugin() {
             p.stop().await;
         }
         // No more replicas are handed out: the MPS daemons may quit.
@@ -792,7 +797,7 @@ impl Supervisor {
                             stage = "plugin",
                             "device-plugin settings changed; restarting the device plugin"
                         );
-                        if let Some(p) = self.plugin.take() {
+                        if let Some(p) = self.take_plugin() {
                             p.stop().await;
                         }
                         self.start_plugin();
@@ -810,7 +815,7 @@ impl Supervisor {
                 }
             }
             None if plugin_state == Some(StageState::Disabled) => {
-                if let Some(p) = self.plugin.take() {
+                if let Some(p) = self.take_plugin() {
                     tracing::info!(
                         stage = "plugin",
                         "the device plugin is turned off by the policy"
@@ -1127,7 +1132,24 @@ impl Supervisor {
         }
     }
 
+    /// Takes the device plugin out, to stop or replace it: its
+    /// registrations are carried over (the count never goes back), and
+    /// `status` no longer shows its resources, whose sockets go with it.
+    fn take_plugin(&mut self) -> Option<RunningPlugin> {
+        let p = self.plugin.take()?;
+        for r in p.board.lock().unwrap().iter() {
+            *self
+                .registrations_before
+                .entry(r.resource.clone())
+                .or_default() += r.registrations;
+        }
+        self.st.plugin.clear();
+        Some(p)
+    }
+
     fn start_plugin(&mut self) {
+        // One that ended on its own is replaced.
+        drop(self.take_plugin());
         let Some(plan) = self.plugin_plan.clone() else {
             return;
         };
@@ -1314,6 +1336,13 @@ impl Supervisor {
     fn refresh(&mut self) {
         if let Some(p) = &self.plugin {
             self.st.plugin = p.board.lock().unwrap().clone();
+            for r in &mut self.st.plugin {
+                r.registrations += self
+                    .registrations_before
+                    .get(&r.resource)
+                    .copied()
+                    .unwrap_or(0);
+            }
             stages::apply_plugin_status(&mut self.st.stages, &self.st.plugin);
             let v = stages::plugin_validation(&self.st.plugin);
             if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Plugin) {
@@ -1353,14 +1382,21 @@ impl Supervisor {
     /// Writes (or removes) the operator's validation files for the stages
     /// validated so far.
     fn validation_files(&self) {
-        let ok = |stage: Stage| {
-            self.st.stages.iter().any(|s| {
-                s.stage == stage
-                    && (s.state == StageState::Disabled
-                        || s.validation.as_ref().is_some_and(|v| v.ok))
+        let state = |stage: Stage| self.st.stages.iter().find(|s| s.stage == stage);
+        // Validated: on, and its check passed.
+        let checked = |stage: Stage| {
+            state(stage).is_some_and(|s| {
+                s.state != StageState::Disabled && s.validation.as_ref().is_some_and(|v| v.ok)
             })
         };
-        let driver_ok = ok(Stage::Driver) && ok(Stage::Devnodes);
+        let ok = |stage: Stage| {
+            checked(stage) || state(stage).is_some_and(|s| s.state == StageState::Disabled)
+        };
+        // A file says something was validated: never when every stage it
+        // stands for is off.
+        let driver_ok = ok(Stage::Driver)
+            && ok(Stage::Devnodes)
+            && (checked(Stage::Driver) || checked(Stage::Devnodes));
         let driver_text = stages::driver_ready_text(&self.opts.host, &self.opts.policy);
         validation_file(
             &self.opts.host,
@@ -1369,10 +1405,14 @@ impl Supervisor {
         );
         // With the workload check asked for, the toolkit is ready when a
         // container got its GPU (as the operator's toolkit validation means).
-        let workload_ok = !(self.opts.policy.validator.enabled
-            && self.opts.policy.validator.workload)
-            || self.st.workload.as_ref().is_some_and(|w| w.ok);
-        let toolkit_ok = ok(Stage::Runtime) && ok(Stage::Cdi) && workload_ok;
+        let workload_asked =
+            self.opts.policy.validator.enabled && self.opts.policy.validator.workload;
+        let workload_passed = self.st.workload.as_ref().is_some_and(|w| w.ok);
+        let workload_ok = !workload_asked || workload_passed;
+        let toolkit_ok = ok(Stage::Runtime)
+            && ok(Stage::Cdi)
+            && workload_ok
+            && (checked(Stage::Runtime) || checked(Stage::Cdi) || workload_passed);
         validation_file(&self.opts.host, TOOLKIT_READY, toolkit_ok.then_some(""));
     }
 
