@@ -165,7 +165,7 @@ async fn serve_plugin(
         )?;
         return Ok(());
     };
-    let dir = manager::plugin_dir(host)?;
+    let dir = manager::plugin_dir(host, manager::DEVICE_PLUGIN_DIR)?;
     std::fs::create_dir_all(&dir)?;
     let mock =
         MockKubelet::start(&dir.join(KUBELET_SOCKET)).context("cannot start the mock kubelet")?;
@@ -185,6 +185,7 @@ async fn serve_plugin(
     .ok();
     let plugin = RunningPlugin::start(
         host,
+        manager::DEVICE_PLUGIN_DIR,
         plan,
         inventory,
         Default::default(),

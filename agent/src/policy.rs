@@ -61,6 +61,49 @@ pub struct Policy {
     pub mig: MigSpec,
     #[serde(default)]
     pub health: HealthSpec,
+    #[serde(default)]
+    pub host_paths: HostPaths,
+}
+
+/// `spec.hostPaths`: where the host keeps what gpu-agent talks to.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HostPaths {
+    /// The kubelet's `--root-dir` (k0s: `/var/lib/k0s/kubelet`): its
+    /// `device-plugins` directory (the device plugin's sockets) and
+    /// `pod-resources/kubelet.sock` (pod labels on the metrics) are under it.
+    #[serde(default = "default_kubelet_root_dir")]
+    pub kubelet_root_dir: String,
+}
+
+fn default_kubelet_root_dir() -> String {
+    "/var/lib/kubelet".into()
+}
+
+impl Default for HostPaths {
+    fn default() -> Self {
+        HostPaths {
+            kubelet_root_dir: default_kubelet_root_dir(),
+        }
+    }
+}
+
+impl HostPaths {
+    /// The kubelet's device-plugin directory (a host path).
+    pub fn device_plugin_dir(&self) -> String {
+        format!(
+            "{}/device-plugins",
+            self.kubelet_root_dir.trim_end_matches('/')
+        )
+    }
+
+    /// The kubelet's pod-resources socket (a host path).
+    pub fn pod_resources_socket(&self) -> String {
+        format!(
+            "{}/pod-resources/kubelet.sock",
+            self.kubelet_root_dir.trim_end_matches('/')
+        )
+    }
 }
 
 fn default_reconcile_interval() -> u64 {
@@ -82,6 +125,7 @@ impl Default for Policy {
             validator: ValidatorSpec::default(),
             mig: MigSpec::default(),
             health: HealthSpec::default(),
+            host_paths: HostPaths::default(),
         }
     }
 }
@@ -662,6 +706,14 @@ impl Policy {
     }
 
     fn validate(&self, origin: &str) -> Result<(), YamlError> {
+        let root = &self.host_paths.kubelet_root_dir;
+        if !root.starts_with('/') || root.split('/').any(|c| c == "..") {
+            return Err(YamlError::invalid(
+                origin,
+                "spec.hostPaths.kubeletRootDir",
+                format!("{root:?} is not an absolute host path"),
+            ));
+        }
         let rc = &self.operator.runtime_class;
         let dns_label = !rc.is_empty()
             && rc.len() <= 63
@@ -924,10 +976,14 @@ mod tests {
         // Every key of the operator's that gpu-agent does not use (in the
         // order they were found); the empty ConfigMap name is not among them.
         let image = ["repository", "image", "version", "imagePullPolicy"];
-        let mut expected: Vec<String> = ["spec.hostPaths", "spec.daemonsets"]
-            .iter()
-            .map(|k| k.to_string())
-            .collect();
+        let mut expected: Vec<String> = [
+            "spec.hostPaths.rootFS",
+            "spec.hostPaths.driverInstallDir",
+            "spec.daemonsets",
+        ]
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
         expected.extend(image.iter().map(|k| format!("spec.validator.{k}")));
         expected.push("spec.validator.plugin".into());
         expected.push("spec.psa".into());

@@ -2,12 +2,13 @@
 """The kubelet's side of a node, written with Python grpcio (not our code).
 
 - Serves the pod-resources API (v1.PodResourcesLister) on
-  <host>/var/lib/kubelet/pod-resources/kubelet.sock: List answers the pods
+  <host><root-dir>/pod-resources/kubelet.sock (root-dir: --root-dir, as the
+  kubelet's flag, default /var/lib/kubelet): List answers the pods
   given in --pods (a JSON file: [{"name", "namespace", "container",
   "resource", "ids": [...]}, ...]); GetAllocatableResources and Get answer
   from the same list.
 - Serves the Registration service on
-  <host>/var/lib/kubelet/device-plugins/kubelet.sock: each device plugin
+  <host><root-dir>/device-plugins/kubelet.sock: each device plugin
   that registers is dialled back, its first device list read, and one
   container given its first device (Allocate), as the kubelet does when a
   pod starts.
@@ -15,7 +16,7 @@
 Runs until killed. Writes "listening" to stderr once both sockets are up,
 and one line per registration and allocation.
 
-Usage: podresources_standin.py --proto-dir DIR --host ROOT --pods FILE
+Usage: podresources_standin.py --proto-dir DIR --host ROOT --pods FILE [--root-dir DIR]
 """
 import argparse
 import importlib
@@ -50,6 +51,8 @@ def main():
     ap.add_argument("--proto-dir", required=True)
     ap.add_argument("--host", required=True)
     ap.add_argument("--pods", required=True)
+    ap.add_argument("--root-dir", default="/var/lib/kubelet",
+                    help="the kubelet's --root-dir (a host path)")
     args = ap.parse_args()
     pr, pr_grpc = load_stubs(args.proto_dir, "podresources_v1")
     dp, dp_grpc = load_stubs(args.proto_dir, "deviceplugin_v1beta1")
@@ -78,7 +81,8 @@ def main():
                     return pr.GetPodResourcesResponse(pod_resources=p)
             context.abort(grpc.StatusCode.NOT_FOUND, "no such pod")
 
-    plugins_dir = os.path.join(args.host, "var/lib/kubelet/device-plugins")
+    root = args.root_dir.strip("/")
+    plugins_dir = os.path.join(args.host, root, "device-plugins")
 
     def allocate_one(endpoint, resource):
         # What the kubelet does for a pod asking for one device.
@@ -104,8 +108,8 @@ def main():
 
     socks = []
     for sub, add, servicer in [
-        ("var/lib/kubelet/pod-resources", pr_grpc.add_PodResourcesListerServicer_to_server, Lister()),
-        ("var/lib/kubelet/device-plugins", dp_grpc.add_RegistrationServicer_to_server, Registration()),
+        (f"{root}/pod-resources", pr_grpc.add_PodResourcesListerServicer_to_server, Lister()),
+        (f"{root}/device-plugins", dp_grpc.add_RegistrationServicer_to_server, Registration()),
     ]:
         d = os.path.join(args.host, sub)
         os.makedirs(d, exist_ok=True)

@@ -169,15 +169,30 @@ pub fn bind(cfg: &ExporterConfig) -> Result<std::net::TcpListener, String> {
     Ok(l)
 }
 
+/// Whether the series carry pod labels, as the last sample found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PodLabels {
+    /// Not sampled yet.
+    #[default]
+    Unknown,
+    /// The kubelet's pod-resources API answered.
+    Attributed,
+    /// It did not: why (the socket is missing, or what the kubelet said).
+    Missing(String),
+}
+
 /// Serves `/metrics` on `listener` and samples until an error.
 /// `pod_socket` is the kubelet's pod-resources socket in this process's
-/// filesystem.
+/// filesystem; whether it answers goes to `pod_labels` (with `changed`
+/// told when that changes).
 pub async fn run(
     cfg: ExporterConfig,
     listener: std::net::TcpListener,
     inventory: watch::Receiver<Arc<Inventory>>,
     sampler: Box<dyn Sampler>,
     pod_socket: PathBuf,
+    pod_labels: watch::Sender<PodLabels>,
+    changed: Arc<Notify>,
 ) -> Result<(), String> {
     let listener = TcpListener::from_std(listener)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.listen))?;
@@ -195,8 +210,20 @@ pub async fn run(
         scraped: Notify::new(),
     });
     let sampler = Arc::new(Mutex::new(sampler));
+    let publish = |now: PodLabels| {
+        if pod_labels.send_if_modified(|p| {
+            let differs = *p != now;
+            *p = now;
+            differs
+        }) {
+            changed.notify_one();
+        }
+    };
     // The first sample, so that the first scrape has one.
-    sample_once(&shared, &sampler, &pod_socket).await;
+    publish(match sample_once(&shared, &sampler, &pod_socket).await {
+        None => PodLabels::Attributed,
+        Some(e) => PodLabels::Missing(e),
+    });
     let serving = tokio::spawn(accept(listener, shared.clone()));
     let mut pods_error: Option<String> = None;
     loop {
@@ -209,7 +236,12 @@ pub async fn run(
         if serving.is_finished() {
             return Err("the metrics listener stopped".into());
         }
-        if let Some(e) = sample_once(&shared, &sampler, &pod_socket).await {
+        let pods = sample_once(&shared, &sampler, &pod_socket).await;
+        publish(match &pods {
+            None => PodLabels::Attributed,
+            Some(e) => PodLabels::Missing(e.clone()),
+        });
+        if let Some(e) = pods {
             if pods_error.as_ref() != Some(&e) {
                 tracing::info!(stage = "metrics", "no pod labels: {e}");
             }
@@ -568,6 +600,8 @@ mod tests {
             rx,
             backend.sampler().unwrap(),
             PathBuf::from("/nonexistent/kubelet.sock"),
+            watch::channel(PodLabels::Unknown).0,
+            Arc::new(Notify::new()),
         ));
         let ok = get(port, "GET /metrics HTTP/1.0\r\n\r\n").await;
         assert!(ok.starts_with("HTTP/1.0 200 OK"), "{ok}");

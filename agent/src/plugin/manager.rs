@@ -872,9 +872,11 @@ fn new_plugin(dir: &Path, r: Resource) -> Plugin {
     }
 }
 
-/// The device-plugins directory under `host`, as this process sees it.
-pub fn plugin_dir(host: &HostRoot) -> Result<PathBuf, hostlib::HostError> {
-    host.resolve(DEVICE_PLUGIN_DIR)
+/// The kubelet's device-plugins directory (`dir`, a host path, e.g.
+/// [`DEVICE_PLUGIN_DIR`] or the policy's `spec.hostPaths`) under `host`, as
+/// this process sees it.
+pub fn plugin_dir(host: &HostRoot, dir: &str) -> Result<PathBuf, hostlib::HostError> {
+    host.resolve(dir)
 }
 
 /// True when `path` is a socket (for tests and status).

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use crate::caps::HeldCaps;
 use crate::health::{HealthBoard, HealthMonitor, HealthPolicy, HealthView, kernel_log};
 use crate::inventory::Inventory;
-use crate::metrics::server::ExporterConfig;
+use crate::metrics::server::{ExporterConfig, PodLabels};
 use crate::plugin::manager::{self, PluginError, PluginManager, ResourceStatus, StatusBoard};
 use crate::plugin::resources::Resource;
 use crate::policy::Policy;
@@ -195,6 +195,12 @@ struct Supervisor {
     /// one, by resource: a restarted plugin's count (and
     /// `gpu_agent_plugin_registrations_total`) goes on from them.
     registrations_before: BTreeMap<String, u64>,
+    /// The pod-resources socket (a host path) the running exporter asks,
+    /// and whether it answers.
+    pod_labels: Option<(String, watch::Receiver<PodLabels>)>,
+    /// The kubelet's device-plugin directory the running plugin serves in
+    /// (the policy's `spec.hostPaths`): a new one restarts the plugin.
+    plugin_dir: Option<String>,
     /// `Some(stages)` while the first pass has not yet made what containers
     /// need (the device plugin registers before): allocations wait on it.
     preparing: watch::Sender<Option<String>>,
@@ -280,6 +286,8 @@ impl Supervisor {
             plugin_plan: None,
             plugin: None,
             registrations_before: BTreeMap::new(),
+            pod_labels: None,
+            plugin_dir: None,
             preparing: watch::Sender::new(None),
             health: None,
             tasks: BTreeMap::new(),
@@ -782,7 +790,9 @@ impl Supervisor {
                 let settings_changed = self
                     .plugin_plan
                     .as_ref()
-                    .is_none_or(|old| old.settings != plan.settings);
+                    .is_none_or(|old| old.settings != plan.settings)
+                    || self.plugin_dir.as_deref()
+                        != Some(self.opts.policy.host_paths.device_plugin_dir().as_str());
                 let resources_changed = self
                     .plugin_plan
                     .as_ref()
@@ -1157,17 +1167,20 @@ impl Supervisor {
             return;
         };
         let health = self.health.as_ref().map(|h| h.view.clone());
+        let dir = self.opts.policy.host_paths.device_plugin_dir();
         // The kubelet makes its plugin directory; where it has not yet, we
         // make it, noted so that `gpu-agent uninstall` removes it again.
-        if !manager::plugin_dir(&self.opts.host).is_ok_and(|d| d.is_dir())
+        if !manager::plugin_dir(&self.opts.host, &dir).is_ok_and(|d| d.is_dir())
             && let Err(e) =
                 hostlib::managed::ManagedFiles::lock(&self.opts.host, &hostlib::LinuxSyscalls, true)
-                    .and_then(|f| f.create_dir(manager::DEVICE_PLUGIN_DIR))
+                    .and_then(|f| f.create_dir(&dir))
         {
-            tracing::warn!(stage = "plugin", error = %e, "cannot make the kubelet's plugin directory");
+            tracing::warn!(stage = "plugin", dir = %dir, error = %e, "cannot make the kubelet's plugin directory");
         }
+        self.plugin_dir = Some(dir.clone());
         match RunningPlugin::start(
             &self.opts.host,
+            &dir,
             plan,
             inv,
             self.changed.clone(),
@@ -1353,6 +1366,7 @@ impl Supervisor {
             self.st.health = h.board.lock().unwrap().clone();
             stages::apply_health_status(&mut self.st.stages, &self.st.health);
         }
+        self.refresh_pod_labels();
         let tasks: Vec<TaskStatus> = self
             .tasks
             .iter()
@@ -1582,11 +1596,8 @@ impl Supervisor {
         };
         let bound = listener.local_addr().unwrap_or(cfg.listen);
         // Through the host root: /var/lib/kubelet may be a link on the host.
-        let pod_socket = match self
-            .opts
-            .host
-            .resolve(crate::metrics::pods::POD_RESOURCES_SOCKET)
-        {
+        let pod_socket_path = self.opts.policy.host_paths.pod_resources_socket();
+        let pod_socket = match self.opts.host.resolve(&pod_socket_path) {
             Ok(p) => p,
             Err(e) => {
                 return fail(
@@ -1595,12 +1606,16 @@ impl Supervisor {
                 );
             }
         };
+        let (pod_labels, pod_labels_rx) = watch::channel(PodLabels::Unknown);
+        self.pod_labels = Some((pod_socket_path, pod_labels_rx));
         self.metrics = Some(tokio::spawn(crate::metrics::server::run(
             cfg.clone(),
             listener,
             inv.subscribe(),
             sampler,
             pod_socket,
+            pod_labels,
+            self.changed.clone(),
         )));
         self.metrics_detail = format!(
             "serving {} field(s) on http://{bound}/metrics, sampled every {} ms while scraped",
@@ -1620,6 +1635,61 @@ impl Supervisor {
         self.task_started(METRICS);
     }
 
+    /// The metrics stage says whether the series carry pod labels, and why
+    /// not: in its detail, and as its validation where a kubelet is there
+    /// to be asked (a node without one has no pods to name).
+    fn refresh_pod_labels(&mut self) {
+        let Some((socket, rx)) = &self.pod_labels else {
+            return;
+        };
+        if self.metrics.is_none() {
+            return;
+        }
+        let kubelet_here = self
+            .opts
+            .host
+            .resolve(format!(
+                "{}/{}",
+                self.opts.policy.host_paths.device_plugin_dir(),
+                manager::KUBELET_SOCKET
+            ))
+            .is_ok_and(|p| p.exists());
+        let (ok, words) = match &*rx.borrow() {
+            PodLabels::Unknown => return,
+            PodLabels::Attributed => (
+                true,
+                format!("pod labels from the kubelet's pod-resources API ({socket})"),
+            ),
+            PodLabels::Missing(why) if kubelet_here => (
+                false,
+                format!(
+                    "no pod labels: {why}. The kubelet serves its pod-resources API under its --root-dir: set spec.hostPaths.kubeletRootDir if that is not {} (kubelets before 1.28 serve it only with the KubeletPodResources feature gate)",
+                    self.opts.policy.host_paths.kubelet_root_dir
+                ),
+            ),
+            PodLabels::Missing(why) => (
+                true,
+                format!("no pod labels: no kubelet on this node ({why})"),
+            ),
+        };
+        let now = state::now();
+        let detail = format!("{}; {words}", self.metrics_detail);
+        if let Some(s) = self
+            .st
+            .stages
+            .iter_mut()
+            .find(|s| s.stage == Stage::Metrics && s.state == StageState::Done)
+        {
+            s.detail = detail;
+            let v = Validation {
+                ok,
+                detail: words,
+                since: now,
+            };
+            s.validation = keep_since(s.validation.take(), Some(v));
+        }
+    }
+
     /// After a reconcile: the exporter follows the policy (off, or started
     /// again on a new address, counters file or interval).
     fn reconcile_metrics(&mut self) {
@@ -1630,7 +1700,12 @@ impl Supervisor {
             .enabled
             .then(|| ExporterConfig::from_spec(&self.opts.policy.dcgm_exporter).ok())
             .flatten();
-        if self.metrics.is_some() && want != self.metrics_config {
+        let pod_socket = self.opts.policy.host_paths.pod_resources_socket();
+        let pod_socket_changed = self
+            .pod_labels
+            .as_ref()
+            .is_some_and(|(s, _)| *s != pod_socket);
+        if self.metrics.is_some() && (want != self.metrics_config || pod_socket_changed) {
             if let Some(m) = self.metrics.take() {
                 m.abort();
             }
@@ -1775,16 +1850,15 @@ impl RunningPlugin {
     /// held while `preparing` says the node is not ready for containers).
     pub fn start(
         host: &HostRoot,
+        dir: &str,
         plan: PluginPlan,
         inventory: Arc<Inventory>,
         changed: Arc<Notify>,
         health: Option<watch::Receiver<HealthView>>,
         preparing: Option<crate::plugin::server::Preparing>,
     ) -> Result<Self, PluginError> {
-        let dir = manager::plugin_dir(host).map_err(|e| PluginError::Dir {
-            path: host
-                .path()
-                .join(manager::DEVICE_PLUGIN_DIR.trim_start_matches('/')),
+        let dir = manager::plugin_dir(host, dir).map_err(|e| PluginError::Dir {
+            path: host.path().join(dir.trim_start_matches('/')),
             source: std::io::Error::other(e.to_string()),
         })?;
         let mut mgr = PluginManager::new(
