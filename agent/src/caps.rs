@@ -40,6 +40,66 @@ pub struct Setting<'a> {
     /// The host root is `/` (the unit), not a mounted host (a DaemonSet's
     /// `/host`): nothing is run through `chroot`.
     pub host_is_system: bool,
+    /// The policy the cluster may send (a use it wants is kept too).
+    pub cluster: ClusterPolicy<'a>,
+}
+
+/// What is known of the cluster's policy at start, when a controller is
+/// configured: the agent will run that policy, so the capabilities it
+/// keeps must serve it too (they cannot be had back without a restart).
+#[derive(Clone, Copy, Debug)]
+pub enum ClusterPolicy<'a> {
+    /// No controller: the agent runs its own policy only.
+    NoController,
+    /// The last policy the controller sent, remembered across restarts.
+    Remembered(&'a Policy),
+    /// A controller is configured and has sent no policy yet: what any
+    /// policy may ask for is kept (the next start, with the policy
+    /// remembered, keeps only what it asks).
+    Unknown,
+}
+
+/// Where the agent remembers the last policy the controller sent (a host
+/// path; `gpu-agent uninstall` removes it with the rest of the directory).
+pub const CLUSTER_POLICY_MEMORY: &str = "/var/lib/gpu-agent/cluster-policy.yaml";
+
+/// A policy with every stage and every optional use on: what a cluster
+/// may ask for.
+fn widest_policy() -> Policy {
+    let mut p = Policy::default();
+    p.driver.enabled = true;
+    p.toolkit.enabled = true;
+    p.toolkit.reload = ReloadMode::Restart;
+    p.cdi.enabled = true;
+    p.validator.enabled = true;
+    p.device_plugin.enabled = true;
+    p.dcgm_exporter.enabled = true;
+    p.gfd.enabled = true;
+    p.mig_manager.enabled = true;
+    p.mig_manager.reboot = true;
+    p.health.kernel_log = true;
+    p
+}
+
+/// Whether `u` is wanted under `policy` alone.
+fn wanted_by(u: &Use, policy: &Policy, host_is_system: bool) -> bool {
+    let s = Setting {
+        policy,
+        host_is_system,
+        cluster: ClusterPolicy::NoController,
+    };
+    u.stage.disabled_by(policy).is_none() && (u.unless)(&s).is_none()
+}
+
+/// Whether `u` is wanted under `setting`: by the agent's own policy, or by
+/// the cluster's.
+fn use_wanted(u: &Use, setting: &Setting<'_>) -> bool {
+    wanted_by(u, setting.policy, setting.host_is_system)
+        || match setting.cluster {
+            ClusterPolicy::NoController => false,
+            ClusterPolicy::Remembered(p) => wanted_by(u, p, setting.host_is_system),
+            ClusterPolicy::Unknown => wanted_by(u, &widest_policy(), setting.host_is_system),
+        }
 }
 
 /// One stage's use of a capability.
@@ -309,6 +369,10 @@ pub struct Privileges {
     /// Why the trim was not done, or not in full.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// What the capabilities kept follow beside the agent's own policy
+    /// (the cluster's, when a controller is configured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
 }
 
 /// The capabilities the enabled stages use under `setting`: each with the
@@ -317,13 +381,8 @@ pub fn wanted(setting: &Setting<'_>) -> Vec<(Capability, Vec<&'static Use>)> {
     GRANTS
         .iter()
         .filter_map(|g| {
-            let uses: Vec<&'static Use> = g
-                .uses
-                .iter()
-                .filter(|u| {
-                    u.stage.disabled_by(setting.policy).is_none() && (u.unless)(setting).is_none()
-                })
-                .collect();
+            let uses: Vec<&'static Use> =
+                g.uses.iter().filter(|u| use_wanted(u, setting)).collect();
             (!uses.is_empty()).then_some((g.cap, uses))
         })
         .collect()
@@ -334,6 +393,9 @@ pub fn wanted(setting: &Setting<'_>) -> Vec<(Capability, Vec<&'static Use>)> {
 /// table.
 fn why_not_wanted(cap: Capability, setting: &Setting<'_>) -> Option<String> {
     let grant = GRANTS.iter().find(|g| g.cap == cap)?;
+    if grant.uses.iter().any(|u| use_wanted(u, setting)) {
+        return None;
+    }
     let mut reasons: Vec<String> = Vec::new();
     for u in grant.uses {
         let line = match u.stage.disabled_by(setting.policy) {
@@ -350,6 +412,9 @@ fn why_not_wanted(cap: Capability, setting: &Setting<'_>) -> Option<String> {
         if !reasons.contains(&line) {
             reasons.push(line);
         }
+    }
+    if let ClusterPolicy::Remembered(_) = setting.cluster {
+        reasons.push("the cluster's last policy does not use it either".into());
     }
     Some(reasons.join(" and "))
 }
@@ -492,6 +557,15 @@ pub fn restrict(setting: &Setting<'_>) -> (HeldCaps, Privileges) {
         dropped_count,
         bounding,
         notes,
+        cluster: match setting.cluster {
+            ClusterPolicy::NoController => None,
+            ClusterPolicy::Remembered(_) => Some(format!(
+                "kept for the agent's policy and the cluster's last policy (remembered in {CLUSTER_POLICY_MEMORY})"
+            )),
+            ClusterPolicy::Unknown => Some(format!(
+                "a controller is configured and has sent no policy yet ({CLUSTER_POLICY_MEMORY} holds none): what any policy may ask for is kept; the next start keeps only what the cluster's policy asks"
+            )),
+        },
     };
     tracing::info!(
         held = %held.names().join(","),
@@ -602,6 +676,7 @@ mod tests {
         Setting {
             policy,
             host_is_system,
+            cluster: ClusterPolicy::NoController,
         }
     }
 
@@ -692,6 +767,55 @@ mod tests {
             .find(|(c, _)| *c == Capability::CAP_SYS_CHROOT)
             .unwrap();
         assert!(uses.iter().any(|u| u.stage == Stage::Runtime));
+    }
+
+    /// With a controller, what the agent keeps follows the policy it will
+    /// run: the EKS file policy (driver off) keeps CAP_SYS_MODULE when the
+    /// cluster's last policy manages the driver, or when no cluster policy
+    /// is known yet; a cluster policy that also leaves the driver alone
+    /// lets it go, saying both.
+    #[test]
+    fn capabilities_follow_the_clusters_policy_too() {
+        let mut eks = Policy::default();
+        eks.driver.enabled = false;
+        let cluster = Policy::default();
+        let has = |s: &Setting<'_>| {
+            wanted(s)
+                .iter()
+                .any(|(c, _)| *c == Capability::CAP_SYS_MODULE)
+        };
+        let with = |cluster| Setting {
+            policy: &eks,
+            host_is_system: false,
+            cluster,
+        };
+        assert!(!has(&with(ClusterPolicy::NoController)));
+        assert!(has(&with(ClusterPolicy::Remembered(&cluster))));
+        assert_eq!(
+            why_not_wanted(
+                Capability::CAP_SYS_MODULE,
+                &with(ClusterPolicy::Remembered(&cluster))
+            ),
+            None
+        );
+        assert!(has(&with(ClusterPolicy::Unknown)));
+        let also_off = eks.clone();
+        let s = with(ClusterPolicy::Remembered(&also_off));
+        assert!(!has(&s));
+        assert_eq!(
+            why_not_wanted(Capability::CAP_SYS_MODULE, &s).unwrap(),
+            "driver was disabled (spec.driver.enabled is false: the host's driver is used) and the cluster's last policy does not use it either"
+        );
+        // What any policy may ask for, where nothing is known: every
+        // capability of the table but those a fact of the host rules out.
+        let unknown = wanted(&with(ClusterPolicy::Unknown));
+        for g in GRANTS {
+            assert!(
+                unknown.iter().any(|(c, _)| *c == g.cap),
+                "{} not kept for an unknown cluster policy",
+                g.cap
+            );
+        }
     }
 
     #[test]

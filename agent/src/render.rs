@@ -262,6 +262,9 @@ pub fn privileges(p: &crate::caps::Privileges) -> String {
     for n in &p.notes {
         let _ = writeln!(out, "capabilities: {n}");
     }
+    if let Some(c) = &p.cluster {
+        let _ = writeln!(out, "capabilities: {c}");
+    }
     out
 }
 
@@ -426,6 +429,7 @@ mod tests {
             dropped_count: 38,
             bounding: Some(vec!["CAP_MKNOD".into(), "CAP_NET_ADMIN".into()]),
             notes: vec![],
+            cluster: None,
         };
         assert_eq!(
             privileges(&p),

@@ -426,14 +426,41 @@ fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> 
     let stage_needs = stage.needs_under(ctx.policy, ctx.simulated);
     let needs: Vec<String> = stage_needs.iter().map(|c| c.to_string()).collect();
     let missing = ctx.caps.missing(stage_needs);
-    let (state, detail) = if let Some(gated) =
-        gate(stage, stage.implemented(), ctx.policy, &missing, &p.stages)
-    {
-        match gated {
+    // A driver is loaded (the kernel says so): what works with it need not
+    // wait on a driver stage that cannot manage modules or reach a pinned
+    // version.
+    let driver_loaded = p
+        .inventory
+        .as_ref()
+        .is_some_and(|inv| inv.driver.version.is_some());
+    let (state, detail) = if let Some(gated) = gate(
+        stage,
+        stage.implemented(),
+        ctx.policy,
+        &missing,
+        &p.stages,
+        driver_loaded,
+    ) {
+        let gated = match gated {
             // A capability dropped at start says so (caps.rs).
             (StageState::Blocked, _) => (StageState::Blocked, ctx.caps.blocked_detail(&missing)),
             other => other,
+        };
+        // A layout that is asked for and cannot be applied yet is pending,
+        // pass after pass (the node's mig.config.state label must not go
+        // from pending to nothing and back).
+        if stage == Stage::Mig
+            && matches!(gated.0, StageState::Waiting | StageState::Blocked)
+            && let Some(layout) = ctx.policy.mig_manager.selected_layout()
+        {
+            p.mig = Some(crate::mig::MigStatus {
+                layout: layout.to_string(),
+                state: crate::mig::MigConfigState::Pending,
+                detail: gated.1.clone(),
+                since: crate::state::now(),
+            });
         }
+        gated
     } else if defer {
         (StageState::Ready, DEFERRED_DETAIL.to_string())
     } else {
@@ -575,12 +602,16 @@ pub(super) fn undescribed(inv: &Inventory, what: &str) -> String {
 
 /// Why a stage does not run now, or `None` when it should run. `implemented`
 /// is a parameter so that tests can ask about stages not built yet.
+/// `driver_loaded`: a driver is loaded, so a failed or blocked driver stage
+/// holds back no stage (they work with the loaded driver); with none
+/// loaded they wait.
 fn gate(
     stage: Stage,
     implemented: bool,
     policy: &Policy,
     missing: &[String],
     earlier: &[StageStatus],
+    driver_loaded: bool,
 ) -> Option<(StageState, String)> {
     if let Some(reason) = stage.disabled_by(policy) {
         return Some((StageState::Disabled, reason.to_string()));
@@ -601,10 +632,13 @@ fn gate(
     let stuck_on = stage.after().iter().find(|dep| {
         earlier.iter().any(|s| {
             s.stage == **dep
-                && matches!(
-                    s.state,
-                    StageState::Failed | StageState::Blocked | StageState::Waiting
-                )
+                && match s.state {
+                    StageState::Failed | StageState::Blocked => {
+                        !(**dep == Stage::Driver && driver_loaded)
+                    }
+                    StageState::Waiting => true,
+                    _ => false,
+                }
         })
     })?;
     Some((
@@ -792,7 +826,7 @@ mod tests {
     fn missing_capability_blocks_and_later_stages_wait() {
         let policy = Policy::default();
         let missing = vec!["CAP_SYS_MODULE".to_string()];
-        let (state, detail) = gate(Stage::Driver, true, &policy, &missing, &[]).unwrap();
+        let (state, detail) = gate(Stage::Driver, true, &policy, &missing, &[], false).unwrap();
         assert_eq!(state, StageState::Blocked);
         assert_eq!(detail, "missing CAP_SYS_MODULE");
         let earlier = vec![StageStatus {
@@ -800,10 +834,57 @@ mod tests {
             missing,
             ..StageStatus::new(Stage::Driver, state, detail)
         }];
-        let (state, detail) = gate(Stage::Devnodes, true, &policy, &[], &earlier).unwrap();
+        let (state, detail) = gate(Stage::Devnodes, true, &policy, &[], &earlier, false).unwrap();
         assert_eq!(state, StageState::Waiting);
         assert_eq!(detail, "waiting on driver");
-        assert_eq!(gate(Stage::Runtime, true, &policy, &[], &earlier), None);
+        assert_eq!(
+            gate(Stage::Runtime, true, &policy, &[], &earlier, false),
+            None
+        );
+        // With a driver loaded, a blocked (or failed) driver stage holds
+        // nothing back: devnodes, CDI and MIG work with the loaded driver.
+        assert_eq!(
+            gate(Stage::Devnodes, true, &policy, &[], &earlier, true),
+            None
+        );
+        assert_eq!(gate(Stage::Mig, true, &policy, &[], &earlier, true), None);
+    }
+
+    /// A layout asked for whose stage cannot run (here: CAP_SYS_ADMIN not
+    /// held on a real node) is `pending`, the same at every pass: the
+    /// node's mig.config.state label went pending, then nothing, then
+    /// pending again, twice a minute.
+    #[test]
+    fn a_layout_that_cannot_be_applied_yet_stays_pending() {
+        let (_dir, sys, backend) = sim_node("h100-mig-2");
+        let policy =
+            Policy::from_yaml("spec:\n  migManager:\n    default: all-1g.10gb\n", "p").unwrap();
+        let caps = HeldCaps::from_caps(&[]);
+        let run = || {
+            run_pass(&Context {
+                policy: &policy,
+                caps: &caps,
+                sys: &sys,
+                backend: &backend,
+                host: &sys,
+                apply: None,
+                syscalls: &hostlib::RecordingSyscalls::new(),
+                simulated: false,
+                drain: None,
+                serve_first: false,
+                changes: Default::default(),
+                mig_hold: None,
+                upgrade: Default::default(),
+            })
+        };
+        for _ in 0..2 {
+            let p = run();
+            assert_eq!(state_of(&p, Stage::Mig).state, StageState::Blocked);
+            let m = p.mig.expect("a pending MIG state");
+            assert_eq!(m.layout, "all-1g.10gb");
+            assert_eq!(m.state, crate::mig::MigConfigState::Pending);
+            assert!(m.detail.contains("CAP_SYS_ADMIN"), "{}", m.detail);
+        }
     }
 
     #[test]

@@ -110,10 +110,23 @@ fn host_files_lock(host: &HostRoot, what: &str) -> Option<hostlib::managed::Host
 pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
     // Least privilege (caps.rs): only what the enabled stages use is kept,
     // before any other thread starts (capabilities belong to a thread) and
-    // before any stage runs. A reload cannot have a dropped one back.
+    // before any stage runs. A reload cannot have a dropped one back, so
+    // with a controller the cluster's policy counts too: the last one it
+    // sent, or (none remembered) what any policy may ask for.
+    let remembered = opts
+        .report
+        .is_some()
+        .then(|| remembered_cluster_policy(&opts.host))
+        .flatten();
+    let cluster = match (&opts.report, &remembered) {
+        (None, _) => crate::caps::ClusterPolicy::NoController,
+        (Some(_), Some(p)) => crate::caps::ClusterPolicy::Remembered(p),
+        (Some(_), None) => crate::caps::ClusterPolicy::Unknown,
+    };
     let (held, privileges) = crate::caps::restrict(&crate::caps::Setting {
         policy: &opts.policy,
         host_is_system: opts.host.is_system(),
+        cluster,
     });
     opts.caps = held;
     // nvmlInit (10.7 ms on a real H100) runs beside what follows, on a
@@ -162,6 +175,33 @@ pub fn run(mut opts: Options) -> Result<bool, SupervisorError> {
     let pass = sup.first_pass();
     let ok = rt.block_on(sup.serve(pass, policy_watch))?;
     Ok(ok)
+}
+
+/// The last policy the controller sent, as remembered on the host; `None`
+/// when there is none or it no longer parses (said in the log).
+fn remembered_cluster_policy(host: &HostRoot) -> Option<Policy> {
+    let path = crate::caps::CLUSTER_POLICY_MEMORY;
+    let text = host.read_to_string(path).ok()?;
+    match Policy::from_cluster_yaml(&text, path) {
+        Ok((p, _)) => Some(p),
+        Err(e) => {
+            tracing::warn!(file = path, error = %e, "the remembered cluster policy does not parse; capabilities any policy may need are kept");
+            None
+        }
+    }
+}
+
+/// Remembers the controller's policy for the next start (its capabilities
+/// are chosen before the controller can be asked); written only when it
+/// changed.
+fn remember_cluster_policy(host: &HostRoot, yaml: &str) {
+    let path = crate::caps::CLUSTER_POLICY_MEMORY;
+    if host.read_to_string(path).is_ok_and(|old| old == yaml) {
+        return;
+    }
+    if let Err(e) = host.write_atomic(path, yaml.as_bytes(), 0o600) {
+        tracing::warn!(file = path, error = %e, "cannot remember the cluster's policy; the next start keeps what any policy may need");
+    }
 }
 
 /// Names, once per policy, the device-plugin config's keys that gpu-agent
@@ -1444,6 +1484,11 @@ impl Supervisor {
     async fn controller_desired(&mut self, d: gpu_agent_proto::report::v1::Desired) {
         let layout = (!d.mig_layout.is_empty()).then_some(d.mig_layout);
         let policy = (!d.policy_yaml.is_empty()).then_some(d.policy_yaml);
+        if let Some(yaml) = &policy
+            && Policy::from_cluster_yaml(yaml, "the cluster's ClusterPolicy").is_ok()
+        {
+            remember_cluster_policy(&self.opts.host, yaml);
+        }
         let go_ahead =
             (d.upgrade_go_ahead && !d.driver_version.is_empty()).then_some(d.driver_version);
         let heard = self.rollout.hear(go_ahead.clone());
