@@ -222,3 +222,59 @@ fn run_takes_every_device_plugin_config_upstream_ships() {
         assert!(!err.contains("unknown key"), "{}: {err}", config.display());
     }
 }
+
+/// dcgm-exporter's own counters files, unchanged and with every commented
+/// field line uncommented (what a user does to enable more): each reads
+/// whole, no line costs another its series, and a field the file lists
+/// twice (`DCGM_FI_PROF_PCIE_TX_BYTES`, as counter and as gauge) is
+/// exported once, as its first line says, the other line named.
+#[test]
+fn dcgm_exporters_counters_files_read_whole_even_with_every_line_uncommented() {
+    use gpu_agent::metrics::fields::{Field, FieldSet, Kind};
+    for name in ["default-counters.csv", "dcp-metrics-included.csv"] {
+        let path = upstream().join("dcgm-exporter").join(name);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let set = FieldSet::parse(&text, name).unwrap();
+        assert!(set.notes.is_empty(), "{name}: {:?}", set.notes);
+        assert!(
+            set.skipped
+                .iter()
+                .all(|s| s.ends_with("(NVML cannot give it)")
+                    || s.ends_with("(needs a DCGM host engine or a vGPU guest)")),
+            "{name}: {:?}",
+            set.skipped
+        );
+        assert!(set.fields.len() >= 20, "{name}: {}", set.fields.len());
+
+        let uncommented: String = text
+            .lines()
+            .map(|l| match l.trim_start().strip_prefix('#') {
+                Some(rest) if rest.trim_start().starts_with("DCGM_FI_") => rest.trim_start(),
+                _ => l,
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let all = FieldSet::parse(&uncommented, name).unwrap();
+        assert!(
+            all.fields.len() >= set.fields.len(),
+            "{name}: {} fields uncommented, {} before",
+            all.fields.len(),
+            set.fields.len()
+        );
+        for f in &set.fields {
+            assert!(all.wants(*f), "{name}: {f:?} lost by uncommenting others");
+        }
+        let pcie_tx = Field::by_name("DCGM_FI_PROF_PCIE_TX_BYTES");
+        if let Some(f) = pcie_tx {
+            assert!(all.wants(f));
+            assert_eq!(all.kind_of(f), Kind::Counter, "the first line, as counter");
+        }
+        assert!(
+            all.skipped
+                .iter()
+                .any(|s| s.contains("DCGM_FI_PROF_PCIE_TX_BYTES is listed already at line 18")),
+            "{name}: {:?}",
+            all.skipped
+        );
+    }
+}

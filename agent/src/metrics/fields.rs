@@ -148,8 +148,16 @@ pub struct FieldSet {
     pub fields: BTreeSet<Field>,
     /// Help text from the counters file, where it gives one.
     pub help: Vec<(Field, String)>,
-    /// Lines naming fields NVML cannot give (logged once, not exported).
+    /// Lines left out, each with its file, line and why: fields NVML
+    /// cannot give, lines that do not read, a field listed again (logged
+    /// once, shown in the metrics stage). Never a reason to export nothing.
     pub skipped: Vec<String>,
+    /// Fields the file gives another Prometheus type than dcgm-exporter's
+    /// own list (a gauge as `counter`): exported as the file says.
+    pub kinds: Vec<(Field, Kind)>,
+    /// Lines exported other than as dcgm-exporter's list has them (the
+    /// type), with file and line.
+    pub notes: Vec<String>,
 }
 
 impl Default for FieldSet {
@@ -162,6 +170,8 @@ impl Default for FieldSet {
                 .collect(),
             help: Vec::new(),
             skipped: Vec::new(),
+            kinds: Vec::new(),
+            notes: Vec::new(),
         }
     }
 }
@@ -175,14 +185,6 @@ pub enum CountersError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}:{line}: {why}")]
-    Line {
-        path: String,
-        line: usize,
-        why: String,
-    },
-    #[error("{path}: lists no field to export")]
-    Empty { path: String },
 }
 
 impl FieldSet {
@@ -200,68 +202,95 @@ impl FieldSet {
         Self::parse(&text, &path.display().to_string())
     }
 
+    /// Reads the file's lines. A line that does not read, names a field
+    /// NVML cannot give or lists a field again is left out and named in
+    /// [`FieldSet::skipped`]; a field given another type than dcgm-exporter's
+    /// list gives it is exported as the file says and named in
+    /// [`FieldSet::notes`]. One line never costs the others their series.
     pub fn parse(text: &str, path: &str) -> Result<FieldSet, CountersError> {
         let mut set = FieldSet {
             fields: BTreeSet::new(),
             help: Vec::new(),
             skipped: Vec::new(),
+            kinds: Vec::new(),
+            notes: Vec::new(),
         };
+        let mut listed: Vec<(String, usize)> = Vec::new();
         for (n, raw) in text.lines().enumerate() {
             let line = raw.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let err = |why: String| CountersError::Line {
-                path: path.to_string(),
-                line: n + 1,
-                why,
-            };
+            let at = format!("{path}:{}", n + 1);
             let mut parts = line.splitn(3, ',').map(str::trim);
             let name = parts.next().unwrap_or_default();
             let Some(kind) = parts.next() else {
-                return Err(err(format!("expected `FIELD, type, help`, found {line:?}")));
+                set.skipped.push(format!(
+                    "{at}: expected `FIELD, type, help`, found {line:?}"
+                ));
+                continue;
             };
             let help = parts.next().unwrap_or_default();
-            let Some(kind) = Kind::parse(kind) else {
-                return Err(err(format!(
-                    "{name}: type {kind:?} is not gauge, counter or label"
-                )));
-            };
             if !name.starts_with("DCGM_") || name.contains(char::is_whitespace) {
-                return Err(err(format!("{name:?} is not a DCGM field name")));
+                set.skipped
+                    .push(format!("{at}: {name:?} is not a DCGM field name"));
+                continue;
             }
-            match Field::by_name(name) {
-                Some(f) => {
-                    let info = f.info();
-                    if info.kind != kind {
-                        return Err(err(format!(
-                            "{name} is a {}, not a {}",
-                            info.kind.word(),
-                            kind.word()
-                        )));
-                    }
-                    set.fields.insert(f);
-                    if !help.is_empty() {
-                        set.help.push((f, help.to_string()));
-                    }
-                }
-                None => {
-                    let why = if NOT_FROM_NVML.contains(&name) {
-                        "needs a DCGM host engine or a vGPU guest"
-                    } else {
-                        "NVML cannot give it"
-                    };
-                    set.skipped
-                        .push(format!("{path}:{}: {name} ({why})", n + 1));
-                }
+            let Some(kind) = Kind::parse(kind) else {
+                set.skipped.push(format!(
+                    "{at}: {name}: type {kind:?} is not gauge, counter or label"
+                ));
+                continue;
+            };
+            if let Some((_, first)) = listed.iter().find(|(g, _)| g == name) {
+                set.skipped.push(format!(
+                    "{at}: {name} is listed already at line {first}; this line is left out"
+                ));
+                continue;
             }
-        }
-        if set.fields.is_empty() {
-            return Err(CountersError::Empty {
-                path: path.to_string(),
-            });
+            listed.push((name.to_string(), n + 1));
+            let Some(f) = Field::by_name(name) else {
+                let why = if NOT_FROM_NVML.contains(&name) {
+                    "needs a DCGM host engine or a vGPU guest"
+                } else {
+                    "NVML cannot give it"
+                };
+                set.skipped.push(format!("{at}: {name} ({why})"));
+                continue;
+            };
+            let own = f.info().kind;
+            if own != kind {
+                if own == Kind::Label || kind == Kind::Label {
+                    // A value cannot become a label, nor a label a value.
+                    set.skipped.push(format!(
+                        "{at}: {name} is a {}, it cannot be exported as a {}",
+                        own.word(),
+                        kind.word()
+                    ));
+                    continue;
+                }
+                set.kinds.push((f, kind));
+                set.notes.push(format!(
+                    "{at}: {name} is a {} in dcgm-exporter's list; exported as a {}, as the file says",
+                    own.word(),
+                    kind.word()
+                ));
+            }
+            set.fields.insert(f);
+            if !help.is_empty() {
+                set.help.push((f, help.to_string()));
+            }
         }
         Ok(set)
+    }
+
+    /// The Prometheus type `f` is exported as: the file's, else
+    /// dcgm-exporter's.
+    pub fn kind_of(&self, f: Field) -> Kind {
+        self.kinds
+            .iter()
+            .find(|(g, _)| *g == f)
+            .map_or(f.info().kind, |(_, k)| *k)
     }
 
     /// The help text to print for `f`.
@@ -308,22 +337,60 @@ mod tests {
                 "/etc/dcgm/c.csv:6: DCGM_FI_DEV_VGPU_LICENSE_STATUS (needs a DCGM host engine or a vGPU guest)"
             ]
         );
-        let e = FieldSet::parse("DCGM_FI_DEV_GPU_TEMP gauge\n", "f.csv").unwrap_err();
+        // A line that does not read is left out, named; the others stay.
+        let s = FieldSet::parse(
+            "DCGM_FI_DEV_GPU_TEMP gauge\n# x\nDCGM_FI_DEV_SM_CLOCK, histogram, t\nDCGM_FI_DEV_POWER_USAGE, gauge, p\nnot a field, gauge, x\n",
+            "f.csv",
+        )
+        .unwrap();
         assert_eq!(
-            e.to_string(),
-            "f.csv:1: expected `FIELD, type, help`, found \"DCGM_FI_DEV_GPU_TEMP gauge\""
+            s.fields.iter().copied().collect::<Vec<_>>(),
+            [Field::PowerUsage]
         );
-        let e = FieldSet::parse("# x\nDCGM_FI_DEV_GPU_TEMP, histogram, t\n", "f.csv").unwrap_err();
         assert_eq!(
-            e.to_string(),
-            "f.csv:2: DCGM_FI_DEV_GPU_TEMP: type \"histogram\" is not gauge, counter or label"
+            s.skipped,
+            [
+                "f.csv:1: expected `FIELD, type, help`, found \"DCGM_FI_DEV_GPU_TEMP gauge\"",
+                "f.csv:3: DCGM_FI_DEV_SM_CLOCK: type \"histogram\" is not gauge, counter or label",
+                "f.csv:5: \"not a field\" is not a DCGM field name",
+            ]
         );
-        let e = FieldSet::parse("DCGM_FI_DEV_GPU_TEMP, counter, t\n", "f.csv").unwrap_err();
+        // Another type than dcgm-exporter's: exported as the file says.
+        let s = FieldSet::parse("DCGM_FI_DEV_GPU_TEMP, counter, t\n", "f.csv").unwrap();
+        assert!(s.wants(Field::GpuTemp));
+        assert_eq!(s.kind_of(Field::GpuTemp), Kind::Counter);
         assert_eq!(
-            e.to_string(),
-            "f.csv:1: DCGM_FI_DEV_GPU_TEMP is a gauge, not a counter"
+            s.notes,
+            [
+                "f.csv:1: DCGM_FI_DEV_GPU_TEMP is a gauge in dcgm-exporter's list; exported as a counter, as the file says"
+            ]
         );
-        let e = FieldSet::parse("# nothing\n", "f.csv").unwrap_err();
-        assert_eq!(e.to_string(), "f.csv: lists no field to export");
+        // A value as a label cannot be: left out, named.
+        let s = FieldSet::parse(
+            "DCGM_FI_DEV_GPU_TEMP, label, t\nDCGM_FI_DRIVER_VERSION, gauge, d\n",
+            "f.csv",
+        )
+        .unwrap();
+        assert!(s.fields.is_empty());
+        assert_eq!(s.skipped.len(), 2, "{:?}", s.skipped);
+        // A field listed twice: the first line counts.
+        let s = FieldSet::parse(
+            "DCGM_FI_DEV_GPU_TEMP, counter, t\nDCGM_FI_DEV_GPU_TEMP, gauge, t2\n",
+            "f.csv",
+        )
+        .unwrap();
+        assert_eq!(s.kind_of(Field::GpuTemp), Kind::Counter);
+        assert_eq!(
+            s.skipped,
+            ["f.csv:2: DCGM_FI_DEV_GPU_TEMP is listed already at line 1; this line is left out"]
+        );
+        // A file of comments exports no GPU field (the agent's own series
+        // are still served).
+        assert!(
+            FieldSet::parse("# nothing\n", "f.csv")
+                .unwrap()
+                .fields
+                .is_empty()
+        );
     }
 }

@@ -134,7 +134,7 @@ pub fn render(s: &Scrape<'_>) -> String {
         if info.kind == Kind::Label || !s.fields.wants(info.field) {
             continue;
         }
-        let kind = if info.kind == Kind::Counter {
+        let kind = if s.fields.kind_of(info.field) == Kind::Counter {
             MetricType::COUNTER
         } else {
             MetricType::GAUGE
@@ -244,6 +244,35 @@ fn agent_families(a: &AgentSeries) -> Vec<MetricFamily> {
 mod tests {
     use super::*;
     use crate::backend::GpuBackend;
+
+    #[test]
+    fn a_type_the_counters_file_gives_is_the_type_exported() {
+        let (_d, sys, backend) = crate::test_support::sim_node("t4-4");
+        let inv = crate::inventory::discover(&sys, &backend);
+        let fields = FieldSet::parse(
+            "DCGM_FI_DEV_GPU_TEMP, counter, t\nDCGM_FI_DEV_POWER_USAGE, gauge, p\nbad line\n",
+            "c.csv",
+        )
+        .unwrap();
+        let sample = backend.sampler().unwrap().sample(&fields).unwrap();
+        let text = render(&Scrape {
+            sample: &sample,
+            inventory: &inv,
+            pods: &PodMap::default(),
+            fields: &fields,
+            hostname: "node-1",
+            agent: &AgentSeries::default(),
+        });
+        assert!(
+            text.contains("# TYPE DCGM_FI_DEV_GPU_TEMP counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE DCGM_FI_DEV_POWER_USAGE gauge\n"),
+            "{text}"
+        );
+        assert_eq!(text.matches("\nDCGM_FI_DEV_GPU_TEMP{").count(), 4, "{text}");
+    }
 
     #[test]
     fn series_carry_dcgm_exporters_names_labels_and_pods() {

@@ -199,6 +199,9 @@ pub async fn run(
     for skipped in &cfg.fields.skipped {
         tracing::warn!(stage = "metrics", "not exported: {skipped}");
     }
+    for note in &cfg.fields.notes {
+        tracing::info!(stage = "metrics", "{note}");
+    }
     tracing::info!(stage = "metrics", listen = %cfg.listen, fields = cfg.fields.fields.len(), "serving /metrics");
     let shared = Arc::new(Shared {
         fields: cfg.fields.clone(),

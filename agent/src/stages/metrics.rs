@@ -21,11 +21,17 @@ pub(super) fn metrics_plan(inv: &Inventory, policy: &Policy) -> (StageState, Str
     match ExporterConfig::from_spec(&policy.dcgm_exporter) {
         Err(e) => (StageState::Failed, e.to_string()),
         Ok(cfg) => {
-            let skipped = if cfg.fields.skipped.is_empty() {
+            let mut skipped = if cfg.fields.skipped.is_empty() {
                 String::new()
             } else {
                 format!("; not exported: {}", cfg.fields.skipped.join(", "))
             };
+            if !cfg.fields.notes.is_empty() {
+                skipped.push_str(&format!(
+                    "; exported as the counters file says: {}",
+                    cfg.fields.notes.join(", ")
+                ));
+            }
             (
                 StageState::Ready,
                 format!(
@@ -45,7 +51,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_bad_counters_file_fails_the_stage_naming_file_and_line() {
+    fn a_bad_counters_line_is_named_and_costs_no_other_field() {
         let (dir, sys, backend) = crate::test_support::sim_node("t4-4");
         let inv = crate::inventory::discover(&sys, &backend);
         let (state, detail) = metrics_plan(&inv, &Policy::default());
@@ -66,11 +72,12 @@ mod tests {
         )
         .unwrap();
         let (state, detail) = metrics_plan(&inv, &policy);
-        assert_eq!(state, StageState::Failed);
+        // One bad line is named, and costs no other field its series.
+        assert_eq!(state, StageState::Ready);
         assert_eq!(
             detail,
             format!(
-                "spec.dcgmExporter.config: {}:2: expected `FIELD, type, help`, found \"DCGM_FI_DEV_SM_CLOCK gauge\"",
+                "1 field(s) of 4 GPU(s) on 0.0.0.0:9400, sampled every 1000 ms while scraped; not exported: {}:2: expected `FIELD, type, help`, found \"DCGM_FI_DEV_SM_CLOCK gauge\"",
                 csv.display()
             )
         );
