@@ -100,7 +100,7 @@ pub(super) fn driver_apply(
         && v != have
     {
         return Err(driver::DriverError::Validate(format!(
-            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade"
+            "driver {have} is loaded, spec.driver.version asks for {v}: give spec.driver.bundle with that version to upgrade (the other stages work with the loaded driver meanwhile)"
         )));
     }
     let nothing_of_ours =

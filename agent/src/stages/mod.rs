@@ -887,6 +887,57 @@ mod tests {
         }
     }
 
+    /// A pinned driver version the node cannot reach (no bundle brings it)
+    /// fails the driver stage in words, and holds back none of the stages
+    /// that work with the loaded driver (they waited on it, for good).
+    #[test]
+    fn a_pinned_version_the_node_cannot_reach_holds_nothing_back() {
+        let (_dir, sys, backend) = sim_node("h100-sxm-8");
+        let policy = Policy::from_yaml(
+            "spec:\n  driver:\n    version: 595.91.07\n  migManager:\n    default: all-disabled\n",
+            "p",
+        )
+        .unwrap();
+        let caps = HeldCaps::from_caps(&[
+            Capability::CAP_SYS_MODULE,
+            Capability::CAP_MKNOD,
+            Capability::CAP_SYS_ADMIN,
+        ]);
+        let p = run_pass(&Context {
+            policy: &policy,
+            caps: &caps,
+            sys: &sys,
+            backend: &backend,
+            host: &sys,
+            apply: None,
+            syscalls: &hostlib::RecordingSyscalls::new(),
+            simulated: false,
+            drain: None,
+            serve_first: false,
+            changes: Default::default(),
+            mig_hold: None,
+            upgrade: Default::default(),
+        });
+        let d = state_of(&p, Stage::Driver);
+        assert_eq!(d.state, StageState::Failed, "{}", d.detail);
+        assert!(
+            d.detail
+                .contains("driver 550.127.08 is loaded, spec.driver.version asks for 595.91.07"),
+            "{}",
+            d.detail
+        );
+        for s in [Stage::Mig, Stage::Devnodes, Stage::Cdi] {
+            let st = state_of(&p, s);
+            assert!(
+                !st.detail.starts_with("waiting on"),
+                "{}: {:?} {}",
+                s.name(),
+                st.state,
+                st.detail
+            );
+        }
+    }
+
     #[test]
     fn every_stage_after_only_names_earlier_stages() {
         for (i, s) in Stage::ALL.iter().enumerate() {
