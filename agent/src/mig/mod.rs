@@ -225,6 +225,9 @@ impl GpuPlan {
 pub struct Plan {
     pub layout: String,
     pub gpus: Vec<GpuPlan>,
+    /// GPU indices the layout names that this node does not have: skipped,
+    /// as mig-parted skips them (one layout serves nodes of several sizes).
+    pub absent: Vec<u32>,
 }
 
 impl Plan {
@@ -248,7 +251,7 @@ impl Plan {
                 )
             })
             .collect();
-        if parts.is_empty() {
+        let done = if parts.is_empty() {
             format!(
                 "layout {:?} applied ({} GPU(s) as wanted)",
                 self.layout,
@@ -256,6 +259,15 @@ impl Plan {
             )
         } else {
             grouped(&parts)
+        };
+        if self.absent.is_empty() {
+            done
+        } else {
+            let list: Vec<String> = self.absent.iter().map(u32::to_string).collect();
+            format!(
+                "{done}; GPU(s) {} named by the layout are not on this node (skipped)",
+                list.join(", ")
+            )
         }
     }
 }
@@ -366,18 +378,15 @@ pub fn plan(
         message,
     };
     let mut chosen: BTreeMap<u32, (usize, &Entry)> = BTreeMap::new();
+    let mut absent: Vec<u32> = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         let at = format!("mig-configs.{layout}[{i}]");
+        // An index the node does not have is skipped, as mig-parted walks
+        // the node's GPUs and skips what no entry selects.
         if let Devices::Indices(v) = &e.devices {
             for idx in v {
-                if !inv.gpus.iter().any(|g| g.index == Some(*idx)) {
-                    return Err(node_err(
-                        format!("{at}.devices"),
-                        format!(
-                            "there is no GPU {idx} on this node ({} GPU(s))",
-                            inv.gpus.len()
-                        ),
-                    ));
+                if !inv.gpus.iter().any(|g| g.index == Some(*idx)) && !absent.contains(idx) {
+                    absent.push(*idx);
                 }
             }
         }
@@ -465,7 +474,9 @@ pub fn plan(
             cap_nodes,
         });
     }
+    absent.sort_unstable();
     Ok(Plan {
+        absent,
         layout: layout.to_string(),
         gpus,
     })

@@ -389,10 +389,6 @@ fn layouts_that_do_not_fit_are_refused_before_anything_changes() {
             "mig.yaml: mig-configs.b[0].mig-devices.1g.5gb: GPU 0 (NVIDIA H100 80GB HBM3) has no MIG profile 1g.5gb (it has: ",
         ),
         (
-            "c",
-            "mig.yaml: mig-configs.c[0].devices: there is no GPU 9 on this node (8 GPU(s))",
-        ),
-        (
             "d",
             "mig.yaml: mig-configs.d[1]: GPU 1 is also selected by mig-configs.d[0]; each GPU may be selected once",
         ),
@@ -405,4 +401,25 @@ fn layouts_that_do_not_fit_are_refused_before_anything_changes() {
         assert!(e.starts_with(want), "{layout}: {e}");
     }
     assert_eq!(*n.control.gpus.lock().unwrap(), before);
+}
+
+/// A GPU index the node does not have is skipped, as mig-parted skips it
+/// (one layout serves nodes of several sizes), and said in the summary;
+/// the GPUs it has get their layout.
+#[test]
+fn indices_the_node_does_not_have_are_skipped_as_mig_parted_does() {
+    let n = node("h100-sxm-8");
+    let c = layouts(
+        "version: v1\nmig-configs:\n  c:\n    - devices: [7, 9, 12]\n      mig-enabled: true\n      mig-devices: {\"3g.40gb\": 2}\n",
+    );
+    let plan = n.plan(&c, "c").unwrap();
+    assert_eq!(plan.absent, [9, 12]);
+    assert_eq!(plan.gpus.len(), 1);
+    assert_eq!(plan.gpus[0].index, 7);
+    assert!(
+        plan.summary()
+            .ends_with("; GPU(s) 9, 12 named by the layout are not on this node (skipped)"),
+        "{}",
+        plan.summary()
+    );
 }
