@@ -504,14 +504,52 @@ fn host_exec(cli: &Cli, shm: Option<&str>, argv: &[String]) -> Result<ExitCode, 
 
 fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
     let policy = load_policy(Some(file))?;
-    println!("{}: valid policy", file.display());
     let settings = gpu_agent::plugin::settings(&policy.device_plugin, policy.mig.strategy)
         .map_err(bad_input)?;
+    // The other files the policy names, read as the running agent reads
+    // them: a file that is missing or does not parse fails the check.
+    let mut mig_warning = None;
+    if policy.mig_manager.enabled {
+        let (config, origin) =
+            gpu_agent::mig::load_config(&policy.mig_manager).map_err(bad_input)?;
+        if let Some(layout) = policy.mig_manager.selected_layout()
+            && let Err(e) = config.layout(layout, &origin, "spec.migManager.default")
+        {
+            // The built-in layouts are one list for every GPU model gpu-agent
+            // knows; a name missing there may still be a model's it does
+            // not: a warning. A file's or inline layouts are the user's: an
+            // error.
+            if origin == gpu_agent::mig::config::BUILTIN_ORIGIN {
+                mig_warning = Some(e.to_string());
+            } else {
+                return Err(bad_input(e));
+            }
+        }
+    }
+    let counters = if policy.dcgm_exporter.enabled {
+        Some(
+            gpu_agent::metrics::server::ExporterConfig::from_spec(&policy.dcgm_exporter)
+                .map_err(bad_input)?
+                .fields,
+        )
+    } else {
+        None
+    };
+    println!("{}: valid policy", file.display());
+    if let Some(w) = &mig_warning {
+        println!("warning: {w}");
+    }
     for u in &settings.unacted {
         println!(
             "{}: device-plugin config key not acted on: {u}",
             if u.warn { "warning" } else { "note" }
         );
+    }
+    for s in counters.iter().flat_map(|c| &c.skipped) {
+        println!("warning: counters file: not exported: {s}");
+    }
+    for n in counters.iter().flat_map(|c| &c.notes) {
+        println!("note: counters file: {n}");
     }
     let rows: Vec<Vec<String>> = Stage::ALL
         .iter()

@@ -278,3 +278,63 @@ fn dcgm_exporters_counters_files_read_whole_even_with_every_line_uncommented() {
         );
     }
 }
+
+/// `policy check` reads the files the policy names as the running agent
+/// will: a mig-parted file that does not parse, a layout it lacks, a
+/// counters file that is missing fail the check (they passed before); a
+/// counters line the agent leaves out is a warning.
+#[test]
+fn policy_check_reads_the_files_the_policy_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let bad_mig = write(
+        "mig.yaml",
+        "version: v1\nmig-configs:\n  a:\n    - devices: all\n      mig-enable: true\n",
+    );
+    let good_mig = write(
+        "mig-ok.yaml",
+        "version: v1\nmig-configs:\n  a:\n    - devices: all\n      mig-enabled: false\n",
+    );
+    let counters = write(
+        "c.csv",
+        "DCGM_FI_DEV_GPU_TEMP, gauge, t\nDCGM_FI_DEV_SM_CLOCK gauge\n",
+    );
+    let check = |spec: String| {
+        let p = write("p.yaml", &format!("spec:\n{spec}"));
+        run(bin().args(["policy", "check"]).arg(&p))
+    };
+    let (code, _, err) = check(format!(
+        "  migManager:\n    config:\n      file: {}\n",
+        bad_mig.display()
+    ));
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("mig-configs.a[0].mig-enable: unknown key"),
+        "{err}"
+    );
+    let (code, _, err) = check(format!(
+        "  migManager:\n    default: b\n    config:\n      file: {}\n",
+        good_mig.display()
+    ));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no layout named \"b\""), "{err}");
+    let (code, _, err) = check(format!(
+        "  dcgmExporter:\n    config: {}\n",
+        dir.path().join("missing.csv").display()
+    ));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("missing.csv"), "{err}");
+    let (code, out, err) = check(format!(
+        "  dcgmExporter:\n    config: {}\n",
+        counters.display()
+    ));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("warning: counters file: not exported: ") && out.contains("c.csv:2:"),
+        "{out}"
+    );
+}
