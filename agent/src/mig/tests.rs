@@ -423,3 +423,48 @@ fn indices_the_node_does_not_have_are_skipped_as_mig_parted_does() {
         plan.summary()
     );
 }
+
+/// The GPU Operator's default layouts ConfigMap (its `config.yaml`,
+/// unchanged from ../shared/upstream) on an 8x H100 node: every layout
+/// plans (the H100's entries apply, other models' are skipped) but those
+/// for every GPU with a profile the H100 80GB lacks, which mig-parted
+/// fails there too; its `all-1g.10gb` is seven 1g.10gb on every GPU.
+#[test]
+fn the_operators_default_layouts_plan_on_an_h100_node() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/upstream/gpu-operator/state-mig-manager_0400_configmap.yaml"
+    );
+    let Ok(text) = std::fs::read_to_string(path) else {
+        panic!("{path}: upstream's files are not there (CI has ../shared beside the checkout)");
+    };
+    let cm: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text).unwrap();
+    let c = MigPartedConfig::from_yaml(cm["data"]["config.yaml"].as_str().unwrap(), "config.yaml")
+        .unwrap();
+    let n = node("h100-sxm-8");
+    let names: Vec<String> = c.mig_configs.keys().cloned().collect();
+    assert!(names.len() >= 80, "{}", names.len());
+    let mut refused = 0;
+    for layout in &names {
+        if let Err(e) = n.plan(&c, layout) {
+            // A layout for every GPU (no device-filter) with a profile the
+            // H100 80GB lacks fails, as mig-parted fails it there.
+            let unfiltered = c.mig_configs[layout]
+                .iter()
+                .any(|e| e.device_filter.is_none());
+            assert!(
+                unfiltered && e.to_string().contains("has no MIG profile"),
+                "{layout}: {e}"
+            );
+            refused += 1;
+        }
+    }
+    assert!(
+        refused < names.len(),
+        "{refused} of {} refused",
+        names.len()
+    );
+    let plan = n.plan(&c, "all-1g.10gb").unwrap();
+    assert_eq!(plan.gpus.len(), 8);
+    assert_eq!(plan.summary(), "GPUs 0-7: MIG off → 1g.10gb x7");
+}
