@@ -410,3 +410,27 @@ fn the_operators_sample_cluster_policy_is_taken() {
         "{ignored:?}"
     );
 }
+
+/// docs/migrating-from-gpu-operator.md's table names every upstream file
+/// the conformance suite has (a file added to ../shared/upstream that the
+/// table does not name fails here).
+#[test]
+fn every_upstream_file_is_in_the_migration_table() {
+    let doc = std::fs::read_to_string(common::repo().join("docs/migrating-from-gpu-operator.md"))
+        .unwrap();
+    let up = upstream();
+    for dir in std::fs::read_dir(&up).unwrap() {
+        let dir = dir.unwrap().path();
+        if !dir.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(&dir).unwrap() {
+            let f = f.unwrap().path();
+            let rel = f.strip_prefix(&up).unwrap().display().to_string();
+            assert!(
+                doc.contains(&format!("| `{rel}` |")),
+                "{rel} is not in docs/migrating-from-gpu-operator.md's table"
+            );
+        }
+    }
+}
