@@ -28,13 +28,37 @@
 //!   mode (and then fails the relabel); here it is `true` when MPS is the
 //!   sharing and the device plugin serves it, which it does on the GPUs out
 //!   of MIG mode.
+//! - Labels describe the resource they are keyed by. GFD keys a resource's
+//!   labels by its name in the sharing config (`nvidia.com/gpu`,
+//!   `nvidia.com/mig-1g.10gb`): NVIDIA's plugin ignores `devices` and
+//!   `rename`, so every device of that resource is advertised under one
+//!   name, the resource's own or, when renamed, the rename (then the
+//!   product has no `-SHARED`). gpu-agent writes exactly that whenever one
+//!   name holds all of a resource's devices. When `devices` splits them
+//!   over several names (MPS on GPUs 0-1 as `nvidia.com/gpu.mps`, GPUs 2-7
+//!   whole as `nvidia.com/gpu`), GFD has no rule; each advertised name gets
+//!   its own labels, keyed by it and counting only its devices:
+//!   `nvidia.com/gpu.count=6`, `.replicas=1`, `.sharing-strategy=none`
+//!   beside `nvidia.com/gpu.mps.count=2`, `.replicas=4`,
+//!   `.sharing-strategy=mps`, `.product=<model>` (renamed: no `-SHARED`, as
+//!   GFD), with the memory, family and compute capability (MIG devices:
+//!   their attributes) of its own devices. A name none of whose devices
+//!   remain (every GPU renamed, to two names) gets no labels, as GFD writes
+//!   none for a resource with no device.
+//! - Different replica counts under one name (time-slicing GPUs 0-1 in 4,
+//!   GPU 2 in 2, both as `nvidia.com/gpu.shared`), which GFD cannot be
+//!   configured for: `replicas` is the largest, the most pods one of its
+//!   GPUs may be shared among, so that the label never promises a bigger
+//!   share of a GPU than a pod may get (`count` x `replicas` is then more
+//!   than the node's capacity of the resource, which the node's status
+//!   gives).
 
 use std::collections::BTreeMap;
 
 use crate::backend::{ComputeCapability, MigDevice};
 use crate::inventory::{Gpu, Inventory};
 use crate::plugin::config::{MigStrategy, SharingStrategy};
-use crate::plugin::resources::{self, GPU_RESOURCE, PluginSettings};
+use crate::plugin::resources::{self, GPU_RESOURCE, PluginSettings, Resource};
 use crate::policy::Policy;
 
 /// NFD's local feature file GFD writes (GFD's `--output-file` default), a
@@ -136,18 +160,26 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
         "mig.capable",
         gpus.iter().any(|g| g.mig.is_some()).to_string(),
     );
-    put("mps.capable", mps_capable(inv, settings).to_string());
+    // What the device plugin advertises; `None` when it refuses the
+    // config (it then serves nothing), and the sharing labels read the
+    // config as GFD reads it.
+    let advertised = resources::build(inv, settings).ok();
+    let adv = Advertised {
+        resources: advertised.as_deref(),
+        settings,
+    };
+    put("mps.capable", mps_capable(&adv).to_string());
     put("gpu.mode", gpu_mode(&gpus).into());
-    full_gpu_labels(&gpus, settings, &mut out);
+    full_gpu_labels(&gpus, &adv, &mut out);
     match settings.mig_strategy {
         MigStrategy::None => {}
         MigStrategy::Single => {
             out.insert("nvidia.com/mig.strategy".into(), "single".into());
-            mig_single_labels(&gpus, settings, &mut out);
+            mig_single_labels(&gpus, &adv, &mut out);
         }
         MigStrategy::Mixed => {
             out.insert("nvidia.com/mig.strategy".into(), "mixed".into());
-            mig_mixed_labels(&gpus, settings, &mut out);
+            mig_mixed_labels(&gpus, &adv, &mut out);
         }
     }
     out
@@ -158,9 +190,9 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
 /// and the device plugin can serve it — every GPU it shares with MPS is
 /// out of MIG mode and new enough (on a node where other GPUs are in MIG
 /// mode GFD fails to label; gpu-agent serves MPS on the rest and says so).
-fn mps_capable(inv: &Inventory, settings: &PluginSettings) -> bool {
-    matches!(settings.sharing(), Some((SharingStrategy::Mps, _)))
-        && resources::build(inv, settings).is_ok_and(|rs| rs.iter().any(|r| r.mps))
+fn mps_capable(adv: &Advertised<'_>) -> bool {
+    matches!(adv.settings.sharing(), Some((SharingStrategy::Mps, _)))
+        && adv.resources.is_some_and(|rs| rs.iter().any(|r| r.mps))
 }
 
 /// `X.Y[.Z]` → (X, Y, Z or ""), as GFD splits NVML's driver version.
@@ -231,12 +263,126 @@ pub fn arch_family(cc: ComputeCapability) -> &'static str {
     }
 }
 
+/// What the device plugin advertises, and the settings it comes from.
+struct Advertised<'a> {
+    /// `None`: the plugin refuses the config.
+    resources: Option<&'a [Resource]>,
+    settings: &'a PluginSettings,
+}
+
+/// The devices of one labelled resource that one advertised name holds.
+struct Group<'a> {
+    /// The name the device plugin advertises them under.
+    name: &'a str,
+    /// Device UUID (a GPU's or a MIG device's) → its replicas (1: whole).
+    units: BTreeMap<&'a str, u32>,
+    /// Time-slicing or MPS when the devices are replicas, else none.
+    strategy: SharingStrategy,
+}
+
+impl<'a> Advertised<'a> {
+    /// The names the devices `units` (the UUIDs of one labelled resource's
+    /// devices) are advertised under, sorted by name; none when the plugin
+    /// refuses the config.
+    fn groups(&self, units: &[&str]) -> Vec<Group<'a>> {
+        let Some(rs) = self.resources else {
+            return Vec::new();
+        };
+        rs.iter()
+            .filter_map(|r| {
+                let mut per_unit: BTreeMap<&str, u32> = BTreeMap::new();
+                for d in r
+                    .devices
+                    .iter()
+                    .filter(|d| units.contains(&d.uuid.as_str()))
+                {
+                    *per_unit.entry(d.uuid.as_str()).or_default() += 1;
+                }
+                let strategy = match (r.shared, r.mps) {
+                    (false, _) => SharingStrategy::None,
+                    (true, true) => SharingStrategy::Mps,
+                    (true, false) => SharingStrategy::TimeSlicing,
+                };
+                (!per_unit.is_empty()).then_some(Group {
+                    name: &r.name,
+                    units: per_unit,
+                    strategy,
+                })
+            })
+            .collect()
+    }
+
+    /// How `resource` is shared when one name holds all its devices (GFD's
+    /// case): as `group` holds them, or, with no group (the plugin refuses
+    /// the config), as the config's first entry for `resource` says, the
+    /// way GFD reads it.
+    fn share(&self, resource: &str, group: Option<&Group<'_>>) -> Share {
+        if let Some(g) = group {
+            return Share::of(g, resource);
+        }
+        match resources::replication(self.settings, resource) {
+            Some(r) => Share::On {
+                strategy: r.strategy,
+                replicas: r.replicas,
+                renamed: r.renamed(resource),
+            },
+            None => Share::UNSHARED,
+        }
+    }
+}
+
+/// How a labelled resource is shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Share {
+    /// Labelled without sharing (GFD's whole-GPU labels of MIG-enabled
+    /// GPUs): replicas 0, strategy none.
+    Off,
+    /// `replicas` of each device (1: not shared); `renamed`: advertised
+    /// under another name than the one the sharing config gives the
+    /// devices (`rename`, `renameByDefault`), so no `-SHARED` (GFD).
+    On {
+        strategy: SharingStrategy,
+        replicas: u32,
+        renamed: bool,
+    },
+}
+
+impl Share {
+    const UNSHARED: Share = Share::On {
+        strategy: SharingStrategy::None,
+        replicas: 1,
+        renamed: false,
+    };
+
+    /// The sharing of `group`'s devices, devices of `resource` (the name
+    /// the sharing config gives them: renamed when advertised under
+    /// another). Different replica counts (time-slicing, per-GPU entries
+    /// under one name): the largest, the most pods one of its GPUs may be
+    /// shared among (see the module notes; GFD has no such case).
+    fn of(group: &Group<'_>, resource: &str) -> Share {
+        Share::On {
+            strategy: group.strategy,
+            replicas: group.units.values().copied().max().unwrap_or(1),
+            renamed: group.name != resource,
+        }
+    }
+}
+
+/// The longest suffix a resource's label has (`.sharing-strategy`).
+const LONGEST_SUFFIX: &str = ".sharing-strategy";
+
+/// True when every label of `resource` is a valid label key: the part
+/// after `nvidia.com/` at most 63 characters. A renamed resource may have a
+/// name too long for that (a resource name may be 63 characters itself).
+fn keyable(resource: &str) -> bool {
+    let name = resource.split_once('/').map_or(resource, |(_, n)| n);
+    name.len() + LONGEST_SUFFIX.len() <= 63
+}
+
 /// One resource's labels: `<resource>.<suffix>`.
 struct ResourceLabels<'a> {
-    resource: String,
-    /// `None`: labelled without sharing (a MIG-enabled GPU's whole-GPU
-    /// labels): replicas 0.
-    settings: Option<&'a PluginSettings>,
+    resource: &'a str,
+    share: Share,
 }
 
 impl ResourceLabels<'_> {
@@ -244,35 +390,30 @@ impl ResourceLabels<'_> {
         out.insert(format!("{}.{suffix}", self.resource), value.to_string());
     }
 
-    /// `product`, `count`, `replicas`, `sharing-strategy`.
+    /// `product`, `count`, `replicas`, `sharing-strategy`, as GFD's
+    /// `baseLabeler`: `-SHARED` when shared and not renamed, the strategy
+    /// only when there is more than one replica.
     fn base(&self, out: &mut Labels, count: usize, parts: &[&str]) {
-        let replication = self
-            .settings
-            .and_then(|s| resources::replication(s, &self.resource));
-        let replicas = match (&self.settings, &replication) {
-            (None, _) => 0,
-            (Some(_), Some(r)) if r.replicas > 0 => r.replicas,
-            (Some(_), _) => 1,
+        let (replicas, strategy, suffix) = match self.share {
+            Share::Off => (0, SharingStrategy::None, false),
+            Share::On {
+                strategy,
+                replicas,
+                renamed,
+            } if replicas > 1 => (replicas, strategy, !renamed),
+            Share::On { replicas, .. } => (replicas, SharingStrategy::None, false),
         };
-        let shared = replication.as_ref().is_some_and(|r| r.replicas > 1);
-        let renamed = replication
-            .as_ref()
-            .is_some_and(|r| r.renamed(&self.resource));
         let mut product: Vec<String> = parts
             .iter()
             .filter(|p| !p.is_empty())
             .map(|p| sanitise(p))
             .collect();
-        if shared && !renamed {
+        if suffix {
             product.push("SHARED".into());
         }
         self.put(out, "product", product.join("-"));
         self.put(out, "count", count);
         self.put(out, "replicas", replicas);
-        let strategy = match &replication {
-            Some(r) if self.settings.is_some() && replicas > 1 => r.strategy,
-            _ => SharingStrategy::None,
-        };
         self.put(out, "sharing-strategy", strategy.as_str());
     }
 
@@ -290,31 +431,96 @@ impl ResourceLabels<'_> {
     }
 }
 
+/// How a resource's devices are advertised: all under one name (GFD's
+/// case; the group, none when the plugin refuses the config), or split by
+/// `devices` over several names, each to be labelled under its own name
+/// (those whose labels' keys would be too long left out).
+enum Layout<'a> {
+    One(Option<Group<'a>>),
+    Split(Vec<Group<'a>>),
+}
+
+fn layout<'a>(adv: &Advertised<'a>, resource: &str, devices: &[&str]) -> Layout<'a> {
+    let mut groups = adv.groups(devices);
+    if groups.len() < 2 {
+        return Layout::One(groups.pop());
+    }
+    let names: Vec<&str> = groups.iter().map(|g| g.name).collect();
+    tracing::debug!(stage = "labels", resource, advertised_as = ?names, "sharing splits the resource's devices; each name is labelled for its own");
+    groups.retain(|g| {
+        let ok = keyable(g.name);
+        if !ok {
+            tracing::warn!(stage = "labels", resource = g.name, "resource name too long for its labels' keys (63 characters after nvidia.com/, with {LONGEST_SUFFIX}); not labelled");
+        }
+        ok
+    });
+    Layout::Split(groups)
+}
+
 /// `nvidia.com/gpu.*` for whole GPUs: one model's (see the module notes),
 /// counting every GPU of that model; without sharing (replicas 0) when all
-/// of them have MIG enabled.
-fn full_gpu_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels) {
+/// of them have MIG enabled. When sharing puts some of the GPUs under other
+/// names, each name is labelled for its own GPUs.
+fn full_gpu_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
     let models: std::collections::BTreeSet<&str> =
         gpus.iter().filter_map(|g| g.model.as_deref()).collect();
     if models.len() > 1 {
         tracing::warn!(stage = "labels", models = ?models, "multiple GPU models on the node; labelling the last one's");
     }
-    let Some(g) = gpus
+    // The GPUs advertised whole (or in replicas), not as MIG devices.
+    let whole: Vec<&Gpu> = gpus
+        .iter()
+        .copied()
+        .filter(|g| adv.settings.mig_strategy == MigStrategy::None || !mig_enabled(g))
+        .collect();
+    let uuids: Vec<&str> = whole.iter().filter_map(|g| g.uuid.as_deref()).collect();
+    let group = match layout(adv, GPU_RESOURCE, &uuids) {
+        Layout::One(group) => group,
+        Layout::Split(groups) => {
+            for group in &groups {
+                let members: Vec<&Gpu> = whole
+                    .iter()
+                    .copied()
+                    .filter(|g| {
+                        g.uuid
+                            .as_deref()
+                            .is_some_and(|u| group.units.contains_key(u))
+                    })
+                    .collect();
+                whole_gpu_resource(group.name, &members, Share::of(group, GPU_RESOURCE), out);
+            }
+            return;
+        }
+    };
+    whole_gpu_resource(
+        GPU_RESOURCE,
+        gpus,
+        adv.share(GPU_RESOURCE, group.as_ref()),
+        out,
+    );
+}
+
+/// `<resource>.*` for whole GPUs: the model of the last of `members` by
+/// NVML index (one out of MIG mode first, as GFD's order of labellers has
+/// it), counting the members of that model; without sharing (replicas 0)
+/// when that GPU has MIG enabled.
+fn whole_gpu_resource(resource: &str, members: &[&Gpu], share: Share, out: &mut Labels) {
+    let Some(g) = members
         .iter()
         .rev()
         .find(|g| !mig_enabled(g))
-        .or_else(|| gpus.last())
+        .or_else(|| members.last())
     else {
         return;
     };
     let model = g.model.as_deref().unwrap_or_default();
-    let count = gpus
+    let count = members
         .iter()
         .filter(|o| o.model.as_deref().unwrap_or_default() == model)
         .count();
     let rl = ResourceLabels {
-        resource: GPU_RESOURCE.into(),
-        settings: (!mig_enabled(g)).then_some(settings),
+        resource,
+        share: if mig_enabled(g) { Share::Off } else { share },
     };
     rl.base(out, count, &[model]);
     if let Some(mem) = g.memory_mib.filter(|m| *m != 0) {
@@ -327,11 +533,52 @@ fn full_gpu_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels) {
     }
 }
 
+/// `<resource>.*` for MIG devices (one profile): from the first of them,
+/// counting them all.
+fn mig_resource(resource: &str, migs: &[(&Gpu, &MigDevice)], share: Share, out: &mut Labels) {
+    let Some((parent, m)) = migs.first() else {
+        return;
+    };
+    let rl = ResourceLabels { resource, share };
+    rl.base(
+        out,
+        migs.len(),
+        &[
+            parent.model.as_deref().unwrap_or_default(),
+            "MIG",
+            &m.profile,
+        ],
+    );
+    rl.mig_attributes(out, m);
+}
+
+/// MIG devices under `resource` (`nvidia.com/gpu` for `single`,
+/// `nvidia.com/mig-<profile>` for `mixed`): labelled under it, or, when
+/// sharing splits them over several names, under each name for its own.
+fn mig_labels(resource: &str, migs: &[(&Gpu, &MigDevice)], adv: &Advertised<'_>, out: &mut Labels) {
+    let uuids: Vec<&str> = migs.iter().map(|(_, m)| m.uuid.as_str()).collect();
+    let group = match layout(adv, resource, &uuids) {
+        Layout::One(group) => group,
+        Layout::Split(groups) => {
+            for group in &groups {
+                let mine: Vec<(&Gpu, &MigDevice)> = migs
+                    .iter()
+                    .copied()
+                    .filter(|(_, m)| group.units.contains_key(m.uuid.as_str()))
+                    .collect();
+                mig_resource(group.name, &mine, Share::of(group, resource), out);
+            }
+            return;
+        }
+    };
+    mig_resource(resource, migs, adv.share(resource, group.as_ref()), out);
+}
+
 /// `single`: every MIG device is an `nvidia.com/gpu`. A node the strategy
 /// cannot serve (MIG on some GPUs only, a MIG-enabled GPU without devices,
 /// several profiles) is labelled `<model>-MIG-INVALID` with count,
 /// replicas and memory 0, as GFD.
-fn mig_single_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels) {
+fn mig_single_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
     let enabled: Vec<&Gpu> = gpus.iter().copied().filter(|g| mig_enabled(g)).collect();
     let Some(first) = enabled.first() else {
         return;
@@ -351,16 +598,16 @@ fn mig_single_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels)
     } else {
         None
     };
-    let rl = ResourceLabels {
-        resource: GPU_RESOURCE.into(),
-        settings: Some(settings),
-    };
     if let Some(reason) = invalid {
         tracing::warn!(
             stage = "labels",
             reason,
             "the node's MIG layout is invalid for mig.strategy single"
         );
+        let rl = ResourceLabels {
+            resource: GPU_RESOURCE,
+            share: Share::UNSHARED,
+        };
         let model = first.model.as_deref().unwrap_or_default();
         let product: Vec<String> = [model, "MIG", "INVALID"]
             .iter()
@@ -373,39 +620,23 @@ fn mig_single_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels)
         rl.put(out, "memory", 0);
         return;
     }
-    let (parent, m) = migs[0];
-    rl.base(
-        out,
-        migs.len(),
-        &[
-            parent.model.as_deref().unwrap_or_default(),
-            "MIG",
-            &m.profile,
-        ],
-    );
-    rl.mig_attributes(out, m);
+    mig_labels(GPU_RESOURCE, &migs, adv, out);
 }
 
 /// `mixed`: `nvidia.com/mig-<profile>.*` for each profile the device plugin
 /// advertises, from the first device of that profile.
-fn mig_mixed_labels(gpus: &[&Gpu], settings: &PluginSettings, out: &mut Labels) {
-    let mut by_profile: BTreeMap<&str, (&Gpu, &MigDevice, usize)> = BTreeMap::new();
+fn mig_mixed_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
+    let mut by_profile: BTreeMap<&str, Vec<(&Gpu, &MigDevice)>> = BTreeMap::new();
     for g in gpus.iter().filter(|g| mig_enabled(g)) {
         for m in g.mig_devices.iter().filter(|m| m.ci_slices == m.gi_slices) {
-            by_profile.entry(m.profile.as_str()).or_insert((*g, m, 0)).2 += 1;
+            by_profile
+                .entry(m.profile.as_str())
+                .or_default()
+                .push((*g, m));
         }
     }
-    for (profile, (parent, m, count)) in by_profile {
-        let rl = ResourceLabels {
-            resource: resources::mig_resource_name(profile),
-            settings: Some(settings),
-        };
-        rl.base(
-            out,
-            count,
-            &[parent.model.as_deref().unwrap_or_default(), "MIG", profile],
-        );
-        rl.mig_attributes(out, m);
+    for (profile, migs) in by_profile {
+        mig_labels(&resources::mig_resource_name(profile), &migs, adv, out);
     }
 }
 
@@ -429,6 +660,21 @@ mod tests {
     const TIME_SLICING_RENAMED: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, rename: nvidia.com/gpu.shared, replicas: 4}\n";
     const MPS_4: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n";
 
+    /// MPS on GPUs 0-1 as `nvidia.com/gpu.mps`; the other GPUs stay whole
+    /// `nvidia.com/gpu` (issue 27 point 5).
+    const MPS_GPUS_0_1: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.mps}\n";
+
+    /// A policy with `sharing.<kind>` holding `entries` (YAML flow maps).
+    fn sharing(kind: &str, entries: &[&str]) -> Policy {
+        let mut y = format!(
+            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          {kind}:\n            resources:\n"
+        );
+        for e in entries {
+            y.push_str(&format!("            - {e}\n"));
+        }
+        policy(&y)
+    }
+
     /// (golden file, node, policy).
     fn cases() -> Vec<(&'static str, String, Policy)> {
         let single_node = format!("{GOLDEN_DIR}/h100-mig-single-2.yaml");
@@ -450,7 +696,36 @@ mod tests {
                 policy(TIME_SLICING_RENAMED),
             ),
             ("mps-shared", "h100-sxm-8".into(), policy(MPS_4)),
+            ("mps-gpus-0-1", "h100-sxm-8".into(), policy(MPS_GPUS_0_1)),
         ]
+    }
+
+    /// Every resource the device plugin advertises has labels under its
+    /// name that agree with it: `count` GPUs (or MIG devices) of `replicas`
+    /// devices each.
+    fn assert_labels_describe_the_plugins_resources(node: &str, p: &Policy) -> Labels {
+        let inv = inventory_of(node);
+        let l = node_labels(&inv, p).unwrap();
+        let settings = crate::plugin::settings(&p.device_plugin, p.mig.strategy).unwrap();
+        for r in resources::build(&inv, &settings).unwrap() {
+            let get = |k: &str| -> u32 {
+                let key = format!("{}.{k}", r.name);
+                l.get(&key)
+                    .unwrap_or_else(|| panic!("{key} missing: {l:#?}"))
+                    .parse()
+                    .unwrap()
+            };
+            let (count, replicas) = (get("count"), get("replicas"));
+            assert_eq!(
+                (count * replicas) as usize,
+                r.devices.len(),
+                "{}: {count} x {replicas}",
+                r.name
+            );
+            let strategy = &l[&format!("{}.sharing-strategy", r.name)];
+            assert_eq!(strategy != "none", r.shared, "{}: {strategy}", r.name);
+        }
+        l
     }
 
     fn labels_of(node: &str, p: &Policy) -> Labels {
@@ -560,6 +835,219 @@ mod tests {
         let on_mig = policy(&format!("{MPS_4}  mig:\n    strategy: none\n"));
         let l = node_labels(&inventory_of("h100-mig-2"), &on_mig).unwrap();
         assert_eq!(l["nvidia.com/mps.capable"], "false");
+    }
+
+    /// Issue 27 point 5: MPS on GPUs 0-1 only, renamed. `nvidia.com/gpu`
+    /// (the 6 other GPUs) is not shared and its labels say so; the renamed
+    /// resource has its own labels (GFD's names, keyed by it).
+    #[test]
+    fn labels_claim_no_sharing_the_resource_does_not_have() {
+        let l = assert_labels_describe_the_plugins_resources("h100-sxm-8", &policy(MPS_GPUS_0_1));
+        let get = |k: &str| l.get(&format!("nvidia.com/{k}")).map(String::as_str);
+        assert_eq!(get("gpu.count"), Some("6"));
+        assert_eq!(get("gpu.replicas"), Some("1"));
+        assert_eq!(get("gpu.sharing-strategy"), Some("none"));
+        assert_eq!(get("gpu.product"), Some("NVIDIA-H100-80GB-HBM3"));
+        assert_eq!(get("gpu.mps.count"), Some("2"));
+        assert_eq!(get("gpu.mps.replicas"), Some("4"));
+        assert_eq!(get("gpu.mps.sharing-strategy"), Some("mps"));
+        // Renamed: no -SHARED, as GFD names a renamed resource's product.
+        assert_eq!(get("gpu.mps.product"), Some("NVIDIA-H100-80GB-HBM3"));
+        assert_eq!(get("gpu.mps.memory"), Some("81559"));
+        assert_eq!(get("gpu.mps.family"), Some("hopper"));
+        assert_eq!(get("mps.capable"), Some("true"));
+        // The same entry over every GPU is GFD's case: keyed nvidia.com/gpu.
+        let all = policy(&MPS_GPUS_0_1.replace("devices: [0, 1], ", ""));
+        let l = node_labels(&inventory_of("h100-sxm-8"), &all).unwrap();
+        assert_eq!(l["nvidia.com/gpu.count"], "8");
+        assert_eq!(l["nvidia.com/gpu.replicas"], "4");
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "mps");
+        assert_eq!(l["nvidia.com/gpu.product"], "NVIDIA-H100-80GB-HBM3");
+        assert!(!l.keys().any(|k| k.starts_with("nvidia.com/gpu.mps.")));
+    }
+
+    /// Time-slicing with per-GPU `devices` and replica counts (README's
+    /// example): each name its own GPUs, replicas and strategy.
+    #[test]
+    fn time_slicing_per_gpu_entries_label_each_name() {
+        let mut p = sharing(
+            "timeSlicing",
+            &[
+                "{name: nvidia.com/gpu, devices: [0, 1, 3], replicas: 4}",
+                "{name: nvidia.com/gpu, devices: [2], replicas: 2, rename: gpu.small}",
+            ],
+        );
+        let l = assert_labels_describe_the_plugins_resources("t4-4", &p);
+        let triple = |r: &str| {
+            ["count", "replicas", "sharing-strategy", "product"]
+                .map(|k| l[&format!("nvidia.com/{r}.{k}")].as_str())
+        };
+        // GPUs 0, 1 and 3 shared under nvidia.com/gpu itself: -SHARED, as
+        // GFD.
+        assert_eq!(triple("gpu"), ["3", "4", "time-slicing", "Tesla-T4-SHARED"]);
+        assert_eq!(triple("gpu.small"), ["1", "2", "time-slicing", "Tesla-T4"]);
+        // GPU 3, whole, is left out of every shared name: with renames for
+        // both entries it is nvidia.com/gpu's only GPU.
+        let yaml = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            renameByDefault: true\n            resources:\n            - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4}\n            - {name: nvidia.com/gpu, devices: [2], replicas: 2, rename: gpu.small}\n";
+        p = policy(yaml);
+        let l = assert_labels_describe_the_plugins_resources("t4-4", &p);
+        let get = |k: &str| l[&format!("nvidia.com/{k}")].as_str();
+        assert_eq!(
+            [
+                get("gpu.count"),
+                get("gpu.replicas"),
+                get("gpu.sharing-strategy"),
+                get("gpu.product")
+            ],
+            ["1", "1", "none", "Tesla-T4"]
+        );
+        assert_eq!(
+            [
+                get("gpu.shared.count"),
+                get("gpu.shared.replicas"),
+                get("gpu.shared.sharing-strategy")
+            ],
+            ["2", "4", "time-slicing"]
+        );
+        assert_eq!(get("gpu.shared.product"), "Tesla-T4");
+        assert_eq!(get("gpu.small.replicas"), "2");
+    }
+
+    /// Different replica counts under one name (GFD has no such config):
+    /// `replicas` is the largest, whichever entry comes first.
+    #[test]
+    fn different_replica_counts_under_one_name_label_the_largest() {
+        for entries in [
+            [
+                "{name: nvidia.com/gpu, devices: [2, 3], replicas: 2}",
+                "{name: nvidia.com/gpu, devices: [0, 1], replicas: 4}",
+            ],
+            [
+                "{name: nvidia.com/gpu, devices: [0, 1], replicas: 4}",
+                "{name: nvidia.com/gpu, devices: [2, 3], replicas: 2}",
+            ],
+        ] {
+            let l = node_labels(&inventory_of("t4-4"), &sharing("timeSlicing", &entries)).unwrap();
+            assert_eq!(l["nvidia.com/gpu.count"], "4", "{entries:?}");
+            assert_eq!(l["nvidia.com/gpu.replicas"], "4", "{entries:?}");
+            assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "time-slicing");
+            assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4-SHARED");
+        }
+    }
+
+    /// A sharing entry that selects no GPU of the node shares nothing, and
+    /// the labels do not say it does.
+    #[test]
+    fn an_entry_selecting_no_gpu_shares_nothing() {
+        let p = sharing(
+            "timeSlicing",
+            &["{name: nvidia.com/gpu, devices: [7], replicas: 4}"],
+        );
+        let l = assert_labels_describe_the_plugins_resources("t4-4", &p);
+        assert_eq!(l["nvidia.com/gpu.count"], "4");
+        assert_eq!(l["nvidia.com/gpu.replicas"], "1");
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "none");
+        assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4");
+    }
+
+    /// Every GPU renamed, to two names: nothing is advertised as
+    /// `nvidia.com/gpu`, so nothing is labelled as it either.
+    #[test]
+    fn a_name_with_no_device_left_has_no_labels() {
+        let p = sharing(
+            "mps",
+            &[
+                "{name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.mps4}",
+                "{name: nvidia.com/gpu, devices: [2, 3], replicas: 2, rename: gpu.mps2}",
+            ],
+        );
+        let l = assert_labels_describe_the_plugins_resources("t4-4", &p);
+        assert_eq!(l["nvidia.com/gpu.mps4.count"], "2");
+        assert_eq!(l["nvidia.com/gpu.mps2.replicas"], "2");
+        for k in ["count", "replicas", "sharing-strategy", "product", "memory"] {
+            assert!(
+                !l.contains_key(&format!("nvidia.com/gpu.{k}")),
+                "{k}: {l:#?}"
+            );
+        }
+        assert_eq!(l["nvidia.com/gpu.present"], "true");
+    }
+
+    /// MIG devices split by `devices`: mixed (one profile's devices over
+    /// two names) and single (nvidia.com/gpu's MIG devices).
+    #[test]
+    fn mig_devices_split_by_sharing_are_labelled_per_name() {
+        let mixed = policy(&format!(
+            "{}  mig:\n    strategy: mixed\n",
+            "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/mig-1g.10gb, devices: [\"1:0\", \"1:1\", \"1:2\"], replicas: 2, rename: mig-1g.10gb.shared}\n"
+        ));
+        let l = assert_labels_describe_the_plugins_resources("h100-mig-2", &mixed);
+        let get = |k: &str| l[&format!("nvidia.com/{k}")].as_str();
+        assert_eq!(get("mig-1g.10gb.count"), "6");
+        assert_eq!(get("mig-1g.10gb.replicas"), "1");
+        assert_eq!(get("mig-1g.10gb.sharing-strategy"), "none");
+        assert_eq!(get("mig-1g.10gb.shared.count"), "3");
+        assert_eq!(get("mig-1g.10gb.shared.replicas"), "2");
+        assert_eq!(get("mig-1g.10gb.shared.sharing-strategy"), "time-slicing");
+        assert_eq!(
+            get("mig-1g.10gb.shared.product"),
+            "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"
+        );
+        assert_eq!(get("mig-1g.10gb.shared.memory"), "9856");
+        assert_eq!(get("mig-1g.10gb.shared.slices.gi"), "1");
+        // Other profiles, and the MIG-enabled GPUs' whole-GPU labels, as
+        // GFD writes them.
+        assert_eq!(get("mig-3g.40gb.replicas"), "1");
+        assert_eq!((get("gpu.count"), get("gpu.replicas")), ("2", "0"));
+        // Every 1g.10gb device shared under one name: GFD's case, keyed by
+        // the profile's resource.
+        let all = policy(&mixed_all_1g());
+        let l = node_labels(&inventory_of("h100-mig-2"), &all).unwrap();
+        assert_eq!(l["nvidia.com/mig-1g.10gb.replicas"], "2");
+        assert_eq!(l["nvidia.com/mig-1g.10gb.count"], "9");
+        assert!(!l.contains_key("nvidia.com/mig-1g.10gb.shared.count"));
+
+        let single = sharing(
+            "timeSlicing",
+            &[
+                "{name: nvidia.com/gpu, devices: [\"0:0\", \"0:1\"], replicas: 2, rename: gpu.shared}",
+            ],
+        );
+        let l = assert_labels_describe_the_plugins_resources(
+            &format!("{GOLDEN_DIR}/h100-mig-single-2.yaml"),
+            &single,
+        );
+        let get = |k: &str| l[&format!("nvidia.com/{k}")].as_str();
+        assert_eq!(get("gpu.count"), "12");
+        assert_eq!(get("gpu.replicas"), "1");
+        assert_eq!(get("gpu.product"), "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb");
+        assert_eq!(get("gpu.shared.count"), "2");
+        assert_eq!(get("gpu.shared.replicas"), "2");
+        assert_eq!(get("gpu.shared.sharing-strategy"), "time-slicing");
+        assert_eq!(get("gpu.shared.multiprocessors"), "16");
+    }
+
+    fn mixed_all_1g() -> String {
+        "spec:\n  mig:\n    strategy: mixed\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/mig-1g.10gb, replicas: 2, rename: mig-1g.10gb.shared}\n".into()
+    }
+
+    /// A renamed resource whose name leaves no room for its labels' keys
+    /// (63 characters after `nvidia.com/`) is not labelled; the others are.
+    #[test]
+    fn a_name_too_long_for_label_keys_is_not_labelled() {
+        let long = format!("gpu.{}", "x".repeat(50));
+        let p = sharing(
+            "timeSlicing",
+            &[&format!(
+                "{{name: nvidia.com/gpu, devices: [0], replicas: 2, rename: {long}}}"
+            )],
+        );
+        let l = node_labels(&inventory_of("t4-4"), &p).unwrap();
+        assert!(!l.keys().any(|k| k.contains(&long)), "{l:#?}");
+        assert_eq!(l["nvidia.com/gpu.count"], "3");
+        assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "none");
+        assert!(keyable("nvidia.com/mig-1g.10gb.shared"));
+        assert!(!keyable(&format!("nvidia.com/{long}")));
     }
 
     #[test]

@@ -445,6 +445,41 @@ fn labels_of_a_simulated_node_are_its_golden_file() {
     assert_eq!((code, out.as_str()), (0, ""), "{err}");
 }
 
+/// Issue 27 point 5: MPS on GPUs 0-1 only, renamed `gpu.mps`. The labels
+/// `--policy` gives say that `nvidia.com/gpu` (the other 6 GPUs) is not
+/// shared, and describe `nvidia.com/gpu.mps` under its own name.
+#[test]
+fn labels_of_a_partly_shared_node_describe_each_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    fs::write(
+        &policy,
+        "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.mps}\n",
+    )
+    .unwrap();
+    let (code, out, err) = run(bin()
+        .args(["--simulate", "h100-sxm-8", "--policy"])
+        .arg(&policy)
+        .arg("labels"));
+    assert_eq!(code, 0, "{err}");
+    let golden = fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/labels/mps-gpus-0-1.txt"
+    ))
+    .unwrap();
+    assert_eq!(out, golden);
+    for line in [
+        "nvidia.com/gpu.count=6",
+        "nvidia.com/gpu.replicas=1",
+        "nvidia.com/gpu.sharing-strategy=none",
+        "nvidia.com/gpu.mps.count=2",
+        "nvidia.com/gpu.mps.replicas=4",
+        "nvidia.com/gpu.mps.sharing-strategy=mps",
+    ] {
+        assert!(out.lines().any(|l| l == line), "{line}: {out}");
+    }
+}
+
 #[test]
 fn status_table_shows_policy_disabled_stages() {
     let (code, out, err) = run(at(host_fixture("a10g-1"))
