@@ -617,6 +617,8 @@ fn mig_single_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
         rl.put(out, "product", product.join("-"));
         rl.put(out, "count", 0);
         rl.put(out, "replicas", 0);
+        // GFD writes the strategy empty here (not `none`).
+        rl.put(out, "sharing-strategy", "");
         rl.put(out, "memory", 0);
         return;
     }
@@ -1072,6 +1074,7 @@ mod tests {
         for k in ["count", "replicas", "memory"] {
             assert_eq!(invalid[&format!("nvidia.com/gpu.{k}")], "0", "{k}");
         }
+        assert_eq!(invalid["nvidia.com/gpu.sharing-strategy"], "");
         assert!(!invalid.contains_key("nvidia.com/gpu.multiprocessors"));
         let mixed = labels_of(
             "h100-mig-2",
