@@ -22,6 +22,11 @@ use serde::Serialize;
 
 /// Exit code for bad input (an invalid policy, node description or argument).
 const EXIT_BAD_INPUT: u8 = 2;
+/// Exit code of `status` when no running agent answered (none, stopped,
+/// crashed, starting or hung): what it printed is an inspection of the
+/// host. LSB's "program is not running", as `systemctl status` exits for a
+/// unit that is not active.
+const EXIT_NOT_RUNNING: u8 = 3;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -85,7 +90,8 @@ enum Command {
         #[command(flatten)]
         controller: ControllerArgs,
     },
-    /// Show each stage's state: from the running agent, or by inspecting the host.
+    /// Show each stage's state: from the running agent (exit 0), or by
+    /// inspecting the host when no running agent answers (exit 3).
     Status {
         #[arg(long, short, value_enum, default_value = "table")]
         output: Output,
@@ -871,12 +877,18 @@ fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     print_status(&report, output)
 }
 
+/// Prints the report; exits 0 when it is the running agent's, 3 when no
+/// running agent answered and the host was inspected instead.
 fn print_status(report: &StatusReport, output: Output) -> Result<ExitCode, Failure> {
     match output {
         Output::Json => print_json(report)?,
         Output::Table => print!("{}", status_text(report)),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if report.source == "running-agent" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_NOT_RUNNING)
+    })
 }
 
 pub(crate) fn status_text(report: &StatusReport) -> String {

@@ -10,6 +10,10 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::Value;
 
+/// `status`'s exit code when no running agent answered and it inspected
+/// the host instead (LSB's "program is not running", as `systemctl status`).
+const NOT_RUNNING: i32 = 3;
+
 /// Every path under `root` (to check that nothing was written).
 fn tree(root: &Path) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
@@ -141,7 +145,7 @@ fn demo_keep_leaves_a_host_root_that_status_reads() {
         .to_string();
     let (code, out, err) = run(bin().args(["--host-root", &sandbox, "status", "--output", "json"]));
     fs::remove_dir_all(&sandbox).unwrap();
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     let st = json(&out);
     // No agent runs in the sandbox (none holds its lock): status says so and
     // inspects the sandbox, whose simulated tree still has the 4 GPUs.
@@ -292,7 +296,7 @@ fn bad_simulation_and_host_root_are_bad_input() {
 #[test]
 fn status_without_an_agent_inspects_the_host() {
     let (code, out, err) = run(at(host_fixture("h100-sxm-8")).args(["status", "-o", "json"]));
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
     assert!(
@@ -398,7 +402,7 @@ fn status_without_an_agent_inspects_the_host() {
 #[test]
 fn status_with_a_simulated_node_plans_the_plugin() {
     let (code, out, err) = run(bin().args(["--simulate", "t4-4", "status", "-o", "json"]));
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     let st = json(&out);
     let plugin = st["stages"]
         .as_array()
@@ -486,7 +490,7 @@ fn status_table_shows_policy_disabled_stages() {
         .arg("--policy")
         .arg(fixture("policies/valid/eks-al2023.yaml"))
         .arg("status"));
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     assert!(
         row(
             &out,
@@ -528,7 +532,7 @@ fn run_once_writes_state_that_status_reports_as_stopped() {
     assert!(state["stopped_at"].is_u64());
     assert_eq!(state["simulated"], "8x H100 SXM");
     let (code, out, _) = run(at(host.path()).args(["status", "-o", "json"]));
-    assert_eq!(code, 0);
+    assert_eq!(code, NOT_RUNNING);
     let st = json(&out);
     assert_eq!(st["source"], "host-inspection");
     assert!(
@@ -575,6 +579,46 @@ fn running_agent_is_seen_by_status_and_stops_on_sigterm() {
     assert_eq!(sigterm(&mut child), Some(0));
     let state = json(&fs::read_to_string(&state_file).unwrap());
     assert!(state["stopped_at"].is_u64(), "{state}");
+}
+
+/// `status` exits 0 only when the running agent answered; a `status` that
+/// cannot see it (none ran, it stopped, or the host root is not the one it
+/// manages) says so and exits 3, in either output form. The host root may
+/// come from the environment (`GPU_AGENT_HOST_ROOT`, as the DaemonSet's
+/// container sets it for `kubectl exec`) instead of `--host-root`.
+#[test]
+fn status_exits_non_zero_when_it_cannot_see_the_running_agent() {
+    let host = tempfile::tempdir().unwrap();
+    let nobody = tempfile::tempdir().unwrap();
+    let (mut child, _) = start_agent(host.path(), &["--simulate", "a10g-1", "run"]);
+    for args in [&["status"][..], &["status", "-o", "json"]] {
+        // The agent's host root, by argument and by environment.
+        let (code, out, err) = run(at(host.path()).args(args));
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        assert!(out.contains("from the running agent"), "{out}");
+        let (code, out, err) = run(bin().env("GPU_AGENT_HOST_ROOT", host.path()).args(args));
+        assert_eq!(code, 0, "GPU_AGENT_HOST_ROOT, {args:?}: {out}{err}");
+        assert!(out.contains("from the running agent"), "{out}");
+        // Another host root: no agent there, an inspection, exit 3.
+        let (code, out, err) = run(bin()
+            .env("GPU_AGENT_HOST_ROOT", nobody.path())
+            .args(["--simulate", "a10g-1"])
+            .args(args));
+        assert_eq!(code, NOT_RUNNING, "{args:?}: {out}{err}");
+        assert!(out.contains("no running agent"), "{out}");
+        assert!(out.contains("inspecting the host"), "{out}");
+    }
+    assert_eq!(sigterm(&mut child), Some(0));
+    // Stopped: what it last said is not shown as the running agent's.
+    let (code, out, err) = run(at(host.path()).args(["--simulate", "a10g-1", "status"]));
+    assert_eq!(code, NOT_RUNNING, "{out}{err}");
+    assert!(
+        out.contains("stopped") && out.contains("inspecting the host"),
+        "{out}"
+    );
+    // `status --ready` keeps its own codes: 1, not ready.
+    let (code, out, _) = run(at(host.path()).args(["status", "--ready"]));
+    assert_eq!(code, 1, "{out}");
 }
 
 /// Under systemd, stderr is the journal stream named by JOURNAL_STREAM
@@ -832,7 +876,7 @@ fn cdi_names_on_a_runtime_without_cdi_are_warned_about() {
         .args(["--simulate", "h100-sxm-8", "--policy"])
         .arg(&policy)
         .args(["status", "-o", "json"]));
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     let st = json(&out);
     let plugin = st["stages"]
         .as_array()

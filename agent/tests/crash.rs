@@ -767,7 +767,10 @@ impl MigApply {
         w.mig_state = w._dirs[1].path().join("mig.json");
         // The layout as the agent sees it through NVML after a whole run.
         succeed(&mut w.command(&())).unwrap();
-        let st = json(&succeed(w.agent().args(["status", "-o", "json"])).unwrap());
+        // No agent runs: `status` inspects the host (exit 3).
+        let (code, out, err) = run(w.agent().args(["status", "-o", "json"]));
+        assert_eq!(code, 3, "{err}");
+        let st = json(&out);
         for g in st["inventory"]["gpus"].as_array().unwrap() {
             let profiles: Vec<&str> = g["mig_devices"]
                 .as_array()

@@ -22,6 +22,10 @@ use std::time::{Duration, Instant};
 
 use common::{at, fake_nvml, json, repo, run, stage};
 
+/// `status`'s exit code when no running agent answered (it inspected the
+/// host instead).
+const NOT_RUNNING: i32 = 3;
+
 const HOST: &str = "h100-pcie-vm";
 const UUID: &str = "GPU-737e5539-645b-5e0c-7b3f-7fedac348dc4";
 /// The host's driver, as everything agreed on it.
@@ -389,7 +393,7 @@ fn every_stage_is_done_and_a_second_start_rewrites_nothing() {
     // The driver's nodes were right: none replaced, none made.
     assert!(!err.contains("replaced"), "{err}");
     let (code, out, err2) = run(agent(dir.path(), &lib, &pol).args(["status", "-o", "json"]));
-    assert_eq!(code, 0, "{err2}");
+    assert_eq!(code, NOT_RUNNING, "{err2}");
     let st = json(&out);
     for (name, want) in [
         ("discover", "done"),
@@ -498,7 +502,7 @@ fn a_kernel_without_proc_modules_is_a_fact_and_the_agent_is_ready() {
     assert_eq!(inv["gpus"][0]["uuid"], UUID);
     assert_eq!(inv["unreadable"], serde_json::Value::Null, "{inv:#}");
     let (code, out, _) = run(agent(dir.path(), &lib, &pol).args(["status", "-o", "json"]));
-    assert_eq!(code, 0);
+    assert_eq!(code, NOT_RUNNING);
     let st = json(&out);
     assert_eq!(stage(&st, "discover")["state"], "done", "{st:#}");
     assert_eq!(stage(&st, "driver")["state"], "done", "{st:#}");
@@ -538,7 +542,7 @@ fn an_unreadable_host_file_is_named_and_the_rest_goes_on() {
     .unwrap();
     let pol = policy_file(dir.path(), DRIVER_POLICY);
     let (code, out, err) = run(agent(dir.path(), &lib, &pol).args(["status", "-o", "json"]));
-    assert_eq!(code, 0, "{err}");
+    assert_eq!(code, NOT_RUNNING, "{err}");
     let st = json(&out);
     let d = stage(&st, "discover");
     assert_eq!(d["state"], "done", "{st:#}");

@@ -13,6 +13,7 @@ pub mod mig_label;
 pub mod node;
 pub mod page;
 pub mod server;
+pub mod uninstall;
 pub mod upgrade;
 pub mod writer;
 

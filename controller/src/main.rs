@@ -73,6 +73,38 @@ struct Cli {
         default_value_t = 1800
     )]
     upgrade_validation_timeout_seconds: u64,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Command {
+    /// Leave every node that has a gpu-agent as it was before gpu-agent:
+    /// make a held uninstall pod for each, delete the agents' DaemonSet,
+    /// wait for its pods to stop, let the uninstall pods run `gpu-agent
+    /// uninstall`, and wait for them (the chart's pre-delete hook). Exits 1
+    /// naming each node not uninstalled; run again, it goes on from there.
+    UninstallAgents {
+        /// The agents' namespace.
+        #[arg(long, env = "POD_NAMESPACE")]
+        namespace: String,
+        /// The agents' DaemonSet.
+        #[arg(long, default_value = "gpu-agent")]
+        daemonset: String,
+        /// The agents' pods (a label selector, `k=v,k=v`).
+        #[arg(
+            long,
+            default_value = "app.kubernetes.io/name=gpu-agent,app.kubernetes.io/component=agent"
+        )]
+        agent_selector: String,
+        /// The uninstall pod (JSON): its labels find the uninstall pods
+        /// again, its name prefixes theirs.
+        #[arg(long, value_name = "FILE")]
+        pod_template: PathBuf,
+        /// Seconds the whole run may take.
+        #[arg(long, default_value_t = 240)]
+        timeout_seconds: u64,
+    },
 }
 
 /// An address, or `off`.
@@ -115,6 +147,29 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(Command::UninstallAgents {
+        namespace,
+        daemonset,
+        agent_selector,
+        pod_template,
+        timeout_seconds,
+    }) = cli.command
+    {
+        return rt.block_on(uninstall_agents(gpu_controller::uninstall::Options {
+            namespace,
+            daemonset,
+            agent_selector,
+            pod_template: match read_pod(&pod_template) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("error: {}: {e}", pod_template.display());
+                    return ExitCode::from(2);
+                }
+            },
+            timeout: Duration::from_secs(timeout_seconds),
+            poll: Duration::from_secs(1),
+        }));
+    }
     let opts = gpu_controller::Options {
         listen: cli.listen,
         tls_cert: cli.tls_cert,
@@ -139,6 +194,35 @@ fn main() -> ExitCode {
     };
     match rt.block_on(gpu_controller::run(opts)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", gpu_controller::error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn read_pod(path: &std::path::Path) -> Result<k8s_openapi::api::core::v1::Pod, String> {
+    let text = std::fs::read(path).map_err(|e| e.to_string())?;
+    serde_json::from_slice(&text).map_err(|e| format!("not a Pod (JSON): {e}"))
+}
+
+async fn uninstall_agents(opts: gpu_controller::uninstall::Options) -> ExitCode {
+    let client = match kube::Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!(
+                "error: no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {}",
+                gpu_controller::error_chain(&e)
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut say = |line: String| println!("{line}");
+    match gpu_controller::uninstall::run(client, &opts, &mut say).await {
+        Ok(nodes) => {
+            println!("gpu-agent uninstalled from {} node(s)", nodes.len());
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {}", gpu_controller::error_chain(&e));
             ExitCode::FAILURE

@@ -270,6 +270,45 @@ fn args(c: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The container's environment variables that have a plain value.
+fn env_values(c: &Value) -> BTreeMap<String, String> {
+    c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            Some((
+                e["name"].as_str()?.to_string(),
+                e["value"].as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// The container's plain environment with its paths moved into a test's
+/// directories: `/host…` under `host`, any other absolute path under
+/// `container` (the container's own files).
+fn env_in(c: &Value, host: &Path, container: &Path) -> BTreeMap<String, String> {
+    env_values(c)
+        .into_iter()
+        .map(|(k, v)| {
+            let moved = if v == "/host" || v.starts_with("/host/") {
+                host.join(v["/host".len()..].trim_start_matches('/'))
+                    .display()
+                    .to_string()
+            } else if v.starts_with('/') {
+                container
+                    .join(v.trim_start_matches('/'))
+                    .display()
+                    .to_string()
+            } else {
+                v
+            };
+            (k, moved)
+        })
+        .collect()
+}
+
 /// The value of `--flag=VALUE` in `args`.
 fn flag(args: &[String], flag: &str) -> Option<String> {
     args.iter()
@@ -439,6 +478,7 @@ fn every_rendered_object_is_what_an_api_server_takes() {
             "CustomResourceDefinition",
             "DaemonSet",
             "Deployment",
+            "Pod",
             "PodDisruptionBudget",
             "Role",
             "RoleBinding",
@@ -507,7 +547,11 @@ fn the_agent_daemonset_is_privileged_with_the_host_at_slash_host() {
     assert_eq!(host["mountPropagation"], "HostToContainer");
     assert_eq!(volume(ds, "host-root")["hostPath"]["path"], "/");
     let a = args(c);
-    assert_eq!(flag(&a, "--host-root").as_deref(), Some("/host"));
+    // The host root is the container's environment (`kubectl exec` runs
+    // get it too), not an argument of `run`.
+    let env = env_values(c);
+    assert_eq!(env["GPU_AGENT_HOST_ROOT"], "/host");
+    assert_eq!(flag(&a, "--host-root"), None);
     assert_eq!(c["command"], json!(["/usr/bin/gpu-agent"]));
     // The kubelet's directories where the agent looks under /host.
     for (vol, dir) in [
@@ -526,12 +570,7 @@ fn the_agent_daemonset_is_privileged_with_the_host_at_slash_host() {
     // Readiness is the agent's validation.
     assert_eq!(
         c["readinessProbe"]["exec"]["command"],
-        json!([
-            "/usr/bin/gpu-agent",
-            "--host-root=/host",
-            "status",
-            "--ready"
-        ])
+        json!(["/usr/bin/gpu-agent", "status", "--ready"])
     );
     // One node at a time, never two agents on one node.
     let us = &ds["spec"]["updateStrategy"];
@@ -547,12 +586,10 @@ fn the_agent_daemonset_is_privileged_with_the_host_at_slash_host() {
     // The policy is the ConfigMap, mounted whole (its updates reach the agent).
     let pm = mount(c, "policy");
     assert!(pm.get("subPath").is_none());
+    assert_eq!(flag(&a, "--policy"), None);
     assert_eq!(
-        flag(&a, "--policy").as_deref(),
-        Some(&*format!(
-            "{}/policy.yaml",
-            pm["mountPath"].as_str().unwrap()
-        ))
+        env["GPU_AGENT_POLICY"],
+        format!("{}/policy.yaml", pm["mountPath"].as_str().unwrap())
     );
     assert_eq!(
         volume(ds, "policy")["configMap"]["name"],
@@ -934,15 +971,49 @@ fn the_cluster_policy_crd_is_one_file_shipped_by_both() {
         ),
         &crd
     );
-    // The chart's crds/ entry is the file itself, not a copy.
-    let link = chart().join("crds/nvidia.com_clusterpolicies.yaml");
+    // The chart ships the file itself (a link makes Helm say "found
+    // symbolic link in path" on every render, and a packaged chart needs
+    // the real file), the same bytes as packaging/crds/.
+    let in_chart = chart().join("crds/nvidia.com_clusterpolicies.yaml");
     assert!(
-        std::fs::symlink_metadata(&link)
+        std::fs::symlink_metadata(&in_chart)
             .unwrap()
             .file_type()
-            .is_symlink(),
-        "{} is a link to packaging/crds",
-        link.display()
+            .is_file(),
+        "{} is a plain file, not a link",
+        in_chart.display()
+    );
+    assert!(
+        std::fs::read(&in_chart).unwrap()
+            == std::fs::read(repo().join("packaging/crds/nvidia.com_clusterpolicies.yaml"))
+                .unwrap(),
+        "{} and packaging/crds/nvidia.com_clusterpolicies.yaml differ: copy one over the other",
+        in_chart.display()
+    );
+    // No other file in either directory that the other lacks.
+    let names = |d: PathBuf| -> BTreeSet<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "kustomization.yaml")
+            .collect()
+    };
+    assert_eq!(
+        names(chart().join("crds")),
+        names(repo().join("packaging/crds"))
+    );
+    // `helm template --include-crds` says nothing but the objects.
+    let out = Command::new(helm())
+        .args(["template", RELEASE])
+        .arg(chart())
+        .args(["--namespace", NS, "--include-crds"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "",
+        "helm template --include-crds prints nothing on stderr"
     );
 }
 
@@ -989,7 +1060,14 @@ fn by_id(objs: &[Value]) -> BTreeMap<String, Value> {
 }
 
 fn assert_same(chart: &[Value], kustomized: &[Value], what: &str) {
-    let (h, mut k) = (by_id(chart), by_id(kustomized));
+    // The uninstall hook's objects are Helm's to run (`helm uninstall`);
+    // packaging/kustomize/uninstall has them for kustomize.
+    let chart: Vec<Value> = chart
+        .iter()
+        .filter(|o| !o["metadata"]["annotations"]["helm.sh/hook"].is_string())
+        .cloned()
+        .collect();
+    let (h, mut k) = (by_id(&chart), by_id(kustomized));
     // The base makes the namespace (with its Pod Security labels); Helm's is
     // made by `--create-namespace` or by you.
     let ns = k
@@ -1593,15 +1671,12 @@ fn the_readiness_probe_is_a_command_gpu_agent_takes() {
         "the probe runs the container's gpu-agent"
     );
     let host = tempfile::tempdir().unwrap();
-    let probe_args: Vec<String> = argv[1..]
-        .iter()
-        .map(|a| match a.strip_prefix("--host-root=") {
-            Some(_) => format!("--host-root={}", host.path().display()),
-            None => a.clone(),
-        })
-        .collect();
+    let container = tempfile::tempdir().unwrap();
+    let probe_args = &argv[1..];
     let out = Command::new(common::agent_bin())
-        .args(&probe_args)
+        .args(probe_args)
+        .env_clear()
+        .envs(env_in(c, host.path(), container.path()))
         .output()
         .unwrap();
     let said = format!(
@@ -1618,4 +1693,564 @@ fn the_readiness_probe_is_a_command_gpu_agent_takes() {
         !said.trim().is_empty(),
         "the probe says why it is not ready"
     );
+}
+
+/// `kubectl exec ds/gpu-agent -- gpu-agent status` runs with the
+/// container's environment and none of `run`'s arguments: it must look at
+/// the host the running agent manages (the host root is in the
+/// environment) and find that agent, exit 0. Here the container's
+/// command and arguments run the agent over a temp host root (its paths
+/// moved there, the GPUs simulated), and a bare `gpu-agent status` with
+/// the same environment answers from it.
+#[test]
+fn kubectl_exec_status_sees_the_running_agent() {
+    let objs = render(&["--set", "controller.enabled=false"]);
+    let c = container(daemonset(&objs), "gpu-agent");
+    assert_eq!(
+        env_values(c).get("GPU_AGENT_HOST_ROOT").map(String::as_str),
+        mount(c, "host-root")["mountPath"].as_str(),
+        "the container's environment names where the host's / is mounted"
+    );
+    let host = tempfile::tempdir().unwrap();
+    let container_root = tempfile::tempdir().unwrap();
+    let env = env_in(c, host.path(), container_root.path());
+    // The agent's policy where the container has it; a sandbox has no
+    // container runtime to configure or service manager to reload.
+    let policy = Path::new(&env["GPU_AGENT_POLICY"]);
+    std::fs::create_dir_all(policy.parent().unwrap()).unwrap();
+    std::fs::write(policy, "spec:\n  toolkit:\n    enabled: false\n").unwrap();
+    std::fs::create_dir_all(host.path().join("var/lib")).unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let log = container_root.path().join("agent.log");
+    let mut agent = Proc {
+        child: Command::new(common::agent_bin())
+            .args(args(c))
+            .env_clear()
+            .envs(&env)
+            .env("PATH", &path)
+            .env("GPU_AGENT_SIMULATE", "a10g-1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    let status = || {
+        Command::new(common::agent_bin())
+            .arg("status")
+            .env_clear()
+            .envs(&env)
+            .env("PATH", &path)
+            .env("GPU_AGENT_SIMULATE", "a10g-1")
+            .output()
+            .unwrap()
+    };
+    let mut last = String::new();
+    wait_for(
+        "`gpu-agent status` (the container's environment only) to answer from the running agent",
+        Duration::from_secs(30),
+        &[&agent],
+        || {
+            let out = status();
+            last = format!(
+                "exit {:?}\n{}{}",
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out.status.code() == Some(0)
+                && String::from_utf8_lossy(&out.stdout).contains("from the running agent")
+        },
+    );
+    assert!(last.contains("from the running agent"), "{last}");
+    agent.term();
+    // With the agent stopped, the same command says so and exits 3.
+    let out = status();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("stopped"));
+}
+
+// ---------------------------------------------------------------------------
+// helm uninstall: the pre-delete hook leaves every node as it was
+// ---------------------------------------------------------------------------
+
+/// The hook objects of a render (those with a `helm.sh/hook` annotation).
+fn hooks(objs: &[Value]) -> Vec<&Value> {
+    objs.iter()
+        .filter(|o| o["metadata"]["annotations"]["helm.sh/hook"].is_string())
+        .collect()
+}
+
+/// Every entry under `root`: kind, mode, and bytes (sha256) or link target.
+fn host_tree(root: &Path) -> BTreeMap<String, String> {
+    use sha2::Digest;
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = BTreeMap::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            let rel = p.strip_prefix(root).unwrap().display().to_string();
+            let mode = m.permissions().mode() & 0o7777;
+            let what = if m.file_type().is_symlink() {
+                format!("link {}", std::fs::read_link(&p).unwrap().display())
+            } else if m.is_dir() {
+                todo.push(p.clone());
+                format!("dir {mode:o}")
+            } else if m.is_file() {
+                let sha = sha2::Sha256::digest(std::fs::read(&p).unwrap());
+                let hex: String = sha.iter().map(|b| format!("{b:02x}")).collect();
+                format!("file {mode:o} {hex}")
+            } else {
+                format!("other {mode:o}")
+            };
+            out.insert(rel, what);
+        }
+    }
+    out
+}
+
+/// The one stage entry of a `status -o json`.
+fn stage_ok(st: &Value, name: &str) -> bool {
+    st["stages"].as_array().is_some_and(|a| {
+        a.iter()
+            .any(|s| s["stage"] == name && s["validation"]["ok"] == true)
+    })
+}
+
+/// One node of the scene: a host root on which the real agent runs.
+struct FakeNode {
+    name: String,
+    host: tempfile::TempDir,
+    before: BTreeMap<String, String>,
+    agent: Option<Proc>,
+}
+
+/// A node like the agent's: the real agent over `host`, with the GPUs
+/// simulated and the container runtime left alone (no runtime in a sandbox).
+fn agent_env(cmd: &mut Command, host: &Path, policy: &Path) {
+    cmd.env("GPU_AGENT_HOST_ROOT", host)
+        .env("GPU_AGENT_POLICY", policy)
+        .env("GPU_AGENT_SIMULATE", "a10g-1")
+        .env("DCGM_EXPORTER_LISTEN", "127.0.0.1:0");
+}
+
+/// `helm uninstall`'s pre-delete hook, end to end: the chart's hook Pod
+/// (gpu-controller uninstall-agents with its rendered arguments and pod
+/// template) against a scripted API server in which a stand-in kubelet and
+/// DaemonSet controller act: deleting the DaemonSet stops the real agents
+/// (SIGTERM) and removes their pods; an uninstall pod whose gate is lifted
+/// runs its rendered command, the real `gpu-agent uninstall`, over its
+/// node's host root. Every node is left as it was before the agent ran,
+/// to the byte; a node whose uninstall fails fails the hook, naming it and
+/// its pod's log, and a second run finishes it. Every request the hook
+/// makes is allowed by the hook's Role, and every verb the Role grants is
+/// used.
+#[test]
+fn helm_uninstall_leaves_every_node_as_it_was() {
+    let objs = render(&[]);
+    let hook = hooks(&objs);
+    let kinds_of: BTreeSet<String> = hook
+        .iter()
+        .map(|o| o["kind"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        kinds_of,
+        ["ConfigMap", "Pod", "Role", "RoleBinding", "ServiceAccount"]
+            .map(String::from)
+            .into()
+    );
+    let weight = |o: &Value| -> i64 {
+        o["metadata"]["annotations"]["helm.sh/hook-weight"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let job = find(&objs, "Pod", "gpu-agent-uninstall");
+    for o in &hook {
+        assert_eq!(o["metadata"]["annotations"]["helm.sh/hook"], "pre-delete");
+        assert_eq!(
+            o["metadata"]["annotations"]["helm.sh/hook-delete-policy"],
+            "before-hook-creation,hook-succeeded"
+        );
+        if o["kind"] != "Pod" {
+            assert!(
+                weight(o) < weight(job),
+                "{} before the hook's Pod",
+                o["kind"]
+            );
+        }
+    }
+    // The pod template is a Pod an API server takes.
+    let template: Value = serde_json::from_str(
+        find(&objs, "ConfigMap", "gpu-agent-uninstall")["data"]["pod.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(check_objects(std::slice::from_ref(&template), "the uninstall pod").is_empty());
+    // It is not one of the agents' (the DaemonSet would adopt it).
+    let ds = daemonset(&objs);
+    for (k, v) in ds["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert!(template["metadata"]["labels"][k] != *v, "label {k}");
+    }
+    let uc = &template["spec"]["containers"][0];
+    assert_eq!(uc["command"], json!(["/usr/bin/gpu-agent", "uninstall"]));
+    assert_eq!(uc["image"], container(ds, "gpu-agent")["image"]);
+    // The same host paths as the agent, where the agent has them.
+    for vol in [
+        "host-root",
+        "kubelet-device-plugins",
+        "kubelet-pod-resources",
+    ] {
+        let tv = template["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == vol)
+            .unwrap();
+        assert_eq!(tv["hostPath"], volume(ds, vol)["hostPath"], "{vol}");
+        assert_eq!(
+            mount(uc, vol)["mountPath"],
+            mount(container(ds, "gpu-agent"), vol)["mountPath"]
+        );
+    }
+    assert_eq!(env_values(uc)["GPU_AGENT_HOST_ROOT"], "/host");
+
+    // The scene: three nodes with a running agent each.
+    let work = tempfile::tempdir().unwrap();
+    let policy = work.path().join("policy.yaml");
+    std::fs::write(&policy, "spec:\n  toolkit:\n    enabled: false\n").unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.add_daemonset(NS, "gpu-agent");
+    let agent_labels = ds["spec"]["template"]["metadata"]["labels"].clone();
+    let mut nodes = Vec::new();
+    for name in ["gpu-a", "gpu-b", "gpu-c"] {
+        // What every Linux host has (/run is not the agent's to remove).
+        let host = tempfile::tempdir().unwrap();
+        for d in ["etc", "run", "var/lib"] {
+            std::fs::create_dir_all(host.path().join(d)).unwrap();
+        }
+        let before = host_tree(host.path());
+        let log = work.path().join(format!("{name}.log"));
+        let mut cmd = Command::new(common::agent_bin());
+        cmd.arg("run")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        agent_env(&mut cmd, host.path(), &policy);
+        let agent = Proc {
+            child: cmd.spawn().unwrap(),
+            log,
+        };
+        api.add_pod(
+            NS,
+            &format!("gpu-agent-{name}"),
+            json!({"metadata": {"labels": agent_labels.clone()},
+                   "spec": {"nodeName": name, "containers": [{"name": "gpu-agent", "image": "x"}]},
+                   "status": {"phase": "Running"}}),
+        );
+        nodes.push(FakeNode {
+            name: name.into(),
+            host,
+            before,
+            agent: Some(agent),
+        });
+    }
+    // Someone else's pod in the namespace, which the hook leaves alone.
+    api.add_pod(
+        NS,
+        "gpu-controller-0",
+        json!({"metadata": {"labels": {"app.kubernetes.io/name": "gpu-controller"}},
+               "spec": {"nodeName": "cpu-1"}, "status": {"phase": "Running"}}),
+    );
+    for n in &nodes {
+        let agent = n.agent.as_ref().unwrap();
+        wait_for(
+            &format!("the agent on {} to validate", n.name),
+            Duration::from_secs(30),
+            &[agent],
+            || {
+                let mut cmd = Command::new(common::agent_bin());
+                cmd.args(["status", "-o", "json"]);
+                agent_env(&mut cmd, n.host.path(), &policy);
+                let out = cmd.output().unwrap();
+                serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|st| {
+                    st["source"] == "running-agent"
+                        && stage_ok(&st, "cdi")
+                        && stage_ok(&st, "labels")
+                })
+            },
+        );
+        // What the issue found left behind, there now.
+        for p in [
+            "etc/kubernetes/node-feature-discovery/features.d/gfd",
+            "var/run/cdi/gpu-agent-nvidia.com-gpu.json",
+            "var/lib/gpu-agent",
+            "run/gpu-agent/state.json",
+            "run/nvidia/validations/driver-ready",
+        ] {
+            assert!(n.host.path().join(p).exists(), "{}: {p}", n.name);
+        }
+    }
+
+    // The stand-in kubelet and DaemonSet controller.
+    let nodes = std::sync::Arc::new(std::sync::Mutex::new(nodes));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let violations = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    // gpu-b's first uninstall pod fails (as one whose host refused it).
+    let fail_once =
+        std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::from(["gpu-b".to_string()])));
+    let kubelet = {
+        let (api, nodes, stop, violations, fail_once, policy) = (
+            api.clone(),
+            nodes.clone(),
+            stop.clone(),
+            violations.clone(),
+            fail_once.clone(),
+            policy.clone(),
+        );
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let gone = api.daemonsets().is_empty();
+                let pods = api.pod_objects();
+                let agents_left = pods
+                    .iter()
+                    .filter(|p| p["metadata"]["labels"]["app.kubernetes.io/component"] == "agent")
+                    .count();
+                for p in &pods {
+                    let labels = &p["metadata"]["labels"];
+                    let pod = p["metadata"]["name"].as_str().unwrap().to_string();
+                    if labels["app.kubernetes.io/component"] == "agent" && gone {
+                        // The DaemonSet's garbage: SIGTERM, then gone.
+                        let node = p["spec"]["nodeName"].as_str().unwrap();
+                        let mut ns = nodes.lock().unwrap();
+                        let n = ns.iter_mut().find(|n| n.name == node).unwrap();
+                        if let Some(mut a) = n.agent.take() {
+                            a.term();
+                        }
+                        api.remove_pod(NS, &pod);
+                    }
+                    if labels["app.kubernetes.io/component"] != "node-uninstall"
+                        || p["status"]["phase"] != "Pending"
+                        || p["spec"]["schedulingGates"].is_array()
+                    {
+                        continue;
+                    }
+                    // The scheduler: the node its affinity names.
+                    let node = p["spec"]["affinity"]["nodeAffinity"]
+                        ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+                        [0]["matchFields"][0]["values"][0]
+                        .as_str()
+                        .unwrap()
+                        .to_string();
+                    if agents_left > 0 {
+                        violations.lock().unwrap().push(format!(
+                            "{pod} let run on {node} while {agents_left} agent pod(s) were left"
+                        ));
+                    }
+                    if fail_once.lock().unwrap().remove(&node) {
+                        api.set_pod_phase(NS, &pod, "Failed");
+                        continue;
+                    }
+                    // The kubelet runs the container as rendered.
+                    let c = &p["spec"]["containers"][0];
+                    let argv: Vec<String> = c["command"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .chain(c["args"].as_array().into_iter().flatten())
+                        .map(|a| a.as_str().unwrap().to_string())
+                        .collect();
+                    assert_eq!(argv[0], "/usr/bin/gpu-agent");
+                    let host = {
+                        let ns = nodes.lock().unwrap();
+                        ns.iter()
+                            .find(|n| n.name == node)
+                            .unwrap()
+                            .host
+                            .path()
+                            .to_path_buf()
+                    };
+                    let ctr = tempfile::tempdir().unwrap();
+                    let out = Command::new(common::agent_bin())
+                        .args(&argv[1..])
+                        .env_clear()
+                        .envs(env_in(c, &host, ctr.path()))
+                        .env("GPU_AGENT_SIMULATE", "a10g-1")
+                        .env("GPU_AGENT_POLICY", &policy)
+                        .output()
+                        .unwrap();
+                    if !out.status.success() {
+                        violations.lock().unwrap().push(format!(
+                            "{pod} on {node}: {}{}",
+                            String::from_utf8_lossy(&out.stdout),
+                            String::from_utf8_lossy(&out.stderr)
+                        ));
+                    }
+                    api.set_pod_phase(
+                        NS,
+                        &pod,
+                        if out.status.success() {
+                            "Succeeded"
+                        } else {
+                            "Failed"
+                        },
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+
+    // The hook's container, as rendered, with its pod template where the
+    // ConfigMap is mounted.
+    let jc = &job["spec"]["containers"][0];
+    assert_eq!(jc["name"], "uninstall-agents");
+    let mounted = mount(jc, "pod-template")["mountPath"].as_str().unwrap();
+    let template_file = work.path().join("pod.json");
+    std::fs::write(
+        &template_file,
+        find(&objs, "ConfigMap", "gpu-agent-uninstall")["data"]["pod.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let job_args: Vec<String> = args(jc)
+        .into_iter()
+        .map(|a| {
+            a.replace(
+                &format!("{mounted}/pod.json"),
+                template_file.to_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        jc["command"],
+        json!(["/usr/bin/gpu-controller", "uninstall-agents"])
+    );
+    let kubeconfig = api.kubeconfig(work.path());
+    let hook_run = || {
+        Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .arg("uninstall-agents")
+            .args(&job_args)
+            .env("KUBECONFIG", &kubeconfig)
+            .output()
+            .unwrap()
+    };
+    let said = |o: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+
+    // First run: gpu-b's uninstall fails; the hook fails naming it.
+    let first = hook_run();
+    assert_eq!(first.status.code(), Some(1), "{}", said(&first));
+    let err = String::from_utf8_lossy(&first.stderr);
+    assert!(
+        err.contains(
+            "not uninstalled on gpu-b (kubectl -n gpu-agent logs gpu-agent-uninstall-node-"
+        ),
+        "{}",
+        said(&first)
+    );
+    assert!(
+        !err.contains("gpu-a (") && !err.contains("gpu-c ("),
+        "{err}"
+    );
+    assert!(api.daemonsets().is_empty(), "the DaemonSet is deleted");
+    // Second run (`helm uninstall` again): goes on from there.
+    let second = hook_run();
+    assert_eq!(second.status.code(), Some(0), "{}", said(&second));
+    let out = String::from_utf8_lossy(&second.stdout);
+    assert!(
+        out.contains("gpu-b: an earlier uninstall failed; trying again"),
+        "{out}"
+    );
+    for n in ["gpu-a", "gpu-b", "gpu-c"] {
+        assert!(out.contains(&format!("{n}: uninstalled")), "{out}");
+    }
+    assert!(
+        out.contains("gpu-agent uninstalled from 3 node(s)"),
+        "{out}"
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    kubelet.join().unwrap();
+    let v = violations.lock().unwrap();
+    assert!(v.is_empty(), "{v:#?}");
+    // Only the other pod is left; every node is as it was.
+    assert_eq!(api.pods(), vec![format!("{NS}/gpu-controller-0")]);
+    for n in nodes.lock().unwrap().iter() {
+        let after = host_tree(n.host.path());
+        let diff: Vec<String> = n
+            .before
+            .iter()
+            .filter(|(k, v)| after.get(*k) != Some(*v))
+            .map(|(k, v)| format!("changed or gone: {k} ({v})"))
+            .chain(
+                after
+                    .iter()
+                    .filter(|(k, _)| !n.before.contains_key(*k))
+                    .map(|(k, v)| format!("left: {k} ({v})")),
+            )
+            .collect();
+        assert!(diff.is_empty(), "{}:\n{}", n.name, diff.join("\n"));
+    }
+
+    // Every request the hook made is allowed by its Role, and every verb
+    // the Role grants was used.
+    let account = job["spec"]["serviceAccountName"].as_str().unwrap();
+    let granted = grants(&objs, NS, account);
+    assert!(!granted.is_empty());
+    let mut used = BTreeSet::new();
+    for r in api.requests() {
+        let a = attributes(&r.method, &r.uri);
+        let by: Vec<usize> = (0..granted.len())
+            .filter(|i| allows(&granted[*i], &a))
+            .collect();
+        assert!(
+            !by.is_empty(),
+            "{} {} ({a:?}) is not allowed by the hook's Role",
+            r.method,
+            r.uri
+        );
+        for i in by {
+            used.insert((i, a.resource.clone(), a.verb.clone()));
+        }
+    }
+    for (i, g) in granted.iter().enumerate() {
+        for res in g.rule["resources"].as_array().unwrap() {
+            for verb in g.rule["verbs"].as_array().unwrap() {
+                assert!(
+                    used.contains(&(
+                        i,
+                        res.as_str().unwrap().to_string(),
+                        verb.as_str().unwrap().to_string()
+                    )),
+                    "{}: {verb} {res} granted but never used",
+                    g.role
+                );
+            }
+        }
+    }
+}
+
+/// `uninstall.enabled: false`: no hook; the agents go with the rest and
+/// what they did stays on the nodes.
+#[test]
+fn the_uninstall_hook_can_be_turned_off() {
+    let objs = render(&["--set", "uninstall.enabled=false"]);
+    assert!(hooks(&objs).is_empty());
+    let e = helm_template(&["--set", "uninstall.timeoutSeconds=1"]).unwrap_err();
+    assert!(e.contains("timeoutSeconds"), "{e}");
 }

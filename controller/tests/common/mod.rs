@@ -64,6 +64,10 @@ struct Inner {
     cp_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
     /// Pods by `namespace/name`.
     pods: BTreeMap<String, Value>,
+    /// DaemonSets that exist, as `namespace/name`.
+    daemonsets: BTreeSet<String>,
+    /// Names made from a `generateName` so far.
+    generated: u64,
     /// Evictions to refuse with 429 (a disruption budget), per pod.
     pdb_refusals: BTreeMap<String, u32>,
 }
@@ -210,6 +214,42 @@ impl MockApi {
     /// The pods left, as `namespace/name`.
     pub fn pods(&self) -> Vec<String> {
         self.inner.lock().unwrap().pods.keys().cloned().collect()
+    }
+
+    /// Every pod, whole.
+    pub fn pod_objects(&self) -> Vec<Value> {
+        self.inner.lock().unwrap().pods.values().cloned().collect()
+    }
+
+    /// A pod's `status.phase` changes (as its kubelet reports).
+    pub fn set_pod_phase(&self, namespace: &str, name: &str, phase: &str) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let v = i.version.to_string();
+        if let Some(p) = i.pods.get_mut(&format!("{namespace}/{name}")) {
+            p["status"]["phase"] = json!(phase);
+            p["metadata"]["resourceVersion"] = json!(v);
+        }
+    }
+
+    /// A DaemonSet that exists (only its name: deleting it is what is served).
+    pub fn add_daemonset(&self, namespace: &str, name: &str) {
+        self.inner
+            .lock()
+            .unwrap()
+            .daemonsets
+            .insert(format!("{namespace}/{name}"));
+    }
+
+    /// The DaemonSets left, as `namespace/name`.
+    pub fn daemonsets(&self) -> Vec<String> {
+        self.inner
+            .lock()
+            .unwrap()
+            .daemonsets
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// The next `n` evictions of the pod are refused as a disruption
@@ -485,6 +525,132 @@ impl MockApi {
             };
             return json_reply(code, &answer);
         }
+        if let Some(rest) = path.strip_prefix("/api/v1/namespaces/")
+            && let Some((ns, rest)) = rest.split_once("/pods")
+            && (rest.is_empty() || (rest.starts_with('/') && !rest[1..].contains('/')))
+        {
+            // One namespace's pods: list (by labels), create (generateName
+            // too), merge-patch, delete.
+            let status = |code: u16, reason: &str, message: String| json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": code, "reason": reason, "message": message});
+            let name = rest.trim_start_matches('/');
+            let key = format!("{ns}/{name}");
+            let (code, answer) = match (method.as_str(), name.is_empty()) {
+                ("GET", true) => {
+                    let sel = query
+                        .get("labelSelector")
+                        .map(|s| {
+                            s.replace("%3D", "=")
+                                .replace("%2F", "/")
+                                .replace("%2C", ",")
+                        })
+                        .unwrap_or_default();
+                    let items: Vec<Value> = i
+                        .pods
+                        .iter()
+                        .filter(|(k, _)| k.starts_with(&format!("{ns}/")))
+                        .map(|(_, p)| p)
+                        .filter(|p| {
+                            sel.split(',').filter(|t| !t.is_empty()).all(|t| {
+                                match t.split_once('=') {
+                                    Some((k, v)) => p["metadata"]["labels"][k] == v,
+                                    None => p["metadata"]["labels"].get(t).is_some(),
+                                }
+                            })
+                        })
+                        .cloned()
+                        .collect();
+                    (
+                        200,
+                        json!({"apiVersion": "v1", "kind": "PodList",
+                               "metadata": {"resourceVersion": i.version.to_string()}, "items": items}),
+                    )
+                }
+                ("POST", true) => {
+                    let mut pod = body.clone();
+                    let name = match pod["metadata"]["name"].as_str() {
+                        Some(n) => n.to_string(),
+                        None => {
+                            i.generated += 1;
+                            format!(
+                                "{}{:05x}",
+                                pod["metadata"]["generateName"].as_str().unwrap_or("pod-"),
+                                i.generated
+                            )
+                        }
+                    };
+                    let key = format!("{ns}/{name}");
+                    if i.pods.contains_key(&key) {
+                        (
+                            409,
+                            status(
+                                409,
+                                "AlreadyExists",
+                                format!("pods {name:?} already exists"),
+                            ),
+                        )
+                    } else {
+                        i.version += 1;
+                        pod["metadata"]["name"] = json!(name);
+                        pod["metadata"]["namespace"] = json!(ns);
+                        pod["metadata"]["uid"] = json!(format!("uid-{}", i.version));
+                        pod["metadata"]["resourceVersion"] = json!(i.version.to_string());
+                        pod["status"] = json!({"phase": "Pending"});
+                        i.pods.insert(key, pod.clone());
+                        (201, pod)
+                    }
+                }
+                ("PATCH", false) if content_type == "application/merge-patch+json" => {
+                    if !i.pods.contains_key(&key) {
+                        (
+                            404,
+                            status(404, "NotFound", format!("pods {name:?} not found")),
+                        )
+                    } else {
+                        i.version += 1;
+                        let v = i.version.to_string();
+                        let p = i.pods.get_mut(&key).unwrap();
+                        merge_patch(p, &body);
+                        p["metadata"]["resourceVersion"] = json!(v);
+                        (200, p.clone())
+                    }
+                }
+                ("DELETE", false) => match i.pods.remove(&key) {
+                    Some(p) => (200, p),
+                    None => (
+                        404,
+                        status(404, "NotFound", format!("pods {name:?} not found")),
+                    ),
+                },
+                _ => (
+                    405,
+                    status(
+                        405,
+                        "MethodNotAllowed",
+                        format!("mock API: {method} {path}"),
+                    ),
+                ),
+            };
+            return json_reply(code, &answer);
+        }
+        if method == "DELETE"
+            && let Some(rest) = path.strip_prefix("/apis/apps/v1/namespaces/")
+            && let Some((ns, name)) = rest.split_once("/daemonsets/")
+        {
+            let key = format!("{ns}/{name}");
+            let (code, answer) = if i.daemonsets.remove(&key) {
+                (
+                    200,
+                    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 200}),
+                )
+            } else {
+                (
+                    404,
+                    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 404, "reason": "NotFound",
+                           "message": format!("daemonsets.apps {name:?} not found")}),
+                )
+            };
+            return json_reply(code, &answer);
+        }
         if method == "GET" && path == "/api/v1/nodes" && !accept.contains("PartialObjectMetadata") {
             // A list of whole nodes, paged by `limit` and `continue` (the
             // token: how many nodes came before, by name).
@@ -633,6 +799,23 @@ fn lease(i: &mut Inner, method: &str, path: &str, body: &Value) -> (u16, Value) 
             (200, l)
         }
         _ => (405, json!({})),
+    }
+}
+
+/// A JSON merge patch (RFC 7386): objects merge, null removes, anything
+/// else replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        _ => *target = patch.clone(),
     }
 }
 

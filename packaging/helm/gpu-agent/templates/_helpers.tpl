@@ -191,3 +191,77 @@ tls.crt: {{ $cert.Cert | b64enc }}
 tls.key: {{ $cert.Key | b64enc }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The uninstall hook's objects. Neither they nor its per-node pods
+(component node-uninstall) carry the agents' labels: the DaemonSet would
+take those pods for its own.
+*/}}
+{{- define "gpu-agent.uninstallSelector" -}}
+app.kubernetes.io/name: {{ include "gpu-agent.agentName" . }}-uninstall
+app.kubernetes.io/component: uninstall
+{{- end -}}
+
+{{/*
+The pod that runs `gpu-agent uninstall` on one node (uninstall-hook.yaml):
+the hook (gpu-controller uninstall-agents) pins a copy to each node.
+*/}}
+{{- define "gpu-agent.uninstallPod" -}}
+apiVersion: v1
+kind: Pod
+metadata:
+  name: {{ include "gpu-agent.agentName" . }}-uninstall-node
+  namespace: {{ .Release.Namespace }}
+  labels:
+    {{- include "gpu-agent.labels" . | nindent 4 }}
+    app.kubernetes.io/name: {{ include "gpu-agent.agentName" . }}-uninstall
+    app.kubernetes.io/component: node-uninstall
+spec:
+  restartPolicy: Never
+  automountServiceAccountToken: false
+  priorityClassName: {{ .Values.daemonsets.priorityClassName }}
+  # Whatever taints the node has now (a cordon, a NoExecute): its agent ran
+  # there, and this undoes what it did.
+  tolerations:
+    - operator: Exists
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: uninstall
+      image: {{ include "gpu-agent.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: ["/usr/bin/gpu-agent", "uninstall"]
+      env:
+        - name: GPU_AGENT_HOST_ROOT
+          value: /host
+      resources:
+        requests:
+          cpu: 10m
+          memory: 32Mi
+      securityContext:
+        # Host files put back with their owners and modes, on hosts whose
+        # SELinux or AppArmor confine containers too.
+        privileged: true
+      volumeMounts:
+        - name: host-root
+          mountPath: /host
+        - name: kubelet-device-plugins
+          mountPath: /host/var/lib/kubelet/device-plugins
+        - name: kubelet-pod-resources
+          mountPath: /host/var/lib/kubelet/pod-resources
+  volumes:
+    - name: host-root
+      hostPath:
+        path: {{ .Values.hostPaths.rootFS }}
+        type: Directory
+    - name: kubelet-device-plugins
+      hostPath:
+        path: {{ include "gpu-agent.kubeletRootDir" . }}/device-plugins
+        type: Directory
+    - name: kubelet-pod-resources
+      hostPath:
+        path: {{ include "gpu-agent.kubeletRootDir" . }}/pod-resources
+        type: Directory
+{{- end -}}
