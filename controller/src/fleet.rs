@@ -1,7 +1,10 @@
 //! What the controller knows of the fleet: each node's latest report as its
 //! agent told it, whether a stream is live, and the node's write state. The
 //! controller keeps nothing on disk: after a restart the agents reconnect and
-//! send their snapshots, and the writer reads each node once from the API.
+//! send their snapshots, and the watch of the nodes ([`crate::drift`]) says
+//! what the API has of each; a node whose conditions the controller owns
+//! and whose agent does not come back is marked not reporting once the
+//! grace has passed since this replica took over.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -13,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::node::{self, Desired, TaintPolicy};
 use crate::upgrade::{NodeUpgrade, Seen, Step, UpgradePolicy};
+use crate::writer::{Applied, Observed};
 
 /// Recent health events and repairs kept per node.
 const RECENT: usize = 32;
@@ -21,6 +25,9 @@ const RECENT: usize = 32;
 #[derive(Debug, Default)]
 pub struct NodeEntry {
     pub hello: Option<pb::Hello>,
+    /// A snapshot came since this controller started: `report` is the
+    /// agent's word, and the node may be written from it.
+    pub reported: bool,
     pub report: pb::NodeReport,
     /// The live stream's id, while one is connected.
     pub stream: Option<u64>,
@@ -57,6 +64,9 @@ pub struct WriteState {
     /// since the controller started).
     pub applied: Option<crate::writer::Applied>,
     pub last_error: Option<String>,
+    /// The node as the watch last saw it while a write was under way
+    /// (looked at once the write is over).
+    pub seen: Option<Observed>,
 }
 
 /// The fleet.
@@ -67,7 +77,8 @@ pub struct Fleet {
     next_stream: AtomicU64,
     pub taint: TaintPolicy,
     /// How long a node's conditions stay as they were after its agent's
-    /// stream ends (an agent restarting is not news).
+    /// stream ends (an agent restarting is not news), and, for a node whose
+    /// agent has not connected, after this replica took over.
     pub grace: Duration,
     /// Where health events and repairs go to become Kubernetes Events.
     events: Option<mpsc::Sender<crate::events::NodeEvent>>,
@@ -300,6 +311,7 @@ impl Fleet {
             let dirty = match body {
                 Body::Snapshot(r) => {
                     e.report = r;
+                    e.reported = true;
                     Self::fill_target(e);
                     true
                 }
@@ -504,27 +516,187 @@ impl Fleet {
     /// What the node should carry now: from its report while its agent
     /// reports (or within the grace after), else every condition Unknown.
     pub fn desired(&self, node: &str) -> Desired {
-        self.with(node, |e| {
-            let (mut d, _) = node::desired(&e.report, self.taint);
-            if let Some(why) = &e.gone {
-                d.conditions = node::unreported(why);
-                // Nothing is known: the health taint stays as it was.
-                d.taint = e
-                    .write
-                    .applied
-                    .as_ref()
-                    .and_then(|a| a.taint)
-                    .unwrap_or(false);
+        self.with(node, |e| self.wanted(e))
+    }
+
+    fn wanted(&self, e: &NodeEntry) -> Desired {
+        let (mut d, _) = node::desired(&e.report, self.taint);
+        // No agent has reported since this controller started: what it
+        // said before is not known, and the labels stay as they are.
+        d.keep_labels = !e.reported;
+        if let Some(why) = &e.gone {
+            // Already said so (by this replica before, or by the one that
+            // led before it): kept as it is, not said again.
+            let api = e.write.applied.as_ref().and_then(|a| a.conditions.as_ref());
+            d.conditions = node::unreported(why)
+                .into_iter()
+                .map(|c| {
+                    api.into_iter()
+                        .flatten()
+                        .find(|(o, _)| {
+                            o.kind == c.kind && o.status == c.status && o.reason == c.reason
+                        })
+                        .map(|(o, _)| o.clone())
+                        .unwrap_or(c)
+                })
+                .collect();
+            // Nothing is known: the health taint stays as it was.
+            d.keep_taint = true;
+            d.taint = e
+                .write
+                .applied
+                .as_ref()
+                .and_then(|a| a.taint)
+                .unwrap_or(false);
+        }
+        // The rollout's state is the controller's own: it holds whether
+        // or not the agent reports.
+        if let Some(u) = &e.upgrade {
+            d.labels
+                .insert(node::UPGRADE_STATE_LABEL.into(), u.step.label().into());
+            d.conditions.push(u.condition());
+        }
+        d
+    }
+
+    /// The node as the API has it now (a watch event), for a node of this
+    /// controller's: what differs from what it should carry is written
+    /// again. A node not in the fleet is taken in if it carries the
+    /// conditions the controller writes (a GPU node whose agent has not
+    /// reported to this replica yet).
+    pub fn observe(&self, node: &str, seen: Observed) {
+        let differs = {
+            let mut nodes = self.nodes.lock().unwrap();
+            let e = match nodes.get_mut(node) {
+                Some(e) => e,
+                None if seen.ours() => nodes.entry(node.to_string()).or_default(),
+                None => return,
+            };
+            self.look(node, e, seen)
+        };
+        if differs {
+            self.mark_dirty(node);
+        }
+    }
+
+    /// Holds what the API has of a node against what it should carry and
+    /// keeps it as what the writer knows. Returns whether the node must be
+    /// written again (something of the controller's differs and is known:
+    /// its agent reported, or is past its grace). Labels and taints of
+    /// others are not looked at; labels of the controller's that the agent
+    /// no longer reports go with the next write.
+    pub(crate) fn look(&self, node: &str, e: &mut NodeEntry, seen: Observed) -> bool {
+        if e.write.writing {
+            // It may be this write's own work half done: looked at once
+            // the write is over.
+            if e.write.seen.as_ref().is_none_or(|s| newer(seen.rv, s.rv)) {
+                e.write.seen = Some(seen);
             }
-            // The rollout's state is the controller's own: it holds whether
-            // or not the agent reports.
-            if let Some(u) = &e.upgrade {
-                d.labels
-                    .insert(node::UPGRADE_STATE_LABEL.into(), u.step.label().into());
-                d.conditions.push(u.condition());
+            return false;
+        }
+        let known = e.write.applied.as_ref().and_then(|a| a.rv);
+        if !newer(seen.rv, known) {
+            return false;
+        }
+        let before = e.write.applied.take().unwrap_or_default();
+        let remade = before.uid.is_some() && before.uid != seen.uid;
+        let d = self.wanted(e);
+        let mut what: Vec<String> = Vec::new();
+        if remade {
+            what.push("the node was made again".into());
+        }
+        let labels_ok = d.keep_labels
+            || d.labels.iter().all(|(k, v)| {
+                let ok = seen.labels.get(k) == Some(v);
+                if !ok {
+                    what.push(format!("label {k}"));
+                }
+                ok
+            });
+        // Ours as the API has them, in the order they are written.
+        let conditions: Vec<(node::Condition, String)> = d
+            .conditions
+            .iter()
+            .filter_map(|c| {
+                seen.conditions
+                    .iter()
+                    .find(|(o, _)| o.kind == c.kind)
+                    .cloned()
+            })
+            .collect();
+        for c in &d.conditions {
+            if !conditions.iter().any(|(o, _)| o == c) {
+                what.push(format!("condition {}", c.kind));
             }
-            d
-        })
+        }
+        if !d.keep_taint && seen.taint != d.taint {
+            what.push("the health taint".into());
+        }
+        e.write.applied = Some(Applied {
+            labels: if labels_ok && !remade {
+                before.labels
+            } else {
+                None
+            },
+            conditions: Some(conditions),
+            taint: Some(seen.taint),
+            rv: seen.rv,
+            uid: seen.uid,
+        });
+        if what.is_empty() || !(e.reported || e.gone.is_some()) {
+            return false;
+        }
+        tracing::info!(node, differs = %what.join(", "), "the node differs in the API from what its agent says: writing it again");
+        true
+    }
+
+    /// The node was deleted: nothing is written to it until it is made
+    /// again (then all of it is). Without an agent connected (or a place
+    /// in a rollout) it leaves the fleet.
+    pub fn forget_in_api(&self, node: &str) {
+        let mut nodes = self.nodes.lock().unwrap();
+        let Some(e) = nodes.get_mut(node) else {
+            return;
+        };
+        tracing::info!(node, "node deleted");
+        if e.stream.is_none() && e.upgrade.is_none() {
+            nodes.remove(node);
+        } else {
+            e.write.applied = None;
+            e.write.seen = None;
+        }
+    }
+
+    /// Nodes whose conditions the controller owns (as the API has them)
+    /// and whose agent has not connected to this replica (`only`: that
+    /// node, if so) are not reporting, for `why`. Returns how many.
+    pub fn mark_unconnected(&self, only: Option<&str>, why: &str) -> usize {
+        let marked: Vec<String> = {
+            let mut nodes = self.nodes.lock().unwrap();
+            nodes
+                .iter_mut()
+                .filter(|(name, _)| only.is_none_or(|o| o == name.as_str()))
+                .filter(|(_, e)| {
+                    e.hello.is_none()
+                        && e.stream.is_none()
+                        && e.gone.is_none()
+                        && e.write
+                            .applied
+                            .as_ref()
+                            .and_then(|a| a.conditions.as_ref())
+                            .is_some_and(|c| !c.is_empty())
+                })
+                .map(|(name, e)| {
+                    e.gone = Some(why.to_string());
+                    name.clone()
+                })
+                .collect()
+        };
+        for node in &marked {
+            tracing::warn!(node, why, "agent not reporting");
+            self.mark_dirty(node);
+        }
+        marked.len()
     }
 
     /// The fleet as the page and `/fleet.json` show it, nodes by name.
@@ -573,14 +745,18 @@ impl Fleet {
                 if e.stream.is_some() {
                     connected += 1;
                 }
-                let (desired, _) = node::desired(r, self.taint);
-                let mut conditions = if let Some(why) = &e.gone {
-                    node::unreported(why)
-                } else {
-                    desired.conditions
+                let desired = self.wanted(e);
+                let api = e.write.applied.as_ref();
+                let (conditions, tainted) = match api.and_then(|a| a.conditions.as_ref()) {
+                    // Not reported to this replica yet, within the grace:
+                    // as the API has them.
+                    Some(c) if !e.reported && e.gone.is_none() => (
+                        c.iter().map(|(c, _)| c.clone()).collect(),
+                        api.and_then(|a| a.taint).unwrap_or(false),
+                    ),
+                    _ => (desired.conditions, desired.taint),
                 };
                 if let Some(u) = &e.upgrade {
-                    conditions.push(u.condition());
                     *rollout.entry(u.step).or_insert(0usize) += 1;
                     if u.step == Step::UpgradeFailed {
                         failed.push(name.as_str());
@@ -599,7 +775,7 @@ impl Fleet {
                     "conditions": conditions.iter().map(|c| serde_json::json!({
                         "type": c.kind, "status": c.status, "reason": c.reason, "message": c.message,
                     })).collect::<Vec<_>>(),
-                    "tainted": desired.taint,
+                    "tainted": tainted,
                     "mig": r.mig.as_ref().map(|m| serde_json::json!({"layout": m.layout, "state": m.state, "detail": m.detail})),
                     "upgrade": e.upgrade.as_ref().map(|u| serde_json::json!({"state": u.step.label(), "driverVersion": u.target, "detail": u.detail})),
                     "events": e.events.iter().rev().take(10).map(|ev| serde_json::json!({
@@ -696,5 +872,14 @@ impl Fleet {
     /// Requeues a node whose write finished while another change came in.
     pub(crate) fn requeue(&self, node: &str) {
         let _ = self.queue.send(node.to_string());
+    }
+}
+
+/// Whether a node's `resourceVersion` is later than another (either not
+/// known: it may be).
+fn newer(rv: Option<u64>, than: Option<u64>) -> bool {
+    match (rv, than) {
+        (Some(a), Some(b)) => a > b,
+        _ => true,
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod cluster_policy;
+pub mod drift;
 pub mod events;
 pub mod fleet;
 pub mod lease;
@@ -108,6 +109,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         });
     }
     tokio::spawn(writer.run(fleet.clone(), queue));
+    tokio::spawn(drift::run(client.clone(), fleet.clone(), leader.clone()));
     if let Some(addr) = opts.http_listen {
         let listener =
             tokio::net::TcpListener::bind(addr)

@@ -36,7 +36,9 @@ struct Cli {
     /// When the nvidia.com/gpu.health=unhealthy:NoSchedule taint goes on.
     #[arg(long, value_enum, default_value = "none-healthy")]
     taint: TaintPolicy,
-    /// Seconds a node's conditions stay as they were after its agent's stream ends.
+    /// Seconds a node's conditions stay as they were after its agent's stream
+    /// ends (or, for a node whose agent does not connect, after this replica
+    /// starts leading).
     #[arg(long, default_value_t = 60)]
     agent_grace_seconds: u64,
     /// The fleet page and /fleet.json (plain HTTP); "off" for none.

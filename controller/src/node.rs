@@ -66,6 +66,12 @@ pub struct Desired {
     pub labels: BTreeMap<String, String>,
     pub conditions: Vec<Condition>,
     pub taint: bool,
+    /// The labels are not known (no agent has reported since this
+    /// controller started): they stay as the API has them.
+    pub keep_labels: bool,
+    /// Nothing is known of the GPUs' health (the agent is not reporting):
+    /// the taint stays as the API has it.
+    pub keep_taint: bool,
 }
 
 /// A label key Kubernetes takes (`prefix/name`, the name ≤ 63 characters of
@@ -265,6 +271,8 @@ pub fn desired(r: &pb::NodeReport, taint: TaintPolicy) -> (Desired, Vec<String>)
             labels,
             conditions,
             taint,
+            keep_labels: false,
+            keep_taint: false,
         },
         refused,
     )

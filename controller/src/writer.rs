@@ -5,28 +5,32 @@
 //!   removed by the API server; labels of other managers are untouched);
 //! - conditions: server-side apply of `status.conditions` (a map keyed by
 //!   `type`: only our four types are ours), `lastTransitionTime` kept while
-//!   the status stays;
+//!   the status stays, `lastHeartbeatTime` the time of the write;
 //! - the health taint: `spec.taints` is an atomic list, so it is read,
 //!   changed and written back with a merge patch carrying the
 //!   `resourceVersion` it was read at (a conflict is read again).
 //!
 //! A node is written at most once per [`MIN_INTERVAL`]; changes meanwhile
 //! are merged. A write sends only the requests whose content changed: an
-//! unchanged node costs no request.
+//! unchanged node costs no request. What the API has is known from the
+//! answers to these requests and from the watch of the nodes
+//! ([`crate::drift`]): each is an [`Observed`], held against what the node
+//! should carry by [`Fleet::look`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, NodeCondition, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
 use crate::fleet::Fleet;
 use crate::node::{
-    ALL_CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
-    HEALTH_TAINT_VALUE,
+    ALL_CONDITIONS, CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT,
+    HEALTH_TAINT_KEY, HEALTH_TAINT_VALUE,
 };
 
 /// A node is written at most this often.
@@ -45,6 +49,84 @@ pub struct Applied {
     pub conditions: Option<Vec<(Condition, String)>>,
     /// Whether the node carries our taint.
     pub taint: Option<bool>,
+    /// The node's `resourceVersion` this is known at (a number, as etcd's
+    /// revisions are: an event at or before it says nothing new).
+    pub rv: Option<u64>,
+    /// The node's uid (another one: the node was deleted and made again).
+    pub uid: Option<String>,
+}
+
+/// A node as the API has it, as far as the controller cares: its labels,
+/// the conditions of the controller's types (with their transition
+/// times), whether it carries the health taint.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    pub rv: Option<u64>,
+    pub uid: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub conditions: Vec<(Condition, String)>,
+    pub taint: bool,
+}
+
+impl Observed {
+    pub fn of(
+        meta: &ObjectMeta,
+        taints: Option<&[Taint]>,
+        conditions: Option<&[NodeCondition]>,
+    ) -> Self {
+        let cs = conditions.unwrap_or_default();
+        Observed {
+            rv: meta
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse().ok()),
+            uid: meta.uid.clone(),
+            labels: meta.labels.clone().unwrap_or_default(),
+            conditions: ALL_CONDITIONS
+                .iter()
+                .filter_map(|kind| {
+                    let c = cs.iter().find(|c| c.type_ == *kind)?;
+                    let status = match c.status.as_str() {
+                        "True" => "True",
+                        "False" => "False",
+                        _ => "Unknown",
+                    };
+                    Some((
+                        Condition {
+                            kind,
+                            status,
+                            reason: c.reason.clone().unwrap_or_default(),
+                            message: c.message.clone().unwrap_or_default(),
+                        },
+                        c.last_transition_time
+                            .as_ref()
+                            .map(|t| t.0.to_string())
+                            .unwrap_or_default(),
+                    ))
+                })
+                .collect(),
+            taint: taints
+                .unwrap_or_default()
+                .iter()
+                .any(|t| t.key == HEALTH_TAINT_KEY && t.effect == HEALTH_TAINT_EFFECT),
+        }
+    }
+
+    pub fn of_node(n: &Node) -> Self {
+        Self::of(
+            &n.metadata,
+            n.spec.as_ref().and_then(|s| s.taints.as_deref()),
+            n.status.as_ref().and_then(|s| s.conditions.as_deref()),
+        )
+    }
+
+    /// Whether the node carries a condition the controller writes from an
+    /// agent's report: a GPU node of this controller's.
+    pub fn ours(&self) -> bool {
+        self.conditions
+            .iter()
+            .any(|(c, _)| CONDITIONS.contains(&c.kind))
+    }
 }
 
 /// A write that failed.
@@ -126,9 +208,10 @@ impl Writer {
         let last = fleet.with(node, |e| {
             e.write.in_queue = false;
             // Nothing known of the node since this controller started (a
-            // state read back, a label watched): writing would take away
-            // what its agent said before.
-            if e.write.writing || e.hello.is_none() {
+            // state read back, a label watched, no snapshot yet) and its
+            // agent not past its grace: writing would take away what it
+            // said before.
+            if e.write.writing || (!e.reported && e.gone.is_none()) {
                 e.write.queued = false;
                 return None;
             }
@@ -148,17 +231,23 @@ impl Writer {
         let desired = fleet.desired(node);
         let outcome = if self.leader.as_ref().is_some_and(|l| !*l.borrow()) {
             tracing::debug!(node, "standing by: not written");
-            Ok(applied.unwrap_or_default())
+            Ok((applied.unwrap_or_default(), None))
         } else {
             self.write(node, &desired, applied).await
         };
         let again = fleet.with(node, |e| {
             e.write.writing = false;
             e.write.last_write = Some(Instant::now());
+            let mut differs = false;
             match outcome {
-                Ok(a) => {
+                Ok((a, answer)) => {
                     e.write.applied = Some(a);
                     e.write.last_error = None;
+                    // The last answer has the node as it is now, with
+                    // what others wrote in between.
+                    if let Some(seen) = answer {
+                        differs |= fleet.look(node, e, seen);
+                    }
                 }
                 Err(err) => {
                     tracing::warn!(node, error = %err, "cannot write the node");
@@ -167,6 +256,13 @@ impl Writer {
                     // Read it afresh next time.
                     e.write.applied = None;
                 }
+            }
+            // What the watch said meanwhile (older than the answer: nothing).
+            if let Some(seen) = e.write.seen.take() {
+                differs |= fleet.look(node, e, seen);
+            }
+            if differs {
+                e.write.queued = true;
             }
             if e.write.queued && !e.write.in_queue {
                 e.write.in_queue = true;
@@ -181,13 +277,13 @@ impl Writer {
     }
 
     /// Sends the requests that make the node carry `desired`; returns what
-    /// it then carries.
+    /// it then carries, and the node as the last answer had it.
     async fn write(
         &self,
         node: &str,
         desired: &Desired,
         applied: Option<Applied>,
-    ) -> Result<Applied, WriteError> {
+    ) -> Result<(Applied, Option<Observed>), WriteError> {
         let api_err = |what: &'static str| {
             move |source: kube::Error| match &source {
                 kube::Error::Api(s) if s.code == 404 => WriteError::NoNode {
@@ -200,6 +296,7 @@ impl Writer {
                 },
             }
         };
+        let mut answer: Option<Node> = None;
         let mut applied = match applied {
             Some(a) => a,
             None => {
@@ -208,23 +305,27 @@ impl Writer {
                     .get(node)
                     .await
                     .map_err(api_err("reading the node"))?;
-                read_applied(&n)
+                let a = read_applied(&n);
+                answer = Some(n);
+                a
             }
         };
-        if applied.labels.as_ref() != Some(&desired.labels) {
+        if !desired.keep_labels && applied.labels.as_ref() != Some(&desired.labels) {
             let body = json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": { "name": node, "labels": desired.labels },
             });
-            self.nodes
-                .patch(
-                    node,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&body),
-                )
-                .await
-                .map_err(api_err("applying the labels"))?;
+            answer = Some(
+                self.nodes
+                    .patch(
+                        node,
+                        &PatchParams::apply(FIELD_MANAGER).force(),
+                        &Patch::Apply(&body),
+                    )
+                    .await
+                    .map_err(api_err("applying the labels"))?,
+            );
             tracing::info!(node, labels = desired.labels.len(), "labels applied");
             applied.labels = Some(desired.labels.clone());
         }
@@ -253,6 +354,9 @@ impl Writer {
                         "status": c.status,
                         "reason": c.reason,
                         "message": c.message,
+                        // When this controller last said it (the write is
+                        // its heartbeat: none while nothing changes).
+                        "lastHeartbeatTime": now,
                         "lastTransitionTime": t,
                     })
                 })
@@ -263,26 +367,29 @@ impl Writer {
                 "metadata": { "name": node },
                 "status": { "conditions": list },
             });
-            self.nodes
-                .patch_status(
-                    node,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&body),
-                )
-                .await
-                .map_err(api_err("applying the conditions"))?;
+            answer = Some(
+                self.nodes
+                    .patch_status(
+                        node,
+                        &PatchParams::apply(FIELD_MANAGER).force(),
+                        &Patch::Apply(&body),
+                    )
+                    .await
+                    .map_err(api_err("applying the conditions"))?,
+            );
             tracing::info!(node, "conditions applied");
             applied.conditions = Some(conditions);
         }
-        if applied.taint != Some(desired.taint) {
-            self.set_taint(node, desired.taint).await?;
+        if !desired.keep_taint && applied.taint != Some(desired.taint) {
+            answer = Some(self.set_taint(node, desired.taint).await?);
             applied.taint = Some(desired.taint);
         }
-        Ok(applied)
+        Ok((applied, answer.as_ref().map(Observed::of_node)))
     }
 
-    /// Puts on or takes off the health taint, keeping every other taint.
-    async fn set_taint(&self, node: &str, on: bool) -> Result<(), WriteError> {
+    /// Puts on or takes off the health taint, keeping every other taint;
+    /// returns the node as the last answer had it.
+    async fn set_taint(&self, node: &str, on: bool) -> Result<Node, WriteError> {
         for _ in 0..TAINT_TRIES {
             let n = self
                 .nodes
@@ -303,7 +410,7 @@ impl Writer {
             };
             let has = taints.iter().any(ours);
             if has == on {
-                return Ok(());
+                return Ok(n);
             }
             let mut list: Vec<serde_json::Value> = taints
                 .iter()
@@ -327,9 +434,9 @@ impl Writer {
                 ..Default::default()
             };
             match self.nodes.patch(node, &params, &Patch::Merge(&body)).await {
-                Ok(_) => {
+                Ok(n) => {
                     tracing::warn!(node, taint = %format!("{HEALTH_TAINT_KEY}={HEALTH_TAINT_VALUE}:{HEALTH_TAINT_EFFECT}"), on, "health taint changed");
-                    return Ok(());
+                    return Ok(n);
                 }
                 Err(kube::Error::Api(s)) if s.code == 409 => continue,
                 Err(source) => {
@@ -351,44 +458,12 @@ impl Writer {
 /// types (with their transition times) and the taint. Labels are applied
 /// once after a start whatever they are (server-side apply is idempotent).
 pub fn read_applied(n: &Node) -> Applied {
-    let conditions = n
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .map(|cs| {
-            ALL_CONDITIONS
-                .iter()
-                .filter_map(|kind| {
-                    let c = cs.iter().find(|c| c.type_ == *kind)?;
-                    let status = match c.status.as_str() {
-                        "True" => "True",
-                        "False" => "False",
-                        _ => "Unknown",
-                    };
-                    Some((
-                        Condition {
-                            kind,
-                            status,
-                            reason: c.reason.clone().unwrap_or_default(),
-                            message: c.message.clone().unwrap_or_default(),
-                        },
-                        c.last_transition_time
-                            .as_ref()
-                            .map(|t| t.0.to_string())
-                            .unwrap_or_default(),
-                    ))
-                })
-                .collect()
-        });
-    let taint = n.spec.as_ref().map(|s| {
-        s.taints
-            .iter()
-            .flatten()
-            .any(|t| t.key == HEALTH_TAINT_KEY && t.effect == HEALTH_TAINT_EFFECT)
-    });
+    let seen = Observed::of_node(n);
     Applied {
         labels: None,
-        conditions,
-        taint: Some(taint.unwrap_or(false)),
+        conditions: Some(seen.conditions),
+        taint: Some(seen.taint),
+        rv: seen.rv,
+        uid: seen.uid,
     }
 }

@@ -40,8 +40,8 @@ struct Inner {
     node_pages: usize,
     /// Leases by path (`.../namespaces/NS/leases/NAME`).
     leases: BTreeMap<String, Value>,
-    /// Label keys each field manager applied.
-    owned: BTreeMap<String, BTreeSet<String>>,
+    /// Label keys each field manager applied, by (node, manager).
+    owned: BTreeMap<(String, String), BTreeSet<String>>,
     /// token → (username, node name, audiences)
     tokens: BTreeMap<String, (String, String)>,
     version: u64,
@@ -59,6 +59,14 @@ struct Inner {
     counted: u64,
     /// Node watches: the label key each selects on, and where its events go.
     watches: Vec<(String, tokio::sync::mpsc::UnboundedSender<Value>)>,
+    /// Watches of whole nodes, and the last [`NODE_LOG`] node events (with
+    /// the resourceVersion each was made at) that a watch started at an
+    /// older version is sent first.
+    node_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
+    node_log: std::collections::VecDeque<(u64, Value)>,
+    /// Whether events were left out of the log (a watch from before the
+    /// oldest kept is answered 410 Gone, as etcd's compaction makes it).
+    node_log_cut: bool,
     /// ClusterPolicies (nvidia.com/v1), and their watches.
     cluster_policies: BTreeMap<String, Value>,
     cp_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
@@ -101,6 +109,40 @@ fn meta_of(node: &Value) -> Value {
 
 fn has_label(node: &Value, key: &str) -> bool {
     node["metadata"]["labels"].get(key).is_some()
+}
+
+/// Node events kept for watches that start behind.
+const NODE_LOG: usize = 20_000;
+
+/// Tells the node watches that a node changed (`before`: as it was, `None`
+/// for a new one; `kind`: ADDED, MODIFIED or DELETED), as the API server
+/// does for every write: whole-node watches get the node; a metadata watch
+/// selecting on a label key gets its metadata while the node carries the
+/// key (ADDED when it comes to, DELETED when it loses it).
+fn node_event(i: &mut Inner, kind: &str, before: Option<&Value>, node: &Value) {
+    let rv: u64 = node["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let ev = json!({"type": kind, "object": node});
+    if i.node_log.len() == NODE_LOG {
+        i.node_log.pop_front();
+        i.node_log_cut = true;
+    }
+    i.node_log.push_back((rv, ev.clone()));
+    i.node_watches.retain(|tx| tx.send(ev.clone()).is_ok());
+    i.watches.retain(|(sel, tx)| {
+        let had = before.is_some_and(|b| has_label(b, sel));
+        let now = kind != "DELETED" && has_label(node, sel);
+        let kind = match (had, now) {
+            (false, true) => "ADDED",
+            (true, true) => "MODIFIED",
+            (true, false) => "DELETED",
+            (false, false) => return !tx.is_closed(),
+        };
+        tx.send(json!({"type": kind, "object": meta_of(node)}))
+            .is_ok()
+    });
 }
 
 #[derive(Clone)]
@@ -163,13 +205,37 @@ impl MockApi {
         path
     }
 
+    /// A node registers (a kubelet creates it): it gets a uid of its own;
+    /// node watches hear.
     pub fn add_node(&self, name: &str, node: Value) {
         let mut i = self.inner.lock().unwrap();
         i.version += 1;
         let mut node = node;
         node["metadata"]["name"] = json!(name);
         node["metadata"]["resourceVersion"] = json!(i.version.to_string());
-        i.nodes.insert(name.into(), node);
+        if node["metadata"].get("uid").is_none() {
+            node["metadata"]["uid"] = json!(format!("node-{name}-{}", i.version));
+        }
+        let before = i.nodes.insert(name.into(), node.clone());
+        let kind = if before.is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        node_event(&mut i, kind, before.as_ref(), &node);
+    }
+
+    /// A node is deleted (`kubectl delete node`): what every field manager
+    /// owned of it goes with it; node watches hear.
+    pub fn delete_node(&self, name: &str) {
+        let mut i = self.inner.lock().unwrap();
+        let Some(mut node) = i.nodes.remove(name) else {
+            return;
+        };
+        i.owned.retain(|(n, _), _| n != name);
+        i.version += 1;
+        node["metadata"]["resourceVersion"] = json!(i.version.to_string());
+        node_event(&mut i, "DELETED", Some(&node.clone()), &node);
     }
 
     /// Pages of whole-node lists answered so far.
@@ -181,14 +247,18 @@ impl MockApi {
         self.inner.lock().unwrap().nodes[name].clone()
     }
 
-    /// Changes a node as another writer would (its resourceVersion moves).
+    /// Changes a node as another writer would (its resourceVersion moves;
+    /// node watches hear).
     pub fn touch_node(&self, name: &str, f: impl FnOnce(&mut Value)) {
         let mut i = self.inner.lock().unwrap();
         i.version += 1;
         let v = i.version.to_string();
         let n = i.nodes.get_mut(name).unwrap();
+        let before = n.clone();
         f(n);
         n["metadata"]["resourceVersion"] = json!(v);
+        let node = n.clone();
+        node_event(&mut i, "MODIFIED", Some(&before), &node);
     }
 
     /// A pod in `namespace`, as the API server would keep it.
@@ -297,7 +367,7 @@ impl MockApi {
         i.version += 1;
         let v = i.version.to_string();
         let node = i.nodes.get_mut(name).unwrap();
-        let had = has_label(node, key);
+        let before = node.clone();
         match value {
             Some(val) => node["metadata"]["labels"][key] = json!(val),
             None => {
@@ -308,17 +378,7 @@ impl MockApi {
         }
         node["metadata"]["resourceVersion"] = json!(v);
         let node = node.clone();
-        i.watches.retain(|(sel, tx)| {
-            let now = has_label(&node, sel);
-            let kind = match (had, now) {
-                (false, true) => "ADDED",
-                (true, true) => "MODIFIED",
-                (true, false) => "DELETED",
-                (false, false) => return !tx.is_closed(),
-            };
-            tx.send(json!({"type": kind, "object": meta_of(&node)}))
-                .is_ok()
-        });
+        node_event(&mut i, "MODIFIED", Some(&before), &node);
     }
 
     /// Creates or changes a ClusterPolicy; watches hear.
@@ -651,6 +711,48 @@ impl MockApi {
             };
             return json_reply(code, &answer);
         }
+        if method == "GET"
+            && path == "/api/v1/nodes"
+            && !accept.contains("PartialObjectMetadata")
+            && query.get("watch").map(String::as_str) == Some("true")
+        {
+            // A watch of whole nodes from `resourceVersion`: the events
+            // after it first (410 Gone when they are no longer kept), a
+            // bookmark when asked for, then every change as it happens.
+            // From "0" or none: every node as ADDED, then the changes.
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+            let from: Option<u64> = query
+                .get("resourceVersion")
+                .and_then(|v| v.parse().ok())
+                .filter(|v| *v > 0);
+            match from {
+                None => {
+                    for n in i.nodes.values() {
+                        let _ = tx.send(json!({"type": "ADDED", "object": n}));
+                    }
+                }
+                Some(from) => {
+                    let oldest = i.node_log.front().map(|(v, _)| *v);
+                    if i.node_log_cut && oldest.is_some_and(|o| from + 1 < o) {
+                        let _ = tx.send(json!({"type": "ERROR", "object": {
+                            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                            "code": 410, "reason": "Expired",
+                            "message": format!("too old resource version: {from} ({})", oldest.unwrap_or(0))}}));
+                        return stream_of(rx);
+                    }
+                    for (_, ev) in i.node_log.iter().filter(|(v, _)| *v > from) {
+                        let _ = tx.send(ev.clone());
+                    }
+                }
+            }
+            if query.get("allowWatchBookmarks").map(String::as_str) == Some("true") {
+                let _ = tx.send(json!({"type": "BOOKMARK", "object": {
+                    "kind": "Node", "apiVersion": "v1",
+                    "metadata": {"resourceVersion": i.version.to_string()}}}));
+            }
+            i.node_watches.push(tx);
+            return stream_of(rx);
+        }
         if method == "GET" && path == "/api/v1/nodes" && !accept.contains("PartialObjectMetadata") {
             // A list of whole nodes, paged by `limit` and `continue` (the
             // token: how many nodes came before, by name).
@@ -845,7 +947,8 @@ fn patch(
             }
             let new: BTreeMap<String, String> =
                 serde_json::from_value(body["metadata"]["labels"].clone()).unwrap_or_default();
-            let old = i.owned.get(&manager).cloned().unwrap_or_default();
+            let owner = (name.to_string(), manager.clone());
+            let old = i.owned.get(&owner).cloned().unwrap_or_default();
             let labels = node["metadata"]["labels"]
                 .as_object_mut()
                 .cloned()
@@ -858,22 +961,35 @@ fn patch(
                 labels.insert(k.clone(), json!(v));
             }
             node["metadata"]["labels"] = Value::Object(labels);
-            i.owned.insert(manager, new.keys().cloned().collect());
+            i.owned.insert(owner, new.keys().cloned().collect());
         }
         ("application/apply-patch+yaml", Some("status")) => {
+            // A map keyed by type: the manager's types replace theirs; a
+            // type it applied before and no longer does is removed.
             let mut conds: Vec<Value> = node["status"]["conditions"]
                 .as_array()
                 .cloned()
                 .unwrap_or_default();
-            for c in body["status"]["conditions"]
+            let applied = body["status"]["conditions"]
                 .as_array()
                 .cloned()
-                .unwrap_or_default()
-            {
+                .unwrap_or_default();
+            let types: BTreeSet<String> = applied
+                .iter()
+                .filter_map(|c| c["type"].as_str().map(str::to_string))
+                .collect();
+            let owner = (name.to_string(), format!("{manager}/status"));
+            let old = i.owned.get(&owner).cloned().unwrap_or_default();
+            conds.retain(|o| {
+                let t = o["type"].as_str().unwrap_or_default();
+                !old.contains(t) || types.contains(t)
+            });
+            for c in applied {
                 conds.retain(|o| o["type"] != c["type"]);
                 conds.push(c);
             }
             node["status"]["conditions"] = Value::Array(conds);
+            i.owned.insert(owner, types);
         }
         ("application/merge-patch+json", None) => {
             let want = body["metadata"]["resourceVersion"].as_str();
@@ -927,7 +1043,8 @@ fn patch(
     }
     i.version += 1;
     node["metadata"]["resourceVersion"] = json!(i.version.to_string());
-    i.nodes.insert(name.into(), node.clone());
+    let before = i.nodes.insert(name.into(), node.clone());
+    node_event(i, "MODIFIED", before.as_ref(), &node);
     (200, node)
 }
 
@@ -1141,7 +1258,14 @@ pub fn report_client(port: u16, ca: &Path, node: &str, args: &[&str]) -> std::pr
 /// its snapshot, then `events`; the stream stays open while this lives.
 pub struct FakeAgent {
     _tx: tokio::sync::mpsc::Sender<gpu_agent_proto::report::v1::AgentMessage>,
-    _down: tonic::Streaming<gpu_agent_proto::report::v1::ControllerMessage>,
+    down: tonic::Streaming<gpu_agent_proto::report::v1::ControllerMessage>,
+}
+
+impl FakeAgent {
+    /// Returns when the stream ends (the controller closed it, or went).
+    pub async fn ended(&mut self) {
+        while let Ok(Some(_)) = self.down.message().await {}
+    }
 }
 
 pub async fn fake_agent(
@@ -1164,7 +1288,7 @@ pub async fn fake_agent(
         .unwrap()
         .connect()
         .await
-        .unwrap();
+        .map_err(|e| tonic::Status::unavailable(format!("cannot connect: {e}")))?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let mut msgs = vec![
         pb::agent_message::Body::Hello(pb::Hello {
@@ -1190,10 +1314,7 @@ pub async fn fake_agent(
         .attach(req)
         .await?
         .into_inner();
-    Ok(FakeAgent {
-        _tx: tx,
-        _down: down,
-    })
+    Ok(FakeAgent { _tx: tx, down })
 }
 
 /// gpu-agent, built beside gpu-controller by `cargo test --workspace`.
