@@ -143,17 +143,59 @@ pub struct DcgmExporterSpec {
     /// A dcgm-exporter counters file (`field, type, help` lines) naming
     /// what to export; default: dcgm-exporter's default counters. The GPU
     /// Operator's shape, `{name: <ConfigMap>}`, is taken too: an agent on a
-    /// node cannot read a ConfigMap, so it means no file here (under the
-    /// cluster's ClusterPolicy a non-empty name is named as left out).
+    /// node cannot read a ConfigMap, so gpu-controller reads it and sends
+    /// its `dcgm-metrics.csv` as `inline`; a name without `inline` means no
+    /// file here (under the cluster's ClusterPolicy it is named as left out).
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
         deserialize_with = "counters_file"
     )]
-    pub config: Option<String>,
+    pub config: Option<CountersConfig>,
     /// Milliseconds between samples while someone scrapes (dcgm-exporter: 30000).
     #[serde(default = "default_collect_interval")]
     pub collect_interval_ms: u64,
+}
+
+/// `spec.dcgmExporter.config`: where the counters file comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CountersConfig {
+    /// A file on the host (a path).
+    File(String),
+    /// The file's text: `{name: <ConfigMap>, inline: <text>}`, as
+    /// gpu-controller sends the ConfigMap the ClusterPolicy names.
+    Inline { name: Option<String>, text: String },
+}
+
+impl CountersConfig {
+    /// Where the counters come from, in words (errors and skipped lines
+    /// name it).
+    pub fn origin(&self) -> String {
+        match self {
+            CountersConfig::File(p) => p.clone(),
+            CountersConfig::Inline { name: Some(n), .. } => {
+                format!("ConfigMap {n}, dcgm-metrics.csv")
+            }
+            CountersConfig::Inline { name: None, .. } => "spec.dcgmExporter.config.inline".into(),
+        }
+    }
+}
+
+impl Serialize for CountersConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CountersConfig::File(p) => s.serialize_str(p),
+            CountersConfig::Inline { name, text } => {
+                use serde::ser::SerializeMap;
+                let mut m = s.serialize_map(None)?;
+                if let Some(n) = name {
+                    m.serialize_entry("name", n)?;
+                }
+                m.serialize_entry("inline", text)?;
+                m.end()
+            }
+        }
+    }
 }
 
 fn default_collect_interval() -> u64 {
@@ -422,8 +464,9 @@ pub struct DriverSpec {
     /// Parameters per module: `{nvidia: {NVreg_EnableGpuFirmware: "1"}}`.
     /// The GPU Operator's `name` entry (a ConfigMap of `<module>.conf`
     /// files, `""` for none) is taken and not used: an agent on a node
-    /// cannot read a ConfigMap (under the cluster's ClusterPolicy a
-    /// non-empty name is named as left out).
+    /// cannot read a ConfigMap. gpu-controller reads it and sends its
+    /// parameters in this shape instead of the name; a name it could not
+    /// resolve is named as left out.
     #[serde(
         default,
         skip_serializing_if = "BTreeMap::is_empty",
@@ -451,7 +494,8 @@ fn upgrade_timeout() -> u64 {
 
 /// Where the GPU Operator's ClusterPolicy names a ConfigMap (`{name: ...}`)
 /// at a key that gpu-agent gives content instead: those ConfigMaps hold what
-/// the operator's pods mount, which an agent on a node cannot read.
+/// the operator's pods mount, which an agent on a node cannot read
+/// (gpu-controller reads them and sends their content).
 const OPERATOR_CONFIG_MAPS: [&str; 2] = [
     "spec.driver.kernelModuleConfig.name",
     "spec.dcgmExporter.config.name",
@@ -518,29 +562,37 @@ fn module_parameters<'de, D: serde::Deserializer<'de>>(
 }
 
 /// `spec.dcgmExporter.config`: a counters file (a host path), or the GPU
-/// Operator's `{name: <ConfigMap>}`, which names no file here.
-fn counters_file<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+/// Operator's `{name: <ConfigMap>}`, which names no file here unless
+/// gpu-controller sent the ConfigMap's file beside it (`inline`).
+fn counters_file<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<CountersConfig>, D::Error> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct OperatorConfig {
-        #[serde(default, rename = "name")]
-        _name: Option<String>,
+        #[serde(default)]
+        name: Option<String>,
+        #[serde(default)]
+        inline: Option<String>,
     }
     struct V;
     impl<'de> serde::de::Visitor<'de> for V {
-        type Value = Option<String>;
+        type Value = Option<CountersConfig>;
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.write_str("a counters file (a host path) or the GPU Operator's {name: <ConfigMap>}")
         }
         fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(v.to_string()))
+            Ok(Some(CountersConfig::File(v.to_string())))
         }
         fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
             Ok(None)
         }
         fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-            OperatorConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-            Ok(None)
+            let c = OperatorConfig::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            Ok(c.inline.map(|text| CountersConfig::Inline {
+                name: c.name.filter(|n| !n.is_empty()),
+                text,
+            }))
         }
     }
     d.deserialize_any(V)
@@ -667,13 +719,18 @@ impl Policy {
                 .map_err(|e| YamlError::invalid(origin, "(document)", e.to_string()))?;
             match Self::from_yaml(&text, origin) {
                 Ok(p) => {
-                    // Taken in the operator's shape, but not used here.
+                    // Taken in the operator's shape, but not used here
+                    // (unless gpu-controller sent the content beside it).
                     for path in OPERATOR_CONFIG_MAPS {
                         let mut at = &doc;
+                        let mut parent = &doc;
                         for part in path.split('.') {
+                            parent = at;
                             at = at.get(part).unwrap_or(&serde_yaml_ng::Value::Null);
                         }
-                        if at.as_str().is_some_and(|name| !name.is_empty()) {
+                        if at.as_str().is_some_and(|name| !name.is_empty())
+                            && parent.get("inline").is_none()
+                        {
                             ignored.push(path.to_string());
                         }
                     }
@@ -1070,11 +1127,45 @@ mod tests {
         let own = "spec:\n  dcgmExporter:\n    config: /etc/gpu-agent/dcgm-metrics.csv\n";
         let p = Policy::from_yaml(own, "f").unwrap();
         assert_eq!(
-            p.dcgm_exporter.config.as_deref(),
-            Some("/etc/gpu-agent/dcgm-metrics.csv")
+            p.dcgm_exporter.config,
+            Some(CountersConfig::File(
+                "/etc/gpu-agent/dcgm-metrics.csv".into()
+            ))
         );
         let round = serde_yaml_ng::to_string(&serde_json::json!({ "spec": p })).unwrap();
         assert_eq!(Policy::from_yaml(&round, "r").unwrap(), p);
+    }
+
+    /// gpu-controller sends the counters ConfigMap's file beside its name
+    /// (`inline`): the name is then not left out, and the text is the
+    /// counters file; the kernel module ConfigMap comes as parameters.
+    #[test]
+    fn the_config_maps_content_sent_by_the_controller_is_taken() {
+        let text = "spec:\n  driver:\n    kernelModuleConfig:\n      nvidia: {NVreg_EnableGpuFirmware: \"0\"}\n  dcgmExporter:\n    config:\n      name: custom-dcgm-metrics\n      inline: \"DCGM_FI_DEV_GPU_TEMP, gauge, temperature\\n\"\n";
+        let (p, ignored) = Policy::from_cluster_yaml(text, "c").unwrap();
+        assert!(ignored.is_empty(), "{ignored:?}");
+        let counters = CountersConfig::Inline {
+            name: Some("custom-dcgm-metrics".into()),
+            text: "DCGM_FI_DEV_GPU_TEMP, gauge, temperature\n".into(),
+        };
+        assert_eq!(p.dcgm_exporter.config.as_ref(), Some(&counters));
+        assert_eq!(
+            counters.origin(),
+            "ConfigMap custom-dcgm-metrics, dcgm-metrics.csv"
+        );
+        assert_eq!(p.module_params()["nvidia"]["NVreg_EnableGpuFirmware"], "0");
+        let round = serde_yaml_ng::to_string(&serde_json::json!({ "spec": p })).unwrap();
+        assert_eq!(Policy::from_yaml(&round, "r").unwrap(), p);
+        // Inline without a name (a policy file may give it so).
+        let own = "spec:\n  dcgmExporter:\n    config: {inline: \"\"}\n";
+        let p = Policy::from_yaml(own, "f").unwrap();
+        assert_eq!(
+            p.dcgm_exporter.config,
+            Some(CountersConfig::Inline {
+                name: None,
+                text: String::new()
+            })
+        );
     }
 
     #[test]
@@ -1144,7 +1235,7 @@ mod tests {
         let err = Policy::from_yaml(text, "p").unwrap_err().to_string();
         assert!(
             err.starts_with(
-                "p: spec.dcgmExporter.config.data: unknown key (expected one of: name)"
+                "p: spec.dcgmExporter.config.data: unknown key (expected one of: name, inline)"
             ),
             "{err}"
         );

@@ -29,7 +29,7 @@ use super::pods::{self, PodMap};
 use super::render::{CONTENT_TYPE, Scrape, render};
 use crate::backend::{Sample, Sampler};
 use crate::inventory::Inventory;
-use crate::policy::DcgmExporterSpec;
+use crate::policy::{CountersConfig, DcgmExporterSpec};
 
 /// Sampling stops this long after the last scrape.
 pub const IDLE_AFTER: Duration = Duration::from_secs(300);
@@ -90,7 +90,8 @@ impl ExporterConfig {
             .parse()
             .map_err(|_| ConfigError::Listen { value: given })?;
         let fields = match &spec.config {
-            Some(p) => FieldSet::from_file(std::path::Path::new(p))?,
+            Some(c @ CountersConfig::Inline { text, .. }) => FieldSet::parse(text, &c.origin())?,
+            Some(CountersConfig::File(p)) => FieldSet::from_file(std::path::Path::new(p))?,
             None => FieldSet::default(),
         };
         if spec.collect_interval_ms < 100 {
@@ -583,6 +584,32 @@ mod tests {
 
     async fn get(port: u16, request: &str) -> String {
         try_get(port, request).await.unwrap()
+    }
+
+    /// The counters ConfigMap's file as gpu-controller sends it: the
+    /// fields it lists, its bad lines named by ConfigMap and line.
+    #[test]
+    fn an_inline_counters_file_is_read_as_a_file_would_be() {
+        let spec = DcgmExporterSpec {
+            listen: Some("127.0.0.1:0".into()),
+            config: Some(CountersConfig::Inline {
+                name: Some("custom-dcgm-metrics".into()),
+                text: "# field, type, help\nDCGM_FI_DEV_GPU_TEMP, gauge, t\nnot a line\n".into(),
+            }),
+            ..Default::default()
+        };
+        let cfg = ExporterConfig::from_spec(&spec).unwrap();
+        assert_eq!(
+            cfg.fields.fields.iter().copied().collect::<Vec<_>>(),
+            [super::super::fields::Field::GpuTemp]
+        );
+        assert_eq!(cfg.fields.skipped.len(), 1);
+        assert!(
+            cfg.fields.skipped[0]
+                .starts_with("ConfigMap custom-dcgm-metrics, dcgm-metrics.csv:3: "),
+            "{:?}",
+            cfg.fields.skipped
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1761,6 +1761,17 @@ impl Supervisor {
             let t = self.tasks.entry(METRICS).or_default();
             t.started = None;
             self.metrics_config = None;
+            // The stage kept the running exporter's word (done): planned
+            // again, or the exporter would not start (a new counters file
+            // stopped it for good).
+            if let Some(s) = self
+                .st
+                .stages
+                .iter_mut()
+                .find(|s| s.stage == Stage::Metrics && s.state == StageState::Done)
+            {
+                s.state = StageState::Ready;
+            }
         }
         let waiting = self
             .tasks
