@@ -2,7 +2,8 @@
 //! cluster-scoped), which users keep when they move to gpu-agent. The
 //! controller follows it (a watch) and sends it to every agent, which runs
 //! it instead of its policy file, leaving out (and naming) the keys it does
-//! not use. Clusters without the operator get the CRD from
+//! not use, with the contents of the ConfigMaps it names inlined
+//! ([`crate::config_maps`]). Clusters without the operator get the CRD from
 //! `packaging/crds/`. With several ClusterPolicies, the one named by
 //! `--cluster-policy` is used.
 
@@ -23,32 +24,11 @@ pub fn resource() -> ApiResource {
     )
 }
 
-/// The policy text an agent is sent: the object as JSON (a YAML subset),
-/// with only what a policy reads.
-pub fn policy_text(obj: &DynamicObject) -> String {
-    let mut spec = obj
-        .data
-        .get("spec")
-        .cloned()
-        .unwrap_or(serde_json::json!({}));
-    // The rollout is the controller's to run: agents are not sent it (and
-    // so do not name it among the keys they leave out).
-    if let Some(d) = spec.get_mut("driver").and_then(|d| d.as_object_mut()) {
-        d.remove("upgradePolicy");
-    }
-    serde_json::json!({
-        "apiVersion": "nvidia.com/v1",
-        "kind": "ClusterPolicy",
-        "metadata": { "name": obj.metadata.name },
-        "spec": spec,
-    })
-    .to_string()
-}
-
 /// Keeps the running ClusterPolicy's `status` saying whether the agents
 /// run it (`state: ready` / `notReady`, with a `Ready` condition naming the
-/// nodes that do not and the keys gpu-agent does not use). Written by the
-/// leader only, at most every 2 s, only when it changes.
+/// ConfigMaps it names that are not used, the nodes that do not run it and
+/// the keys gpu-agent does not use). Written by the leader only, at most
+/// every 2 s, only when it changes.
 pub async fn status_loop(
     client: kube::Client,
     fleet: Arc<Fleet>,
@@ -84,7 +64,15 @@ pub async fn status_loop(
                 "conditions": [{
                     "type": "Ready",
                     "status": if *ready { "True" } else { "False" },
-                    "reason": if *ready { "AgentsRunIt" } else { "AgentsNotReady" },
+                    // A ConfigMap it names that is not used is said first
+                    // (Fleet::policy_status).
+                    "reason": if *ready {
+                        "AgentsRunIt"
+                    } else if message.starts_with("ConfigMap ") {
+                        "ConfigMapNotUsed"
+                    } else {
+                        "AgentsNotReady"
+                    },
                     "message": message,
                     "lastTransitionTime": since,
                 }],
@@ -110,8 +98,15 @@ pub async fn status_loop(
 }
 
 /// Follows the ClusterPolicies until the stream ends (the watcher retries
-/// with backoff; a cluster without the CRD is said once a retry).
-pub async fn run(client: kube::Client, fleet: Arc<Fleet>, name: String) {
+/// with backoff; a cluster without the CRD is said once a retry). The one
+/// used (name, spec) goes to `chosen`, whose reader resolves the ConfigMaps
+/// it names and sends it to the agents ([`crate::config_maps::run`]).
+pub async fn run(
+    client: kube::Client,
+    fleet: Arc<Fleet>,
+    name: String,
+    chosen_tx: tokio::sync::watch::Sender<Option<(String, serde_json::Value)>>,
+) {
     let api: Api<DynamicObject> = Api::all_with(client, &resource());
     let mut stream = std::pin::pin!(kube::runtime::WatchStreamExt::default_backoff(
         watcher::watcher(api, watcher::Config::default())
@@ -148,8 +143,19 @@ pub async fn run(client: kube::Client, fleet: Arc<Fleet>, name: String) {
             )
             .map_err(|e| e.to_string())
         }));
-        fleet.set_policy(
-            chosen.map(|o| (o.metadata.name.clone().unwrap_or_default(), policy_text(o))),
-        );
+        // Its status written back changes nothing here.
+        let now = chosen.map(|o| {
+            (
+                o.metadata.name.clone().unwrap_or_default(),
+                o.data.get("spec").cloned().unwrap_or(serde_json::json!({})),
+            )
+        });
+        chosen_tx.send_if_modified(|cur| {
+            let changed = *cur != now;
+            if changed {
+                *cur = now;
+            }
+            changed
+        });
     }
 }

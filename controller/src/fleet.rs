@@ -84,8 +84,9 @@ pub struct Fleet {
     events: Option<mpsc::Sender<crate::events::NodeEvent>>,
     /// Events dropped because that queue was full.
     pub events_dropped: AtomicU64,
-    /// The cluster's ClusterPolicy (name, text) sent to every agent.
-    policy: Mutex<Option<(String, String)>>,
+    /// The cluster's ClusterPolicy as each agent is sent it (the
+    /// ConfigMaps it names resolved: config_maps.rs).
+    policy: Mutex<Option<std::sync::Arc<crate::config_maps::PolicyTexts>>>,
     /// Told when what the ClusterPolicy's status says may have changed.
     pub policy_changed: tokio::sync::Notify,
     /// The ClusterPolicy's `spec.driver.upgradePolicy` (`None`: no
@@ -204,19 +205,19 @@ impl Fleet {
     }
 
     /// The cluster's ClusterPolicy changed (or went): every agent is told.
-    pub fn set_policy(&self, policy: Option<(String, String)>) {
+    pub fn set_policy(&self, policy: Option<crate::config_maps::PolicyTexts>) {
         {
             let mut p = self.policy.lock().unwrap();
-            if *p == policy {
+            if p.as_deref() == policy.as_ref() {
                 return;
             }
             match &policy {
-                Some((name, _)) => {
-                    tracing::info!(cluster_policy = %name, "sending the ClusterPolicy to the agents")
+                Some(t) => {
+                    tracing::info!(cluster_policy = %t.name, "sending the ClusterPolicy to the agents")
                 }
                 None => tracing::info!("no ClusterPolicy: agents keep their own policy"),
             }
-            *p = policy;
+            *p = policy.map(std::sync::Arc::new);
         }
         self.policy_changed.notify_one();
         for node in self.names() {
@@ -226,7 +227,12 @@ impl Fleet {
 
     /// Sends the node's agent what is wanted of it, if that changed.
     pub fn send_desired(&self, node: &str) {
-        let policy = self.policy.lock().unwrap().as_ref().map(|(_, t)| t.clone());
+        let policy = self
+            .policy
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|p| p.for_node(node));
         let msg = self.with(node, |e| {
             let want = Self::desired_of(e, policy.as_deref());
             if e.sent.as_ref() == Some(&want) {
@@ -831,7 +837,8 @@ impl Fleet {
     /// The running ClusterPolicy's name, and what its status should say:
     /// (ready, message). `None` when no ClusterPolicy is sent.
     pub fn policy_status(&self) -> Option<(String, bool, String)> {
-        let name = self.policy.lock().unwrap().as_ref()?.0.clone();
+        let policy = self.policy.lock().unwrap().clone()?;
+        let name = policy.name.clone();
         let nodes = self.nodes.lock().unwrap();
         let mut names: Vec<&String> = nodes
             .keys()
@@ -852,11 +859,14 @@ impl Fleet {
                 problems.push(format!("{n}: not every stage is validated"));
             }
         }
-        let mut message = format!(
+        // ConfigMaps it names that are not used come first.
+        let unused = policy.problems_for(&names);
+        let mut message = unused.iter().map(|p| format!("{p}; ")).collect::<String>();
+        message.push_str(&format!(
             "{} of {} reporting nodes run it",
             names.len() - problems.len(),
             names.len()
-        );
+        ));
         if !problems.is_empty() {
             message.push_str(&format!(" ({})", problems.join("; ")));
         }
@@ -866,7 +876,7 @@ impl Fleet {
                 ignored.into_iter().collect::<Vec<_>>().join(", ")
             ));
         }
-        Some((name, problems.is_empty(), message))
+        Some((name, problems.is_empty() && unused.is_empty(), message))
     }
 
     /// Requeues a node whose write finished while another change came in.

@@ -6,6 +6,7 @@
 
 pub mod auth;
 pub mod cluster_policy;
+pub mod config_maps;
 pub mod drift;
 pub mod events;
 pub mod fleet;
@@ -42,6 +43,9 @@ pub struct Options {
     pub election: Option<lease::Election>,
     /// The ClusterPolicy to use when there are several.
     pub cluster_policy: String,
+    /// Where the ConfigMaps the ClusterPolicy names are (`None`: the
+    /// client's namespace: in a pod, its own).
+    pub config_map_namespace: Option<String>,
     /// Agent connections held at once; more are closed as they come.
     pub max_connections: usize,
     /// A TLS handshake must be done within this; slower clients are closed.
@@ -122,10 +126,22 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
     }
     tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
+    let (chosen_tx, chosen) = tokio::sync::watch::channel(None);
     tokio::spawn(cluster_policy::run(
         client.clone(),
         fleet.clone(),
         opts.cluster_policy.clone(),
+        chosen_tx,
+    ));
+    let namespace = opts
+        .config_map_namespace
+        .clone()
+        .unwrap_or_else(|| client.default_namespace().to_string());
+    tokio::spawn(config_maps::run(
+        client.clone(),
+        fleet.clone(),
+        namespace,
+        chosen,
     ));
     tokio::spawn(upgrade::run(
         upgrade::Upgrader::new(client.clone())

@@ -54,6 +54,11 @@ struct Cli {
     /// The ClusterPolicy sent to agents when the cluster has several.
     #[arg(long, default_value = "cluster-policy")]
     cluster_policy: String,
+    /// Where the ConfigMaps the ClusterPolicy names are (the GPU Operator
+    /// keeps them in its own namespace). Default: this pod's namespace
+    /// (POD_NAMESPACE), else the kubeconfig's.
+    #[arg(long, env = "GPU_CONTROLLER_CONFIG_MAP_NAMESPACE")]
+    config_map_namespace: Option<String>,
     /// Agent connections held at once (one per node, and room for
     /// reconnects); connections beyond are closed as they come.
     #[arg(long, env = "GPU_CONTROLLER_MAX_CONNECTIONS", default_value_t = 20_000)]
@@ -181,6 +186,10 @@ fn main() -> ExitCode {
         grace: Duration::from_secs(cli.agent_grace_seconds),
         http_listen: cli.http_listen.0,
         cluster_policy: cli.cluster_policy.clone(),
+        config_map_namespace: cli
+            .config_map_namespace
+            .clone()
+            .or_else(|| cli.lease_namespace.clone()),
         max_connections: cli.max_connections,
         handshake_within: Duration::from_secs(cli.tls_handshake_seconds),
         upgrade_validation_timeout: (cli.upgrade_validation_timeout_seconds > 0)

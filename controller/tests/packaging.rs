@@ -1481,7 +1481,16 @@ fn the_controller_rbac_allows_what_it_does_and_no_more() {
     api.add_pod("ml", "train-py", gpu_pod("py-node"));
     let cp = find(&objs, "ClusterPolicy", "cluster-policy");
     let target = cp["spec"]["driver"]["version"].as_str().unwrap();
-    api.set_cluster_policy("cluster-policy", cp["spec"].clone());
+    // The device-plugin config in the operator's shape (a ConfigMap named,
+    // no file mounted): the controller reads it (config_maps.rs).
+    let mut spec = cp["spec"].clone();
+    spec["devicePlugin"]["config"] = json!({"name": "time-slicing-config", "default": "any"});
+    api.set_config_map(
+        NS,
+        "time-slicing-config",
+        json!({"any": "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n"}),
+    );
+    api.set_cluster_policy("cluster-policy", spec);
     let dir = tempfile::tempdir().unwrap();
     let (ca, cert, key) = common::certs(dir.path());
     let (mut controller, port) = controller_as_rendered(
@@ -1528,6 +1537,11 @@ fn the_controller_rbac_allows_what_it_does_and_no_more() {
                     "PATCH",
                     "/apis/nvidia.com/v1/clusterpolicies/cluster-policy/status",
                 )
+                && api.requests().iter().any(|r| {
+                    r.uri
+                        .starts_with(&format!("/api/v1/namespaces/{NS}/configmaps?"))
+                        && r.uri.contains("watch=true")
+                })
         },
     );
     controller.term();

@@ -70,6 +70,10 @@ struct Inner {
     /// ClusterPolicies (nvidia.com/v1), and their watches.
     cluster_policies: BTreeMap<String, Value>,
     cp_watches: Vec<tokio::sync::mpsc::UnboundedSender<Value>>,
+    /// ConfigMaps by `namespace/name`, and their watches (namespace, the
+    /// name a field selector picks or "" for all, where events go).
+    config_maps: BTreeMap<String, Value>,
+    cm_watches: Vec<(String, String, tokio::sync::mpsc::UnboundedSender<Value>)>,
     /// Pods by `namespace/name`.
     pods: BTreeMap<String, Value>,
     /// DaemonSets that exist, as `namespace/name`.
@@ -398,6 +402,45 @@ impl MockApi {
             .retain(|tx| tx.send(json!({"type": kind, "object": obj})).is_ok());
     }
 
+    /// Creates or changes a ConfigMap's `data`; watches hear.
+    pub fn set_config_map(&self, namespace: &str, name: &str, data: Value) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let obj = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace, "resourceVersion": i.version.to_string(),
+                         "uid": format!("cm-{namespace}-{name}")},
+            "data": data});
+        let key = format!("{namespace}/{name}");
+        let kind = if i.config_maps.contains_key(&key) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        i.config_maps.insert(key, obj.clone());
+        i.cm_watches.retain(|(ns, sel, tx)| {
+            if ns != namespace || (!sel.is_empty() && sel != name) {
+                return !tx.is_closed();
+            }
+            tx.send(json!({"type": kind, "object": obj})).is_ok()
+        });
+    }
+
+    /// Deletes a ConfigMap; watches hear.
+    pub fn delete_config_map(&self, namespace: &str, name: &str) {
+        let mut i = self.inner.lock().unwrap();
+        i.version += 1;
+        let Some(mut obj) = i.config_maps.remove(&format!("{namespace}/{name}")) else {
+            return;
+        };
+        obj["metadata"]["resourceVersion"] = json!(i.version.to_string());
+        i.cm_watches.retain(|(ns, sel, tx)| {
+            if ns != namespace || (!sel.is_empty() && sel != name) {
+                return !tx.is_closed();
+            }
+            tx.send(json!({"type": "DELETED", "object": obj})).is_ok()
+        });
+    }
+
     /// A ClusterPolicy as the API has it now.
     pub fn cluster_policy(&self, name: &str) -> Value {
         self.inner.lock().unwrap().cluster_policies[name].clone()
@@ -517,6 +560,36 @@ impl MockApi {
             let list = json!({"apiVersion": "nvidia.com/v1", "kind": "ClusterPolicyList",
                 "metadata": {"resourceVersion": i.version.to_string()},
                 "items": i.cluster_policies.values().cloned().collect::<Vec<_>>()});
+            return json_reply(200, &list);
+        }
+        if method == "GET"
+            && let Some(rest) = path.strip_prefix("/api/v1/namespaces/")
+            && let Some(ns) = rest.strip_suffix("/configmaps")
+            && !ns.contains('/')
+        {
+            // One namespace's ConfigMaps, all or one by name
+            // (fieldSelector=metadata.name=NAME): list and watch.
+            let sel = query
+                .get("fieldSelector")
+                .map(|f| f.replace("%3D", "="))
+                .and_then(|f| f.strip_prefix("metadata.name=").map(str::to_string))
+                .unwrap_or_default();
+            if query.get("watch").map(String::as_str) == Some("true") {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Value>();
+                i.cm_watches.push((ns.to_string(), sel, tx));
+                return stream_of(rx);
+            }
+            let items: Vec<Value> = i
+                .config_maps
+                .iter()
+                .filter(|(k, _)| {
+                    k.split_once('/')
+                        .is_some_and(|(n, name)| n == ns && (sel.is_empty() || name == sel))
+                })
+                .map(|(_, v)| v.clone())
+                .collect();
+            let list = json!({"apiVersion": "v1", "kind": "ConfigMapList",
+                "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
             return json_reply(200, &list);
         }
         if method == "GET" && path == "/api/v1/pods" {
