@@ -147,7 +147,9 @@ impl Agent {
 
     fn status(&self) -> serde_json::Value {
         let (code, out, err) = run(at(&self.host).args(["status", "-o", "json"]));
-        assert_eq!(code, 0, "{err}");
+        // 3: no running agent answered yet (it is starting); the callers
+        // wait for what they need in the status.
+        assert!(code == 0 || code == 3, "{code}: {err}");
         json(&out)
     }
 
