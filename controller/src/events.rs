@@ -1,32 +1,61 @@
-//! Kubernetes Events for what agents tell as it happens: health events (a
-//! `Warning` when a GPU went unhealthy, else `Normal`) and repairs of drift.
+//! Kubernetes Events (core/v1, about the node, as the kubelet writes its
+//! own) for what agents tell as it happens (health events: a `Warning`
+//! when a GPU went unhealthy, else `Normal`; repairs of drift) and for
+//! driver upgrades (each step, and the outcome: `DriverUpgradeDone`,
+//! `Warning DriverUpgradeFailed`).
+//!
 //! Events are for people reading `kubectl describe node`, so they are
-//! rate-limited per node (a burst of [`BURST`], then one per
-//! [`REFILL`]) and the same words for the same node are said once per
-//! [`SAME_WITHIN`]; what is held back is counted and logged, never queued
-//! without bound.
+//! aggregated, as client-go's event correlator does, with `count`,
+//! `firstTimestamp` and `lastTimestamp` on one Event object (kubectl shows
+//! "(x5 over 3m)"):
+//!
+//! - the same reason and words for the same node within [`SAME_WITHIN`]
+//!   are counted on the Event written first;
+//! - the steps of a node's driver upgrade are one Event (`DriverUpgrade`),
+//!   its message the latest step, its count the steps so far;
+//! - a node may cause [`BURST`] new Events at once, then one per
+//!   [`REFILL`]; past that an Event is counted on the latest Event of the
+//!   same reason for the node (message "(combined from similar events):
+//!   ..."), and only a `Normal` one that has none is held back (counted
+//!   and logged).
+//!
+//! So rate limits never drop a `Warning`, an upgrade's step or its
+//! outcome: they are written, or counted on an Event that is. One Event
+//! object is written at most once per [`UPDATE_EVERY`]; what happens
+//! meanwhile is written together. Nothing waits on the API: the intake only
+//! counts, and one writer sends what is due.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpu_agent_proto::report::v1 as pb;
 use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, PostParams};
-use serde_json::json;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
 
 use crate::node::FIELD_MANAGER;
 
-/// Events one node may cause at once.
+/// New Events one node may cause at once.
 pub const BURST: f64 = 5.0;
 /// Then one per this long.
 pub const REFILL: Duration = Duration::from_secs(60);
-/// The same reason and message for the same node is said once per this.
+/// The same reason and words for the same node within this are counted on
+/// one Event.
 pub const SAME_WITHIN: Duration = Duration::from_secs(600);
-/// Events waiting to be written, over all nodes.
+/// One Event object is written at most this often.
+pub const UPDATE_EVERY: Duration = Duration::from_secs(10);
+/// Events waiting to be counted, over all nodes.
 pub const QUEUE: usize = 4096;
 
-/// What an agent told that becomes an Event.
+/// Reasons whose Events are one per node however the words change (a
+/// driver upgrade's steps).
+pub const STEPS: &[&str] = &["DriverUpgrade"];
+/// Reasons that are outcomes: never held back.
+pub const OUTCOMES: &[&str] = &["DriverUpgradeDone", "DriverUpgradeFailed"];
+
+/// What an agent told, or the controller did, that becomes an Event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeEvent {
     pub node: String,
@@ -62,102 +91,378 @@ impl NodeEvent {
             message: format!("{}: {}", r.stage, r.what),
         }
     }
+
+    /// Never held back: a `Warning`, an upgrade's step or outcome.
+    pub fn kept(&self) -> bool {
+        self.kind == "Warning" || STEPS.contains(&self.reason) || OUTCOMES.contains(&self.reason)
+    }
 }
 
+/// The limits (the constants above; tests make them shorter).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub burst: f64,
+    pub refill: Duration,
+    pub same_within: Duration,
+    pub update_every: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            burst: BURST,
+            refill: REFILL,
+            same_within: SAME_WITHIN,
+            update_every: UPDATE_EVERY,
+        }
+    }
+}
+
+/// (node, type, reason, words: empty for [`STEPS`]).
+type Key = (String, &'static str, &'static str, String);
+
+/// One Event object and what it counts.
 #[derive(Debug)]
-struct Bucket {
-    tokens: f64,
-    at: Instant,
-    said: HashMap<(&'static str, String), Instant>,
+struct Series {
+    /// In order of making: written in that order.
+    seq: u64,
+    name: String,
+    message: String,
+    count: i32,
+    first: String,
+    last: String,
+    /// When it last happened (it is forgotten [`Limits::same_within`] later).
+    seen: Instant,
+    /// Bumped at each change; `sent` is the one the API has.
+    version: u64,
+    sent: Option<u64>,
+    /// Whether the object exists in the API.
+    created: bool,
+    /// When a write last went out (or failed).
+    wrote: Option<Instant>,
+    in_flight: bool,
 }
 
-/// Decides which events are written.
+/// What [`Book::take`] did with an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Taken {
+    /// A new Event.
+    New,
+    /// Counted on the Event of the same words (or the same upgrade).
+    Counted,
+    /// Counted on the latest Event of the same reason (no new Event may
+    /// be made for the node now).
+    Combined,
+    /// A `Normal` event past the node's limit with nothing to count it on.
+    HeldBack,
+}
+
+/// A write the writer is to send.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Write {
+    key: Key,
+    version: u64,
+    pub name: String,
+    /// Create (POST) the Event, or merge-patch its count, last time and
+    /// message.
+    pub create: bool,
+    pub body: Value,
+}
+
+/// Which Events are written, and what they count.
 #[derive(Debug, Default)]
-pub struct Limiter {
-    nodes: HashMap<String, Bucket>,
+pub struct Book {
+    limits: Limits,
+    /// Per node: tokens, and when they were counted.
+    buckets: HashMap<String, (f64, Instant)>,
+    series: HashMap<Key, Series>,
+    seq: u64,
+    /// `reportingInstance` (the pod's name).
+    instance: String,
     pub held_back: u64,
 }
 
-impl Limiter {
-    /// Whether `e` may be written at `now` (and takes its token).
-    pub fn admit(&mut self, e: &NodeEvent, now: Instant) -> bool {
-        let b = self.nodes.entry(e.node.clone()).or_insert(Bucket {
-            tokens: BURST,
-            at: now,
-            said: HashMap::new(),
-        });
-        b.tokens =
-            (b.tokens + now.duration_since(b.at).as_secs_f64() / REFILL.as_secs_f64()).min(BURST);
-        b.at = now;
-        b.said.retain(|_, t| now.duration_since(*t) < SAME_WITHIN);
-        let key = (e.reason, e.message.clone());
-        if b.said.contains_key(&key) || b.tokens < 1.0 {
-            self.held_back += 1;
-            return false;
+fn wall_now() -> String {
+    jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
+        .map(|t| t.to_string())
+        .unwrap_or_default()
+}
+
+impl Book {
+    pub fn new(limits: Limits, instance: &str) -> Self {
+        Book {
+            limits,
+            instance: instance.into(),
+            ..Default::default()
         }
-        b.tokens -= 1.0;
-        b.said.insert(key, now);
-        true
+    }
+
+    fn name_for(&mut self, node: &str) -> String {
+        self.seq += 1;
+        format!(
+            "{node}.{:x}{:04x}",
+            jiff::Timestamp::now().as_nanosecond() as u64,
+            self.seq & 0xffff
+        )
+    }
+
+    /// Counts `e` at `now`: a new Event, or one more on an Event.
+    pub fn take(&mut self, e: NodeEvent, now: Instant) -> Taken {
+        self.forget(now);
+        let wall = wall_now();
+        let steps = STEPS.contains(&e.reason);
+        let key: Key = (
+            e.node.clone(),
+            e.kind,
+            e.reason,
+            if steps {
+                String::new()
+            } else {
+                e.message.clone()
+            },
+        );
+        if let Some(s) = self.series.get_mut(&key) {
+            s.count += 1;
+            s.last = wall;
+            s.seen = now;
+            s.version += 1;
+            if steps {
+                s.message = e.message;
+            }
+            return Taken::Counted;
+        }
+        let limits = self.limits;
+        let (tokens, at) = self
+            .buckets
+            .entry(e.node.clone())
+            .or_insert((limits.burst, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() / limits.refill.as_secs_f64())
+            .min(limits.burst);
+        *at = now;
+        let token = *tokens >= 1.0;
+        if token {
+            *tokens -= 1.0;
+        } else if let Some(s) = self
+            .series
+            .iter_mut()
+            .filter(|(k, _)| k.0 == key.0 && k.1 == key.1 && k.2 == key.2)
+            .map(|(_, s)| s)
+            .max_by_key(|s| s.seq)
+        {
+            s.count += 1;
+            s.last = wall;
+            s.seen = now;
+            s.version += 1;
+            s.message = format!("(combined from similar events): {}", e.message);
+            return Taken::Combined;
+        } else if !e.kept() {
+            self.held_back += 1;
+            return Taken::HeldBack;
+        }
+        let name = self.name_for(&e.node);
+        self.series.insert(
+            key,
+            Series {
+                seq: self.seq,
+                name,
+                message: e.message,
+                count: 1,
+                first: wall.clone(),
+                last: wall,
+                seen: now,
+                version: 1,
+                sent: None,
+                created: false,
+                wrote: None,
+                in_flight: false,
+            },
+        );
+        Taken::New
+    }
+
+    /// Forgets Events that did not happen for [`Limits::same_within`] and
+    /// have nothing left to write, and full buckets.
+    fn forget(&mut self, now: Instant) {
+        let within = self.limits.same_within;
+        self.series.retain(|_, s| {
+            s.in_flight || s.sent != Some(s.version) || now.duration_since(s.seen) < within
+        });
+        let full = self.limits.refill.mul_f64(self.limits.burst);
+        let series = &self.series;
+        self.buckets.retain(|node, (_, at)| {
+            now.duration_since(*at) < full || series.keys().any(|k| &k.0 == node)
+        });
+    }
+
+    /// When the next write is due (`None`: nothing to write).
+    pub fn next_due(&self) -> Option<Instant> {
+        self.series
+            .values()
+            .filter(|s| !s.in_flight && s.sent != Some(s.version))
+            .map(|s| match s.wrote {
+                Some(t) => t + self.limits.update_every,
+                None => s.seen,
+            })
+            .min()
+    }
+
+    /// The next write due at `now`, taken (in flight until
+    /// [`Book::written`]).
+    pub fn due(&mut self, now: Instant) -> Option<Write> {
+        let every = self.limits.update_every;
+        let (key, s) = self
+            .series
+            .iter_mut()
+            .filter(|(_, s)| {
+                !s.in_flight
+                    && s.sent != Some(s.version)
+                    && s.wrote.is_none_or(|t| now >= t + every)
+            })
+            .min_by_key(|(_, s)| s.seq)?;
+        s.in_flight = true;
+        let (node, kind, reason, _) = key;
+        let body = if s.created {
+            json!({"count": s.count, "lastTimestamp": s.last, "message": s.message})
+        } else {
+            json!({
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": { "name": s.name, "namespace": "default" },
+                "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": node, "uid": node },
+                "type": kind,
+                "reason": reason,
+                "message": s.message,
+                "source": { "component": FIELD_MANAGER, "host": node },
+                "reportingComponent": FIELD_MANAGER,
+                "reportingInstance": self.instance,
+                "firstTimestamp": s.first,
+                "lastTimestamp": s.last,
+                "count": s.count,
+            })
+        };
+        Some(Write {
+            key: key.clone(),
+            version: s.version,
+            name: s.name.clone(),
+            create: !s.created,
+            body,
+        })
+    }
+
+    /// What became of a write: `Ok`, `Err(true)` when the Event is gone
+    /// from the API (its time to live passed: made again), `Err(false)`
+    /// for another failure (tried again later).
+    pub fn written(&mut self, w: &Write, outcome: Result<(), bool>, now: Instant) {
+        let gone = outcome == Err(true);
+        let fresh = gone.then(|| self.name_for(&w.key.0));
+        let Some(s) = self.series.get_mut(&w.key) else {
+            return;
+        };
+        s.in_flight = false;
+        match outcome {
+            Ok(()) => {
+                s.created = true;
+                s.sent = Some(w.version);
+                s.wrote = Some(now);
+            }
+            Err(_) => {
+                if let Some(name) = fresh {
+                    s.created = false;
+                    s.name = name;
+                } else {
+                    s.wrote = Some(now);
+                }
+            }
+        }
     }
 }
 
 /// Writes events from `rx` as core/v1 Events about the node (in the
 /// `default` namespace, with the node's name as its uid, as the kubelet
-/// does, so `kubectl describe node` lists them).
+/// does, so `kubectl describe node` lists them), by the default limits.
 pub async fn run(
     client: kube::Client,
+    rx: tokio::sync::mpsc::Receiver<NodeEvent>,
+    written: Arc<AtomicU64>,
+) {
+    run_with(client, rx, written, Limits::default()).await
+}
+
+/// The same, by `limits`. Returns when `rx` closes.
+pub async fn run_with(
+    client: kube::Client,
     mut rx: tokio::sync::mpsc::Receiver<NodeEvent>,
-    written: std::sync::Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
+    limits: Limits,
 ) {
     let api: Api<Event> = Api::namespaced(client, "default");
     let instance = std::env::var("POD_NAME").unwrap_or_else(|_| FIELD_MANAGER.to_string());
-    let mut limiter = Limiter::default();
-    let mut seq = 0u64;
-    while let Some(e) = rx.recv().await {
-        if !limiter.admit(&e, Instant::now()) {
-            tracing::debug!(node = %e.node, reason = e.reason, held_back = limiter.held_back, "event held back (rate limit)");
-            continue;
+    let book = Arc::new(Mutex::new(Book::new(limits, &instance)));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let intake = {
+        let (book, wake) = (book.clone(), wake.clone());
+        async move {
+            while let Some(e) = rx.recv().await {
+                let (node, reason) = (e.node.clone(), e.reason);
+                let mut b = book.lock().unwrap();
+                if b.take(e, Instant::now()) == Taken::HeldBack {
+                    tracing::debug!(node = %node, reason, held_back = b.held_back, "event held back (rate limit)");
+                }
+                drop(b);
+                wake.notify_one();
+            }
         }
-        seq += 1;
-        let now = jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
-            .map(|t| t.to_string())
-            .unwrap_or_default();
-        let name = format!(
-            "{}.{:x}{:04x}",
-            e.node,
-            jiff::Timestamp::now().as_nanosecond() as u64,
-            seq & 0xffff
-        );
-        let body = json!({
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": { "name": name, "namespace": "default" },
-            "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": e.node, "uid": e.node },
-            "type": e.kind,
-            "reason": e.reason,
-            "message": e.message,
-            "source": { "component": FIELD_MANAGER, "host": e.node },
-            "reportingComponent": FIELD_MANAGER,
-            "reportingInstance": instance,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        });
-        let event: Event = match serde_json::from_value(body) {
-            Ok(ev) => ev,
-            Err(err) => {
-                tracing::error!(error = %err, "cannot make an Event");
+    };
+    let writer = async move {
+        loop {
+            let (next, at) = {
+                let mut b = book.lock().unwrap();
+                let now = Instant::now();
+                (b.due(now), b.next_due())
+            };
+            let Some(w) = next else {
+                match at {
+                    Some(t) => {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(t.into()) => {}
+                            _ = wake.notified() => {}
+                        }
+                    }
+                    None => wake.notified().await,
+                }
                 continue;
-            }
-        };
-        match api.create(&PostParams::default(), &event).await {
-            Ok(_) => {
-                written.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(err) => {
-                tracing::warn!(node = %e.node, reason = e.reason, error = %err, "cannot write the Event")
-            }
+            };
+            let outcome = if w.create {
+                let event: Result<Event, _> = serde_json::from_value(w.body.clone());
+                match event {
+                    Ok(ev) => api.create(&PostParams::default(), &ev).await.map(|_| ()),
+                    Err(err) => {
+                        tracing::error!(error = %err, "cannot make an Event");
+                        Ok(())
+                    }
+                }
+            } else {
+                api.patch(&w.name, &PatchParams::default(), &Patch::Merge(&w.body))
+                    .await
+                    .map(|_| ())
+            };
+            let outcome = match outcome {
+                Ok(()) => {
+                    written.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 && !w.create => Err(true),
+                Err(err) => {
+                    tracing::warn!(event = %w.name, error = %crate::error_chain(&err), "cannot write the Event");
+                    Err(false)
+                }
+            };
+            book.lock().unwrap().written(&w, outcome, Instant::now());
         }
+    };
+    tokio::select! {
+        _ = intake => {}
+        _ = writer => {}
     }
 }
 
@@ -165,31 +470,168 @@ pub async fn run(
 mod tests {
     use super::*;
 
-    fn ev(msg: &str) -> NodeEvent {
+    fn ev(kind: &'static str, reason: &'static str, msg: &str) -> NodeEvent {
         NodeEvent {
             node: "n".into(),
-            kind: "Warning",
-            reason: "GPUUnhealthy",
+            kind,
+            reason,
             message: msg.into(),
         }
     }
 
-    #[test]
-    fn a_burst_then_one_a_minute_and_the_same_words_once() {
-        let mut l = Limiter::default();
-        let t = Instant::now();
-        assert!(l.admit(&ev("a"), t));
-        assert!(!l.admit(&ev("a"), t), "the same words again");
-        for m in ["b", "c", "d", "e"] {
-            assert!(l.admit(&ev(m), t));
+    fn book() -> Book {
+        Book::new(Limits::default(), "me")
+    }
+
+    /// Writes everything due at `t`, all succeeding; the bodies.
+    fn flush(b: &mut Book, t: Instant) -> Vec<Write> {
+        let mut out = Vec::new();
+        while let Some(w) = b.due(t) {
+            b.written(&w, Ok(()), t);
+            out.push(w);
         }
-        assert!(!l.admit(&ev("f"), t), "the burst is spent");
-        assert!(l.admit(&ev("f"), t + REFILL), "one more after a minute");
-        assert!(!l.admit(&ev("g"), t + REFILL));
-        assert_eq!(l.held_back, 3);
-        assert!(
-            l.admit(&ev("a"), t + SAME_WITHIN + REFILL),
-            "said again later"
+        out
+    }
+
+    #[test]
+    fn a_burst_then_one_a_minute_the_same_words_counted_and_the_rest_combined() {
+        let mut b = book();
+        let t = Instant::now();
+        assert_eq!(b.take(ev("Normal", "GPUHealthEvent", "a"), t), Taken::New);
+        assert_eq!(
+            b.take(ev("Normal", "GPUHealthEvent", "a"), t),
+            Taken::Counted,
+            "the same words again"
         );
+        for m in ["b", "c", "d", "e"] {
+            assert_eq!(b.take(ev("Normal", "GPUHealthEvent", m), t), Taken::New);
+        }
+        assert_eq!(
+            b.take(ev("Normal", "GPUHealthEvent", "f"), t),
+            Taken::Combined,
+            "the burst is spent: counted on the latest of its reason"
+        );
+        assert_eq!(
+            b.take(ev("Normal", "DriftRepaired", "x"), t),
+            Taken::HeldBack,
+            "nothing of its reason to count it on"
+        );
+        assert_eq!(b.held_back, 1);
+        assert_eq!(
+            b.take(ev("Normal", "DriftRepaired", "x"), t + REFILL),
+            Taken::New,
+            "one more after a minute"
+        );
+        let writes = flush(&mut b, t + REFILL);
+        assert_eq!(writes.len(), 6, "five, and one a minute later");
+        assert!(writes.iter().all(|w| w.create));
+        assert_eq!(writes[0].body["count"], 2);
+        assert_eq!(
+            writes[4].body["message"],
+            "(combined from similar events): f"
+        );
+        assert_eq!(writes[4].body["count"], 2);
+        // Said again: counted on the Event written, one patch at most per
+        // UPDATE_EVERY.
+        let t2 = t + REFILL + Duration::from_secs(1);
+        for _ in 0..3 {
+            assert_eq!(
+                b.take(ev("Normal", "GPUHealthEvent", "a"), t2),
+                Taken::Counted
+            );
+        }
+        assert!(flush(&mut b, t2).is_empty(), "written a second ago");
+        let patches = flush(&mut b, t + REFILL + UPDATE_EVERY);
+        assert_eq!(patches.len(), 1);
+        assert!(!patches[0].create);
+        assert_eq!(patches[0].name, writes[0].name);
+        assert_eq!(patches[0].body["count"], 5);
+        assert_eq!(patches[0].body["message"], "a");
+        // Much later the words are new again.
+        let later = t + REFILL + UPDATE_EVERY + SAME_WITHIN + REFILL;
+        assert_eq!(
+            b.take(ev("Normal", "GPUHealthEvent", "a"), later),
+            Taken::New
+        );
+    }
+
+    #[test]
+    fn warnings_steps_and_outcomes_are_never_held_back() {
+        let mut b = book();
+        let t = Instant::now();
+        for m in ["1", "2", "3", "4", "5"] {
+            assert_eq!(b.take(ev("Normal", "DriftRepaired", m), t), Taken::New);
+        }
+        // The burst is spent on repairs; an upgrade's steps are one Event,
+        // its outcome another, a Warning a third.
+        for step in ["upgrade-required", "cordon-required", "uncordon-required"] {
+            b.take(ev("Normal", "DriverUpgrade", step), t);
+        }
+        assert_eq!(
+            b.take(ev("Normal", "DriverUpgradeDone", "driver 2 validated"), t),
+            Taken::New
+        );
+        assert_eq!(
+            b.take(ev("Warning", "GPUUnhealthy", "XID 79 on GPU-0"), t),
+            Taken::New
+        );
+        assert_eq!(
+            b.take(ev("Warning", "GPUUnhealthy", "XID 79 on GPU-1"), t),
+            Taken::Combined,
+            "a second Warning of the reason is counted on the first"
+        );
+        assert_eq!(
+            b.take(
+                ev(
+                    "Warning",
+                    "DriverUpgradeFailed",
+                    "upgrade to driver 3 failed"
+                ),
+                t
+            ),
+            Taken::New
+        );
+        assert_eq!(b.held_back, 0);
+        let writes = flush(&mut b, t);
+        let reasons: Vec<&Value> = writes.iter().map(|w| &w.body["reason"]).collect();
+        assert_eq!(
+            reasons,
+            [
+                "DriftRepaired",
+                "DriftRepaired",
+                "DriftRepaired",
+                "DriftRepaired",
+                "DriftRepaired",
+                "DriverUpgrade",
+                "DriverUpgradeDone",
+                "GPUUnhealthy",
+                "DriverUpgradeFailed"
+            ]
+        );
+        assert_eq!(writes[5].body["count"], 3);
+        assert_eq!(writes[5].body["message"], "uncordon-required");
+        assert_eq!(writes[7].body["count"], 2);
+        assert_eq!(writes[8].body["type"], "Warning");
+    }
+
+    #[test]
+    fn an_event_gone_from_the_api_is_made_again_and_a_failure_tried_again_later() {
+        let mut b = book();
+        let t = Instant::now();
+        b.take(ev("Warning", "GPUUnhealthy", "x"), t);
+        let w = b.due(t).unwrap();
+        b.written(&w, Err(false), t);
+        assert!(b.due(t).is_none(), "not again at once");
+        let w = b.due(t + UPDATE_EVERY).unwrap();
+        assert!(w.create);
+        b.written(&w, Ok(()), t + UPDATE_EVERY);
+        b.take(ev("Warning", "GPUUnhealthy", "x"), t + UPDATE_EVERY);
+        let p = b.due(t + UPDATE_EVERY * 2).unwrap();
+        assert!(!p.create);
+        b.written(&p, Err(true), t + UPDATE_EVERY * 2);
+        let again = b.due(t + UPDATE_EVERY * 2).unwrap();
+        assert!(again.create, "made again");
+        assert_ne!(again.name, w.name);
+        assert_eq!(again.body["count"], 2);
     }
 }

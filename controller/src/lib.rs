@@ -24,8 +24,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long a stopping controller waits for agents' streams to close.
-const STOP_WITHIN: Duration = Duration::from_secs(5);
+/// How long a stopping controller takes at most, from SIGTERM to its
+/// exit (the Lease given up, every agent's connection closed).
+const STOP_WITHIN: Duration = Duration::from_secs(4);
+/// Of which giving the Lease up may take this long.
+const RELEASE_WITHIN: Duration = Duration::from_secs(2);
 
 /// What `gpu-controller` was asked for.
 #[derive(Debug)]
@@ -82,13 +85,38 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
 pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let cert = read(&opts.tls_cert)?;
     let key = read(&opts.tls_key)?;
-    let client = kube::Client::try_default()
+    let config = kube::Config::infer()
         .await
         .map_err(|e| ControllerError::Kube(e.to_string()))?;
+    let client =
+        kube::Client::try_from(config.clone()).map_err(|e| ControllerError::Kube(e.to_string()))?;
     let (leader_tx, leader) = tokio::sync::watch::channel(opts.election.is_none());
-    if let Some(e) = opts.election.clone() {
-        tokio::spawn(lease::run(client.clone(), e, leader_tx));
-    }
+    let (standing_tx, standing) = tokio::sync::watch::channel(match opts.election {
+        Some(_) => lease::Standing::Starting,
+        None => lease::Standing::Alone,
+    });
+    let lease_name = opts
+        .election
+        .as_ref()
+        .map(lease::Election::lease)
+        .unwrap_or_default();
+    let (give_up, given_up) = tokio::sync::oneshot::channel::<()>();
+    // Without an election the senders live as long as the controller: a
+    // task whose leadership sender is gone stops.
+    let mut always_leading = None;
+    let election = match opts.election.clone() {
+        Some(e) => Some(tokio::spawn(lease::run(
+            lease::client(config)?,
+            e,
+            leader_tx,
+            standing_tx,
+            given_up,
+        ))),
+        None => {
+            always_leading = Some((leader_tx, standing_tx, given_up));
+            None
+        }
+    };
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(events::QUEUE);
     let fleet = Arc::new(fleet.with_events(events_tx));
@@ -123,7 +151,12 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
                     message: e.to_string(),
                 })?;
         tracing::info!(listen = %listener.local_addr().unwrap_or(addr), "fleet page");
-        tokio::spawn(page::serve(listener, fleet.clone(), leader.clone()));
+        tokio::spawn(page::serve(
+            listener,
+            fleet.clone(),
+            standing.clone(),
+            lease_name.clone(),
+        ));
     }
     tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
     let (chosen_tx, chosen) = tokio::sync::watch::channel(None);
@@ -161,7 +194,9 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         &opts.agent_account.0,
         &opts.agent_account.1,
     ));
-    let service = server::ReportService::new(fleet, auth, leader).server();
+    let service = server::ReportService::new(fleet.clone(), auth, leader)
+        .with_standing(standing, lease_name)
+        .server();
     let tls = tonic::transport::ServerTlsConfig::new()
         .identity(tonic::transport::Identity::from_pem(cert, key))
         .timeout(opts.handshake_within);
@@ -197,18 +232,38 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     tokio::select! {
         r = &mut serve => r.map_err(serve_err)?,
         _ = shutdown() => {
-            // Agents' streams never end on their own: they are told to go
-            // (GOAWAY) and given a moment, then the controller exits; each
-            // agent reconnects (to another replica, or to this one again).
+            let began = std::time::Instant::now();
             tracing::info!("gpu-controller stopping");
+            // First this replica stops leading and gives the Lease up, so
+            // the stand-by takes over at its next look; stepping down
+            // closes every agent's stream (they reconnect, through the
+            // Service, to the new leader). With no election this replica
+            // stops leading here.
+            let _ = give_up.send(());
+            match election {
+                Some(task) => {
+                    let _ = tokio::time::timeout(RELEASE_WITHIN, task).await;
+                }
+                None => {
+                    if let Some((leader, standing, _)) = &always_leading {
+                        standing.send_replace(lease::Standing::Stopping);
+                        leader.send_replace(false);
+                    }
+                    fleet.reset();
+                }
+            }
+            // Then the connections are told to go (GOAWAY): with their
+            // streams closed they go at once.
             let _ = stop.send(());
-            match tokio::time::timeout(STOP_WITHIN, &mut serve).await {
+            let left = STOP_WITHIN.saturating_sub(began.elapsed());
+            match tokio::time::timeout(left, &mut serve).await {
                 Ok(r) => r.map_err(serve_err)?,
                 Err(_) => tracing::info!(
-                    "agents still connected after {} s; closing their streams",
+                    "connections still open after {} s; closing them",
                     STOP_WITHIN.as_secs()
                 ),
             }
+            tracing::info!(ms = began.elapsed().as_millis() as u64, "gpu-controller stopped");
         }
     }
     Ok(())

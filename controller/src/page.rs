@@ -1,7 +1,8 @@
 //! The fleet page: `GET /` is a small page that shows the fleet (nodes,
 //! GPUs, health with the last events and their advice, driver versions, MIG
 //! layouts, upgrade progress) from `GET /fleet.json`, which is the same as
-//! JSON; `GET /healthz` answers `ok`. HTTP/1 only, GET only; a connection
+//! JSON; `GET /healthz` answers `ok`; `GET /readyz` answers 200 while this
+//! replica leads, else 503, saying why in words. HTTP/1 only, GET only; a connection
 //! that sends no request head within 10 s is closed.
 
 use std::convert::Infallible;
@@ -14,6 +15,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 
 use crate::fleet::Fleet;
+use crate::lease::Standing;
 
 /// The page (its script renders `/fleet.json`).
 pub const PAGE: &str = include_str!("page.html");
@@ -28,10 +30,12 @@ fn answer(status: StatusCode, kind: &str, body: impl Into<Bytes>) -> Response<Fu
     r
 }
 
-/// One request.
+/// One request; `standing` and `lease` (`namespace/name`) say whether
+/// this replica leads, and why not.
 pub fn handle(
     fleet: &Fleet,
-    leader: bool,
+    standing: &Standing,
+    lease: &str,
     req: &Request<impl hyper::body::Body>,
 ) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -44,12 +48,15 @@ pub fn handle(
         "/" => answer(StatusCode::OK, "text/html; charset=utf-8", PAGE),
         "/fleet.json" => answer(StatusCode::OK, "application/json", fleet.view().to_string()),
         "/healthz" => answer(StatusCode::OK, "text/plain", "ok\n"),
-        // Ready = leading: the Service sends agents to the leader only.
-        "/readyz" if leader => answer(StatusCode::OK, "text/plain", "leading\n"),
+        // Ready = leading, and why not in words.
         "/readyz" => answer(
-            StatusCode::SERVICE_UNAVAILABLE,
+            if standing.leads() {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            },
             "text/plain",
-            "standing by: another replica holds the Lease\n",
+            format!("{}\n", standing.words(lease)),
         ),
         _ => answer(StatusCode::NOT_FOUND, "text/plain", "not found\n"),
     }
@@ -59,17 +66,19 @@ pub fn handle(
 pub async fn serve(
     listener: tokio::net::TcpListener,
     fleet: Arc<Fleet>,
-    leader: tokio::sync::watch::Receiver<bool>,
+    standing: tokio::sync::watch::Receiver<Standing>,
+    lease: String,
 ) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         let fleet = fleet.clone();
-        let leader = leader.clone();
+        let standing = standing.clone();
+        let lease = lease.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let r = handle(&fleet, *leader.borrow(), &req);
+                let r = handle(&fleet, &standing.borrow(), &lease, &req);
                 async move { Ok::<_, Infallible>(r) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()

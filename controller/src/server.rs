@@ -124,6 +124,8 @@ pub struct ReportService {
     auth: Arc<dyn Authenticator>,
     /// Whether this replica leads (only the leader serves agents).
     leader: tokio::sync::watch::Receiver<bool>,
+    /// Why it does not, and the Lease's `namespace/name`.
+    standing: Option<(tokio::sync::watch::Receiver<crate::lease::Standing>, String)>,
 }
 
 impl std::fmt::Debug for ReportService {
@@ -142,7 +144,27 @@ impl ReportService {
             fleet,
             auth,
             leader,
+            standing: None,
         }
+    }
+
+    /// Agents turned away are told why this replica does not lead.
+    pub fn with_standing(
+        mut self,
+        standing: tokio::sync::watch::Receiver<crate::lease::Standing>,
+        lease: String,
+    ) -> Self {
+        self.standing = Some((standing, lease));
+        self
+    }
+
+    /// Why this replica does not serve agents, in words.
+    fn not_leading(&self) -> String {
+        let why = match &self.standing {
+            Some((s, lease)) => s.borrow().words(lease),
+            None => "standing by (another holds the Lease)".into(),
+        };
+        format!("this gpu-controller replica does not lead: {why}: connect again")
     }
 
     /// The tonic service, with the message size limits.
@@ -181,9 +203,7 @@ impl Report for ReportService {
             .map(|a| a.to_string())
             .unwrap_or_else(|| "?".into());
         if !*self.leader.borrow() {
-            return Err(Status::unavailable(
-                "this gpu-controller replica is standing by (another holds the Lease): connect again",
-            ));
+            return Err(Status::unavailable(self.not_leading()));
         }
         let token = bearer(&req).map_err(|e| Status::unauthenticated(e.to_string()))?;
         let who = self.auth.authenticate(&token).await.map_err(|e| {
@@ -219,6 +239,8 @@ impl Report for ReportService {
         // What is wanted of the node goes down first, then when it changes.
         let (id, mut kicked) = self.fleet.connect(hello, tx.clone());
         let fleet = self.fleet.clone();
+        let leader = self.leader.clone();
+        let not_leading = self.standing.clone();
         tokio::spawn(async move {
             let why = tokio::select! {
                 r = follow(&fleet, &node, &mut up) => match r {
@@ -231,7 +253,19 @@ impl Report for ReportService {
                     }
                 },
                 _ = &mut kicked => {
-                    let _ = tx.send(Err(Status::aborted("a newer stream from this node replaced this one"))).await;
+                    // Kicked: this replica stopped leading (every stream
+                    // is closed), or a newer stream came.
+                    let status = if *leader.borrow() {
+                        Status::aborted("a newer stream from this node replaced this one")
+                    } else {
+                        let why = not_leading
+                            .map(|(s, lease)| s.borrow().words(&lease))
+                            .unwrap_or_else(|| "no longer leading".into());
+                        Status::unavailable(format!(
+                            "this gpu-controller replica does not lead: {why}: connect again"
+                        ))
+                    };
+                    let _ = tx.send(Err(status)).await;
                     return;
                 }
             };

@@ -688,9 +688,49 @@ pub struct StepError {
 struct PodInfo {
     namespace: String,
     name: String,
-    terminating: bool,
+    /// Its deletion began (evicted, deleted): when, and the grace period
+    /// it was given.
+    terminating: Option<(String, Option<i64>)>,
     /// Why it may not be evicted, if so.
     refused: Option<String>,
+}
+
+impl PodInfo {
+    /// `ns/name`, or `ns/name (terminating since T, grace period N s)`.
+    fn said(&self) -> String {
+        match &self.terminating {
+            None => format!("{}/{}", self.namespace, self.name),
+            Some((since, grace)) => format!(
+                "{}/{} (terminating since {since}{})",
+                self.namespace,
+                self.name,
+                grace.map_or(String::new(), |g| format!(", grace period {g} s"))
+            ),
+        }
+    }
+}
+
+/// What keeps a removal step waiting, in words: the pods still running
+/// and those still terminating, apart.
+fn left(pods: &[PodInfo]) -> String {
+    let running: Vec<String> = pods
+        .iter()
+        .filter(|p| p.terminating.is_none())
+        .map(PodInfo::said)
+        .collect();
+    let terminating: Vec<String> = pods
+        .iter()
+        .filter(|p| p.terminating.is_some())
+        .map(PodInfo::said)
+        .collect();
+    let mut parts = Vec::new();
+    if !running.is_empty() {
+        parts.push(format!("{} still running", running.join(", ")));
+    }
+    if !terminating.is_empty() {
+        parts.push(format!("{} still terminating", terminating.join(", ")));
+    }
+    parts.join("; ")
 }
 
 impl std::fmt::Debug for Upgrader {
@@ -1127,7 +1167,7 @@ impl Upgrader {
         }
         let refused: Vec<String> = pods
             .iter()
-            .filter(|p| !p.terminating)
+            .filter(|p| p.terminating.is_none())
             .filter_map(|p| {
                 p.refused
                     .as_ref()
@@ -1138,11 +1178,8 @@ impl Upgrader {
         if !refused.is_empty() || timed_out {
             let why = if refused.is_empty() {
                 format!(
-                    "{} still running after {} s",
-                    pods.iter()
-                        .map(|p| format!("{}/{}", p.namespace, p.name))
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    "{} after {} s",
+                    left(&pods),
                     rules.timeout.map_or(0, |t| t.as_secs())
                 )
             } else {
@@ -1169,7 +1206,7 @@ impl Upgrader {
             return Ok(None);
         }
         let mut blocked = Vec::new();
-        for p in pods.iter().filter(|p| !p.terminating) {
+        for p in pods.iter().filter(|p| p.terminating.is_none()) {
             if !self.leading() {
                 // The next leader evicts what is left.
                 return Ok(None);
@@ -1197,7 +1234,7 @@ impl Upgrader {
             format!(
                 "waiting for {} to go",
                 pods.iter()
-                    .map(|p| format!("{}/{}", p.namespace, p.name))
+                    .map(PodInfo::said)
                     .collect::<Vec<_>>()
                     .join(", ")
             )
@@ -1314,7 +1351,11 @@ fn info(p: &Pod, rules: &Removal) -> PodInfo {
     PodInfo {
         namespace: p.metadata.namespace.clone().unwrap_or_default(),
         name: p.metadata.name.clone().unwrap_or_default(),
-        terminating: p.metadata.deletion_timestamp.is_some(),
+        terminating: p
+            .metadata
+            .deletion_timestamp
+            .as_ref()
+            .map(|t| (t.0.to_string(), p.metadata.deletion_grace_period_seconds)),
         refused,
     }
 }

@@ -629,3 +629,65 @@ fn a_grpcio_agent_is_given_the_go_ahead_by_the_running_controller() {
     );
     controller.term();
 }
+
+/// A pod whose deletion began (evicted, held by a finalizer or a long
+/// grace period) is not evicted again and is said to be terminating, with
+/// since when and its grace period, not "still running": in the step's
+/// detail while it waits, and in the failure when the step's time is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminating_pod_is_said_to_be_terminating_not_running() {
+    let api = MockApi::start().await;
+    api.add_node("a", kubelet_node());
+    let mut stuck = pod("a", Some("ReplicaSet"), true, false);
+    stuck["metadata"]["deletionTimestamp"] = json!("2026-11-24T06:00:00Z");
+    stuck["metadata"]["deletionGracePeriodSeconds"] = json!(30);
+    stuck["metadata"]["finalizers"] = json!(["example.com/checkpoint"]);
+    api.add_pod("ml", "train-stuck", stuck);
+    let (fleet, _queue) = Fleet::new(TaintPolicy::Never, Duration::from_secs(60));
+    let spec = json!({"driver": {"version": NEW, "upgradePolicy": {
+        "gpuPodDeletion": {"timeoutSeconds": 1}}}});
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::from_spec(&spec).unwrap())));
+    let _a = connect(&fleet, "a", report(OLD, "upgrade-required", ""));
+    let up = Upgrader::new(api.client());
+    let detail = |fleet: &Fleet| {
+        fleet
+            .upgrade_view()
+            .into_iter()
+            .find(|s| s.node == "a")
+            .and_then(|s| s.step)
+            .map(|u| u.detail)
+            .unwrap_or_default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while step_of(&fleet, "a") != Some(Step::PodDeletionRequired) || detail(&fleet).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            step_of(&fleet, "a")
+        );
+        up.step(&fleet).await;
+    }
+    assert_eq!(
+        detail(&fleet),
+        "waiting for ml/train-stuck (terminating since 2026-11-24T06:00:00Z, grace period 30 s) to go"
+    );
+    while step_of(&fleet, "a") != Some(Step::UpgradeFailed) {
+        assert!(std::time::Instant::now() < deadline, "{}", detail(&fleet));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        up.step(&fleet).await;
+    }
+    assert!(
+        !api.requests().iter().any(|r| r.uri.ends_with("/eviction?")),
+        "a terminating pod is not evicted again"
+    );
+    let failed = "upgrade to driver 560.35.03 failed: GPU pod deletion could not finish: ml/train-stuck (terminating since 2026-11-24T06:00:00Z, grace period 30 s) still terminating after 1 s";
+    Writer::new(api.client()).write_node(&fleet, "a").await;
+    let cond = api.node("a")["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "GPUDriverUpgraded")
+        .cloned()
+        .unwrap();
+    assert_eq!(cond["message"], failed);
+}

@@ -318,3 +318,80 @@ async fn an_agent_gone_past_its_grace_makes_every_condition_unknown() {
         "the taint is kept"
     );
 }
+
+/// Every condition the writer applies carries `lastHeartbeatTime` (a
+/// `Time`: RFC 3339, whole seconds), the time of the write, so `kubectl
+/// describe node` shows when it was said (it printed year 1); a later write
+/// moves it on for every condition, while `lastTransitionTime` stays where
+/// the status did not change.
+#[tokio::test]
+async fn conditions_carry_the_time_of_their_last_write_as_heartbeat() {
+    let api = MockApi::start().await;
+    api.add_node(NODE, kubelet_node());
+    let (fleet, writer) = setup(&api);
+    let before = jiff::Timestamp::now().as_second();
+    fleet.apply(
+        NODE,
+        pb::agent_message::Body::Snapshot(report([true, true], true)),
+    );
+    writer.write_node(&fleet, NODE).await;
+    check_bodies(&api.take());
+    let time = |c: &Value, field: &str| -> i64 {
+        let t = c[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("no {field} in {c}"));
+        assert!(
+            t.ends_with('Z') && !t.contains('.'),
+            "{field} {t}: a Time is RFC 3339 in whole seconds"
+        );
+        t.parse::<jiff::Timestamp>().unwrap().as_second()
+    };
+    let ours = |n: &Value| -> Vec<Value> {
+        n["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["type"].as_str().is_some_and(|t| t.starts_with("GPU")))
+            .cloned()
+            .collect()
+    };
+    let first = ours(&api.node(NODE));
+    assert!(!first.is_empty());
+    for c in &first {
+        let beat = time(c, "lastHeartbeatTime");
+        assert!(
+            beat >= before && beat <= jiff::Timestamp::now().as_second(),
+            "{c}"
+        );
+        assert_eq!(beat, time(c, "lastTransitionTime"), "{c}");
+    }
+    // A GPU goes unhealthy two seconds later: every condition is said
+    // again; only the changed ones move their transition time.
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    fleet.apply(
+        NODE,
+        pb::agent_message::Body::Change(report([true, false], true)),
+    );
+    writer.write_node(&fleet, NODE).await;
+    check_bodies(&api.take());
+    let second = ours(&api.node(NODE));
+    for c in &second {
+        let was = first.iter().find(|f| f["type"] == c["type"]).unwrap();
+        assert!(
+            time(c, "lastHeartbeatTime") >= time(was, "lastHeartbeatTime") + 2,
+            "{was} then {c}"
+        );
+        if c["status"] == was["status"] {
+            assert_eq!(c["lastTransitionTime"], was["lastTransitionTime"], "{c}");
+        } else {
+            assert!(time(c, "lastTransitionTime") > time(was, "lastTransitionTime"));
+        }
+    }
+    assert!(
+        second
+            .iter()
+            .zip(&first)
+            .any(|(c, was)| c["status"] != was["status"]),
+        "a condition changed: {second:#?}"
+    );
+}

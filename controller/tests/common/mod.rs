@@ -49,6 +49,10 @@ struct Inner {
     conflicts: u32,
     /// Don't keep request bodies (the scale benchmark's millions).
     forget_bodies: bool,
+    /// An outage: every request is answered 503 (recorded all the same).
+    unavailable: bool,
+    /// Events (core/v1) by `namespace/name`, as created and merge-patched.
+    events: BTreeMap<String, Value>,
     /// Milliseconds from the `nvidia.com/bench.sent-ms` label's value (an
     /// agent's send time) to the label apply that carries it.
     latencies: Vec<u64>,
@@ -345,6 +349,24 @@ impl MockApi {
             .insert(token.into(), (username.into(), node.into()));
     }
 
+    /// An outage begins (`true`: every request is answered 503 Service
+    /// Unavailable, as an API server behind a failing load balancer is) or
+    /// ends.
+    pub fn set_unavailable(&self, down: bool) {
+        self.inner.lock().unwrap().unavailable = down;
+    }
+
+    /// The Events (core/v1) as the API has them now, oldest name first.
+    pub fn events(&self) -> Vec<Value> {
+        self.inner
+            .lock()
+            .unwrap()
+            .events
+            .values()
+            .cloned()
+            .collect()
+    }
+
     /// Keep counts, not request records (for the scale benchmark).
     pub fn forget_bodies(&self) {
         self.inner.lock().unwrap().forget_bodies = true;
@@ -520,6 +542,13 @@ impl MockApi {
                 content_type: content_type.clone(),
                 body: body.clone(),
             });
+        }
+        if i.unavailable {
+            return json_reply(
+                503,
+                &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 503,
+                        "reason": "ServiceUnavailable", "message": "the server is currently unable to handle the request"}),
+            );
         }
         let query: BTreeMap<String, String> = uri
             .split_once('?')
@@ -892,9 +921,42 @@ impl MockApi {
                 (201, r)
             }
             ("POST", "/api/v1/namespaces/default/events") => {
-                let mut r = body.clone();
-                r["metadata"]["resourceVersion"] = json!("1");
-                (201, r)
+                // Kept by name (a name taken already is a 409).
+                let name = body["metadata"]["name"].as_str().unwrap_or_default();
+                let key = format!("default/{name}");
+                if i.events.contains_key(&key) {
+                    (
+                        409,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 409, "reason": "AlreadyExists",
+                               "message": format!("events {name:?} already exists")}),
+                    )
+                } else {
+                    i.version += 1;
+                    let mut r = body.clone();
+                    r["metadata"]["resourceVersion"] = json!(i.version.to_string());
+                    i.events.insert(key, r.clone());
+                    (201, r)
+                }
+            }
+            ("PATCH", p) if p.starts_with("/api/v1/namespaces/default/events/") => {
+                let name = &p["/api/v1/namespaces/default/events/".len()..];
+                let key = format!("default/{name}");
+                match (content_type.as_str(), i.events.contains_key(&key)) {
+                    ("application/merge-patch+json", true) => {
+                        i.version += 1;
+                        let v = i.version.to_string();
+                        let e = i.events.get_mut(&key).unwrap();
+                        merge_patch(e, &body);
+                        e["metadata"]["resourceVersion"] = json!(v);
+                        (200, e.clone())
+                    }
+                    (_, false) => (
+                        404,
+                        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404, "reason": "NotFound",
+                               "message": format!("events {name:?} not found")}),
+                    ),
+                    _ => (415, json!({"message": "mock API: merge patches only"})),
+                }
             }
             (m, p) if p.starts_with("/apis/coordination.k8s.io/v1/namespaces/") => {
                 lease(&mut i, m, p, &body)
@@ -1338,6 +1400,17 @@ impl FakeAgent {
     /// Returns when the stream ends (the controller closed it, or went).
     pub async fn ended(&mut self) {
         while let Ok(Some(_)) = self.down.message().await {}
+    }
+
+    /// Returns when the stream ends: the status it ended with, if any.
+    pub async fn end_status(&mut self) -> Option<tonic::Status> {
+        loop {
+            match self.down.message().await {
+                Ok(Some(_)) => {}
+                Ok(None) => return None,
+                Err(s) => return Some(s),
+            }
+        }
     }
 }
 
