@@ -871,6 +871,22 @@ fn costs_built_in() {
             "{call} took {took:?}, the table says {cost:?}"
         );
     }
+    // A field-values call costs its fields: clock-throttle time as the
+    // violation-status call that gives it (741.2 µs), twice.
+    let ids = [
+        nvml_wrapper::structs::device::FieldId(
+            nvml_wrapper_sys::bindings::field_id::NVML_FI_DEV_PERF_POLICY_POWER,
+        ),
+        nvml_wrapper::structs::device::FieldId(
+            nvml_wrapper_sys::bindings::field_id::NVML_FI_DEV_PERF_POLICY_THERMAL,
+        ),
+    ];
+    let (values, took) = timed(|| dev.field_values_for(&ids).unwrap());
+    assert!(values.iter().all(|v| v.is_ok()), "{values:?}");
+    assert!(
+        took >= ms(2.0 * 0.7412),
+        "two violation fields took {took:?}"
+    );
     // Many cheap calls add up too (2-10 µs each on the H100).
     let (_, names) = timed(|| {
         for _ in 0..100 {
@@ -898,4 +914,148 @@ fn costs_from_a_bad_table() {
         panic!("nvmlInit succeeded with an unreadable cost table");
     };
     assert!(matches!(e, NvmlError::Unknown), "{e:?}");
+}
+
+// --- Every field of dcgm-exporter's counters files ----------------------------
+
+/// The node where each field has a GPU that gives it and one that does not.
+fn every_field_node() -> PathBuf {
+    repo().join("tests/fixtures/nodes/every-field.yaml")
+}
+
+/// dcgm-exporter's default-counters.csv with every `# DCGM_FI_` line
+/// uncommented, read as the agent reads a counters file.
+fn every_field() -> gpu_agent::metrics::fields::FieldSet {
+    let path = repo().join("../shared/upstream/dcgm-exporter/default-counters.csv");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (CI has ../shared beside the checkout)",
+            path.display()
+        )
+    });
+    let uncommented: String = text
+        .lines()
+        .map(|l| match l.trim_start().strip_prefix('#') {
+            Some(rest) if rest.trim_start().starts_with("DCGM_FI_") => rest.trim_start(),
+            _ => l,
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    gpu_agent::metrics::fields::FieldSet::parse(&uncommented, "default-counters.csv").unwrap()
+}
+
+/// Every field of dcgm-exporter's default counters file, every line
+/// uncommented, sampled through nvml-wrapper from the fake libnvidia-ml,
+/// reads what the simulated backend reads for the same node (both tell
+/// `simnode::readings`' story): the same fields present on each GPU and
+/// GPU instance (NVLink counters only with NVLinks, GPM only on Hopper,
+/// retired pages only before Ampere), the same values (growing counters:
+/// present and growing), the same labels.
+#[test]
+fn every_dcgm_exporter_field_reads_the_same_through_nvml_as_simulated() {
+    const TEST: &str = "every_dcgm_exporter_field_reads_the_same_through_nvml_as_simulated";
+    if phase(TEST).as_deref() == Some("sample") {
+        return every_field_through_nvml();
+    }
+    let node = every_field_node();
+    run_phase(
+        TEST,
+        "sample",
+        &[
+            ("FAKE_NVML_NODE", node.as_os_str()),
+            ("FAKE_NVML_COSTS", OsStr::new("off")),
+        ],
+    );
+}
+
+fn every_field_through_nvml() {
+    use gpu_agent::backend::GpuBackend;
+    use gpu_agent::metrics::fields::{Field as F, Kind};
+    use std::collections::BTreeSet;
+    let growing = [
+        F::TotalEnergyConsumption,
+        F::PcieReplayCounter,
+        F::NvlinkBandwidthTotal,
+        F::NvlinkBandwidthL0,
+        F::PowerViolation,
+        F::ThermalViolation,
+        F::SyncBoostViolation,
+        F::BoardLimitViolation,
+        F::LowUtilViolation,
+        F::ReliabilityViolation,
+    ];
+    let fields = every_field();
+    let (_dir, lib) = fake_nvml();
+    let backend = gpu_agent::backend::nvml::NvmlBackend::open(Some(&lib)).unwrap();
+    let mut sampler = backend.sampler().unwrap();
+    // GPM figures come from two samples a pass apart.
+    let first = sampler.sample(&fields).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let got = sampler.sample(&fields).unwrap();
+    let node = simnode::NodeDescription::load(every_field_node().to_str().unwrap()).unwrap();
+    let sim = gpu_agent::backend::sim::SimulatedBackend::new(node)
+        .sampler()
+        .unwrap()
+        .sample(&fields)
+        .unwrap();
+    assert_eq!(got.gpus.len(), sim.gpus.len());
+    let keys = |v: &[(F, f64)]| v.iter().map(|(f, _)| *f).collect::<BTreeSet<_>>();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+    let mut given: BTreeSet<F> = BTreeSet::new();
+    for (i, (g, s)) in got.gpus.iter().zip(&sim.gpus).enumerate() {
+        assert_eq!(g.uuid, s.uuid);
+        assert_eq!(keys(&g.values), keys(&s.values), "GPU {i}'s fields");
+        for (f, x) in &g.values {
+            let y = s.values.iter().find(|(h, _)| h == f).unwrap().1;
+            if growing.contains(f) {
+                let before = first.gpus[i].values.iter().find(|(h, _)| h == f).unwrap().1;
+                assert!(
+                    *x >= before && *x >= 0.0,
+                    "GPU {i} {f:?}: {before} then {x}"
+                );
+            } else {
+                assert!(close(*x, y), "GPU {i} {f:?}: NVML {x}, simulated {y}");
+            }
+            given.insert(*f);
+        }
+        assert_eq!(g.labels, s.labels, "GPU {i}'s labels");
+        given.extend(g.labels.iter().map(|(f, _)| *f));
+        assert_eq!(g.mig.len(), s.mig.len(), "GPU {i}'s MIG devices");
+        for (m, n) in g.mig.iter().zip(&s.mig) {
+            assert_eq!(
+                (&m.uuid, m.gpu_instance_id, &m.profile),
+                (&n.uuid, n.gpu_instance_id, &n.profile)
+            );
+            assert_eq!(keys(&m.values), keys(&n.values), "{}'s fields", m.uuid);
+            for (f, x) in &m.values {
+                let y = n.values.iter().find(|(h, _)| h == f).unwrap().1;
+                assert!(close(*x, y), "{} {f:?}: NVML {x}, simulated {y}", m.uuid);
+            }
+            assert!(
+                keys(&m.values).contains(&F::ProfSmActive),
+                "{}: a GPU instance's own GPM",
+                m.uuid
+            );
+        }
+    }
+    // The per-GPU NVLink, GPM and retired-page fields: on the GPUs that have them only.
+    let has = |i: usize, f: F| got.gpus[i].values.iter().any(|(h, _)| *h == f);
+    assert!(has(0, F::NvlinkCrcFlitErrorCountTotal) && !has(2, F::NvlinkCrcFlitErrorCountTotal));
+    assert!(has(0, F::ProfPipeFp64Active) && !has(2, F::ProfPipeFp64Active));
+    assert!(has(2, F::RetiredSbe) && !has(0, F::RetiredSbe));
+    // Every field the file asks for is given by some GPU, but the two the
+    // sampler does not read: XID errors (from health events) and the driver
+    // version (from the inventory).
+    let missing: Vec<&F> = fields
+        .fields
+        .iter()
+        .filter(|f| !given.contains(f) && !matches!(f, F::XidErrors | F::DriverVersion))
+        .collect();
+    assert!(missing.is_empty(), "never given: {missing:?}");
+    assert!(
+        fields
+            .fields
+            .iter()
+            .any(|f| f.info().kind == Kind::Label && *f != F::DriverVersion)
+    );
 }

@@ -15,6 +15,13 @@
 //! their pod; `up` is 1; and every query of every panel of
 //! packaging/grafana/gpu-agent.json returns data (its template variables'
 //! queries too).
+//!
+//! A second run loads dcgm-exporter's own counters file with every
+//! `# DCGM_FI_` line uncommented on tests/fixtures/nodes/every-field.yaml
+//! (an NVLink H100, a MIG H100, a T4): every one of its fields reaches
+//! Prometheus with the file's type and help, dcgm-exporter's labels and
+//! every label field, on the GPUs (and GPU instances) that give it and no
+//! other, at the value the fake documents.
 
 mod common;
 
@@ -265,6 +272,8 @@ fn expected_gauge(name: &str, g: &GpuDesc, xid: u64, remap_pending: bool) -> Opt
         "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS" => f64::from(u8::from(remap_pending)),
         "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" => 0.0,
         "DCGM_FI_DEV_ROW_REMAP_FAILURE" => 0.0,
+        // Bare metal: no GRID licence.
+        "DCGM_FI_DEV_VGPU_LICENSE_STATUS" => r.vgpu_license.into(),
         // GPM: percentages as ratios, MiB/s as bytes/s.
         "DCGM_FI_PROF_GR_ENGINE_ACTIVE" => gpm?.graphics_util_pct / 100.0,
         "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" => gpm?.tensor_util_pct / 100.0,
@@ -306,6 +315,37 @@ fn panels(dash: &Value) -> Vec<&Value> {
         }
     }
     out
+}
+
+/// Prometheus, its own port and storage under `dir`, scraping the agent on
+/// `agent_port` every second; its log in `logs`.
+fn start_prometheus(bin: &Path, dir: &Path, logs: &Path, agent_port: u16) -> (Child, Prom) {
+    let prom_port = free_port();
+    let prom_cfg = dir.join("prometheus.yml");
+    fs::write(
+        &prom_cfg,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+        ),
+    )
+    .unwrap();
+    let child = Command::new(bin)
+        .arg(format!("--config.file={}", prom_cfg.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ))
+        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(logs.join("prometheus.log")).unwrap())
+        .spawn()
+        .unwrap();
+    (
+        child,
+        Prom {
+            addr: format!("127.0.0.1:{prom_port}"),
+        },
+    )
 }
 
 #[test]
@@ -454,31 +494,8 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
         .unwrap();
     children.0.push(("gpu-agent", agent));
 
-    // Prometheus, its own port and storage, scraping the agent every second.
-    let prom_port = free_port();
-    let prom_cfg = tmp.path().join("prometheus.yml");
-    fs::write(
-        &prom_cfg,
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
-        ),
-    )
-    .unwrap();
-    let prom_proc = Command::new(&prom_bin)
-        .arg(format!("--config.file={}", prom_cfg.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            tmp.path().join("tsdb").display()
-        ))
-        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-        .stdout(Stdio::null())
-        .stderr(fs::File::create(logs.join("prometheus.log")).unwrap())
-        .spawn()
-        .unwrap();
+    let (prom_proc, prom) = start_prometheus(&prom_bin, tmp.path(), &logs, agent_port);
     children.0.push(("prometheus", prom_proc));
-    let prom = Prom {
-        addr: format!("127.0.0.1:{prom_port}"),
-    };
 
     // The XID, once the agent's health watch listens (status says so).
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -861,6 +878,412 @@ fn a_real_prometheus_scrapes_every_field_with_pod_labels_and_the_dashboard_has_d
     eprintln!(
         "dashboard: {} panels, {targets} queries with data; test took {:?}",
         panels(&dash).len(),
+        started.elapsed()
+    );
+}
+
+/// A counters file's field lines: name → (type, help), the first line of a
+/// name counting (`# DCGM_FI_` lines uncommented, as a user enables them).
+fn counters_lines(text: &str) -> Vec<(String, String, String)> {
+    let mut out: Vec<(String, String, String)> = Vec::new();
+    for l in text.lines() {
+        let l = l.trim();
+        let l = match l.strip_prefix('#') {
+            Some(rest) if rest.trim_start().starts_with("DCGM_FI_") => rest.trim_start(),
+            _ => l,
+        };
+        if !l.starts_with("DCGM_") {
+            continue;
+        }
+        let mut parts = l.splitn(3, ',').map(str::trim);
+        let (name, kind, help) = (
+            parts.next().unwrap().to_string(),
+            parts.next().unwrap().to_string(),
+            parts.next().unwrap_or_default().to_string(),
+        );
+        if !out.iter().any(|(n, _, _)| *n == name) {
+            out.push((name, kind, help));
+        }
+    }
+    out
+}
+
+/// `text` with every `# DCGM_FI_` line uncommented.
+fn uncomment(text: &str) -> String {
+    text.lines()
+        .map(|l| match l.trim_start().strip_prefix('#') {
+            Some(rest) if rest.trim_start().starts_with("DCGM_FI_") => rest.trim_start(),
+            _ => l,
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// What a field of GPU `g` reads by the fake's documentation
+/// (`simnode::readings`).
+enum Expect {
+    /// No series for this GPU.
+    Absent,
+    /// Exactly this.
+    Exact(f64),
+    /// A counter growing from 0 by at most this much a second (and by
+    /// something: the rate is above 0).
+    Growing(f64),
+}
+
+fn expected(name: &str, g: &GpuDesc, retired_pending: bool) -> Expect {
+    use Expect::*;
+    use simnode::readings::{NVLINK_KIB_PER_S_PER_LINK, PCIE_REPLAYS_PER_MIN, THROTTLE_NS_PER_S};
+    let r = g.readings(0.0);
+    let opt = |v: Option<f64>| v.map_or(Absent, Exact);
+    let rate = |per_s: u64| {
+        if per_s == 0 {
+            Exact(0.0)
+        } else {
+            Growing(per_s as f64)
+        }
+    };
+    let gpm = |f: fn(&simnode::readings::Gpm) -> f64| opt(r.gpm.as_ref().map(|x| f(x) / 100.0));
+    let links = f64::from(r.nvlink_links);
+    let v = THROTTLE_NS_PER_S;
+    match name {
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" => {
+            r.power_mw.map_or(Absent, |mw| Growing(mw.into()))
+        }
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" => Growing(PCIE_REPLAYS_PER_MIN / 60.0),
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" => r
+            .nvlink_link_kib
+            .map_or(Absent, |_| Growing(2.0 * NVLINK_KIB_PER_S_PER_LINK * links)),
+        "DCGM_FI_DEV_NVLINK_BANDWIDTH_L0" => r
+            .nvlink_link_kib
+            .map_or(Absent, |_| Growing(2.0 * NVLINK_KIB_PER_S_PER_LINK)),
+        "DCGM_FI_DEV_POWER_VIOLATION" => rate(v.power),
+        "DCGM_FI_DEV_THERMAL_VIOLATION" => rate(v.thermal),
+        "DCGM_FI_DEV_SYNC_BOOST_VIOLATION" => rate(v.sync_boost),
+        "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION" => rate(v.board_limit),
+        "DCGM_FI_DEV_LOW_UTIL_VIOLATION" => rate(v.low_util),
+        "DCGM_FI_DEV_RELIABILITY_VIOLATION" => rate(v.reliability),
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" => Exact(r.ecc.sbe_volatile as f64),
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" => Exact(r.ecc.dbe_volatile as f64),
+        "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL" => Exact(r.ecc.sbe_aggregate as f64),
+        "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL" => Exact(r.ecc.dbe_aggregate as f64),
+        "DCGM_FI_DEV_RETIRED_SBE" => opt(r.retired.map(|p| p.sbe as f64)),
+        "DCGM_FI_DEV_RETIRED_DBE" => opt(r.retired.map(|p| p.dbe as f64)),
+        "DCGM_FI_DEV_RETIRED_PENDING" => {
+            opt(r.retired.map(|_| f64::from(u8::from(retired_pending))))
+        }
+        "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL" => {
+            opt(r.nvlink_errors.map(|e| e.crc_flit as f64))
+        }
+        "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL" => {
+            opt(r.nvlink_errors.map(|e| e.crc_data as f64))
+        }
+        "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" => {
+            opt(r.nvlink_errors.map(|e| e.replay as f64))
+        }
+        "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL" => {
+            opt(r.nvlink_errors.map(|e| e.recovery as f64))
+        }
+        "DCGM_FI_PROF_SM_ACTIVE" => gpm(|x| x.sm_util_pct),
+        "DCGM_FI_PROF_SM_OCCUPANCY" => gpm(|x| x.sm_occupancy_pct),
+        "DCGM_FI_PROF_PIPE_FP64_ACTIVE" => gpm(|x| x.fp64_util_pct),
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE" => gpm(|x| x.fp32_util_pct),
+        "DCGM_FI_PROF_PIPE_FP16_ACTIVE" => gpm(|x| x.fp16_util_pct),
+        // No XID raised in this test; the remapped rows as the fake keeps them.
+        other => opt(expected_gauge(other, g, 0, false)),
+    }
+}
+
+/// What a field of GPU instance `gi_id` of `g` reads (`None`: the field is
+/// not given per GPU instance).
+fn expected_instance(name: &str, g: &GpuDesc, gi_id: u32, memory_mib: u64) -> Option<f64> {
+    let x = g.instance_gpm(gi_id)?;
+    Some(match name {
+        // The fake: a MIG device's memory is all free.
+        "DCGM_FI_DEV_FB_FREE" => memory_mib as f64,
+        "DCGM_FI_DEV_FB_USED" => 0.0,
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE" => x.graphics_util_pct / 100.0,
+        "DCGM_FI_PROF_SM_ACTIVE" => x.sm_util_pct / 100.0,
+        "DCGM_FI_PROF_SM_OCCUPANCY" => x.sm_occupancy_pct / 100.0,
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" => x.tensor_util_pct / 100.0,
+        "DCGM_FI_PROF_DRAM_ACTIVE" => x.dram_bw_util_pct / 100.0,
+        "DCGM_FI_PROF_PIPE_FP64_ACTIVE" => x.fp64_util_pct / 100.0,
+        "DCGM_FI_PROF_PIPE_FP32_ACTIVE" => x.fp32_util_pct / 100.0,
+        "DCGM_FI_PROF_PIPE_FP16_ACTIVE" => x.fp16_util_pct / 100.0,
+        _ => return None,
+    })
+}
+
+/// The label fields of GPU `g` of `node` as DCGM names them: the board's
+/// facts and NVML's version (a fact the board lacks: no label).
+fn label_fields(node: &NodeDescription, g: &GpuDesc) -> Vec<(&'static str, String)> {
+    let b = g.board();
+    let brand = match b.brand {
+        simnode::readings::BRAND_NVIDIA => "NVIDIA",
+        simnode::readings::BRAND_TESLA => "Tesla",
+        other => panic!("this test does not know brand {other}"),
+    };
+    let mut l = vec![
+        (
+            "DCGM_FI_DRIVER_VERSION",
+            node.driver.as_ref().unwrap().version.clone(),
+        ),
+        ("DCGM_FI_NVML_VERSION", node.nvml_version().unwrap()),
+        ("DCGM_FI_DEV_BRAND", brand.to_string()),
+        ("DCGM_FI_DEV_SERIAL", b.serial),
+        ("DCGM_FI_DEV_OEM_INFOROM_VER", b.inforom_oem),
+        ("DCGM_FI_DEV_ECC_INFOROM_VER", b.inforom_ecc),
+        ("DCGM_FI_DEV_INFOROM_IMAGE_VER", b.inforom_image),
+        ("DCGM_FI_DEV_VBIOS_VERSION", b.vbios),
+    ];
+    if let Some(p) = b.inforom_power {
+        l.push(("DCGM_FI_DEV_POWER_INFOROM_VER", p));
+    }
+    l
+}
+
+/// dcgm-exporter's own counters files with every `# DCGM_FI_` line
+/// uncommented (both list the same fields; default-counters.csv is the one
+/// loaded), on a node where each field has a GPU that gives it and one that
+/// does not (tests/fixtures/nodes/every-field.yaml): every field reaches a
+/// real Prometheus under its name, with the file's type and help, on the
+/// GPUs that give it and no other, with dcgm-exporter's labels and every
+/// label field, at the value `simnode::readings` documents (counters:
+/// growing, bounded by their rate); the GPU instances of the MIG GPU carry
+/// their framebuffer and GPM figures with GPU_I_PROFILE/GPU_I_ID.
+#[test]
+fn a_real_prometheus_scrapes_every_field_of_dcgm_exporters_files_uncommented() {
+    let started = Instant::now();
+    let prom_bin = prometheus();
+    let tmp = tempfile::tempdir().unwrap();
+    let host = tmp.path().join("host");
+    let logs = tmp.path().join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let node_file = repo().join("tests/fixtures/nodes/every-field.yaml");
+    let node = NodeDescription::load(node_file.to_str().unwrap()).unwrap();
+    node.materialize(&host).unwrap();
+    let gpus = &node.gpus;
+
+    let upstream = repo().join("../shared/upstream/dcgm-exporter");
+    let read = |name: &str| {
+        fs::read_to_string(upstream.join(name)).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (CI has ../shared beside the checkout)",
+                upstream.join(name).display()
+            )
+        })
+    };
+    let default_text = read("default-counters.csv");
+    let lines = counters_lines(&default_text);
+    assert_eq!(
+        lines,
+        counters_lines(&read("dcp-metrics-included.csv")),
+        "dcp-metrics-included.csv lists other fields than default-counters.csv: test it too"
+    );
+    let counters = tmp.path().join("counters.csv");
+    fs::write(&counters, uncomment(&default_text)).unwrap();
+    let values: Vec<&(String, String, String)> =
+        lines.iter().filter(|(_, k, _)| k != "label").collect();
+    assert!(values.len() >= 45, "{values:?}");
+
+    // The agent: the fake NVML with this node, the T4's pages waiting for
+    // retirement; no kubelet (no pod labels).
+    let agent_port = free_port();
+    let state = tmp.path().join("nvml-state");
+    let t4 = gpus.iter().position(|g| g.name == "Tesla T4").unwrap();
+    fs::write(&state, format!("{} retired-pending\n", gpus[t4].uuid)).unwrap();
+    let policy = tmp.path().join("policy.yaml");
+    fs::write(
+        &policy,
+        format!(
+            "spec:\n  dcgmExporter:\n    listen: 127.0.0.1:{agent_port}\n    config: {}\n  health:\n    kernelLog: false\n",
+            counters.display()
+        ),
+    )
+    .unwrap();
+    let (_lib_dir, lib) = fake_nvml();
+    let mut children = Children::default();
+    let agent_started = Instant::now();
+    let agent = at(&host)
+        .arg("--nvml-lib")
+        .arg(&lib)
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--log-format", "text", "run"])
+        .env("FAKE_NVML_NODE", &node_file)
+        .env("FAKE_NVML_STATE", &state)
+        .env("NODE_NAME", HOSTNAME)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(logs.join("gpu-agent.log")).unwrap())
+        .spawn()
+        .unwrap();
+    children.0.push(("gpu-agent", agent));
+    let (prom_proc, prom) = start_prometheus(&prom_bin, tmp.path(), &logs, agent_port);
+    children.0.push(("prometheus", prom_proc));
+
+    // Until Prometheus has GPM (two samples, per GPU and per GPU instance)
+    // and two scrapes of the counters.
+    let ready = [
+        format!("up{{job=\"{JOB}\"}}"),
+        "DCGM_FI_PROF_SM_ACTIVE{GPU_I_PROFILE=\"\"}".to_string(),
+        "DCGM_FI_PROF_PIPE_FP16_ACTIVE{GPU_I_PROFILE!=\"\"}".to_string(),
+        "rate(DCGM_FI_DEV_POWER_VIOLATION[1m])".to_string(),
+        "rate(DCGM_FI_DEV_NVLINK_BANDWIDTH_L0[1m])".to_string(),
+    ];
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        children.check_alive(&logs);
+        let prom_ready = matches!(http_get(&prom.addr, "/-/ready"), Ok((200, _)));
+        let missing: Vec<&String> = ready
+            .iter()
+            .filter(|q| !prom_ready || prom.query(q).is_empty())
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let (_, scrape) =
+                http_get(&format!("127.0.0.1:{agent_port}"), "/metrics").unwrap_or_default();
+            panic!(
+                "Prometheus never had {missing:?}\nscrape:\n{scrape}\nagent log:\n{}\nprometheus:\n{}",
+                fs::read_to_string(logs.join("gpu-agent.log")).unwrap_or_default(),
+                fs::read_to_string(logs.join("prometheus.log")).unwrap_or_default(),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    // The type and help Prometheus keeps are the file's (the first line of
+    // a field listed twice).
+    let meta = prom.api("/api/v1/metadata");
+    for (name, kind, help) in &values {
+        let m = &meta[name.as_str()][0];
+        assert_eq!(m["type"], kind.as_str(), "{name}'s type: {m}");
+        assert_eq!(m["help"], help.as_str(), "{name}'s help: {m}");
+    }
+
+    let base_labels = |i: usize, g: &GpuDesc| -> BTreeMap<String, String> {
+        let mut l: BTreeMap<String, String> = [
+            ("gpu", i.to_string()),
+            ("UUID", g.uuid.clone()),
+            ("pci_bus_id", bus_id(g)),
+            ("device", format!("nvidia{i}")),
+            ("modelName", g.name.clone()),
+            ("Hostname", HOSTNAME.to_string()),
+            ("job", JOB.to_string()),
+            ("instance", format!("127.0.0.1:{agent_port}")),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        for (k, v) in label_fields(&node, g) {
+            l.insert(k.to_string(), v);
+        }
+        l
+    };
+    let without_name = |s: &Series, name: &str| {
+        let mut l = s.labels.clone();
+        assert_eq!(l.remove("__name__").as_deref(), Some(name));
+        l
+    };
+
+    // Every value field on every whole GPU; counters read twice.
+    let mut growing: Vec<(String, String, f64, f64)> = Vec::new();
+    let mut series = 0;
+    for (name, _, _) in &values {
+        let got = prom.query(&format!("{name}{{GPU_I_PROFILE=\"\"}}"));
+        for (i, g) in gpus.iter().enumerate() {
+            let mine: Vec<&Series> = got
+                .iter()
+                .filter(|s| s.label("UUID") == Some(&g.uuid))
+                .collect();
+            match expected(name, g, i == t4) {
+                Expect::Absent => {
+                    assert!(mine.is_empty(), "{name} on GPU {i} ({}): {mine:?}", g.name);
+                    continue;
+                }
+                Expect::Exact(want) => {
+                    assert_eq!(mine.len(), 1, "{name} on GPU {i} ({}): {got:?}", g.name);
+                    assert!(
+                        close(mine[0].value, want),
+                        "{name} on GPU {i}: {} (the fake reads {want})",
+                        mine[0].value
+                    );
+                }
+                Expect::Growing(per_s) => {
+                    assert_eq!(mine.len(), 1, "{name} on GPU {i} ({}): {got:?}", g.name);
+                    growing.push((name.clone(), g.uuid.clone(), per_s, mine[0].value));
+                }
+            }
+            assert_eq!(
+                without_name(mine[0], name),
+                base_labels(i, g),
+                "{name} on GPU {i}"
+            );
+            series += 1;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(2500));
+    let life = agent_started.elapsed().as_secs_f64();
+    for (name, uuid, per_s, first) in &growing {
+        let now = prom.query(&format!("{name}{{UUID=\"{uuid}\", GPU_I_PROFILE=\"\"}}"));
+        let v = now[0].value;
+        // A slow counter (PCIe replays, 6 a minute) may not move in 2.5 s.
+        if *per_s >= 1.0 {
+            assert!(
+                v > *first,
+                "{name} of {uuid} did not grow: {first} then {v}"
+            );
+        }
+        assert!(v >= *first, "{name} of {uuid} went back: {first} then {v}");
+        assert!(
+            v <= per_s * life,
+            "{name} of {uuid}: {v} is more than {per_s}/s for {life} s"
+        );
+    }
+
+    // The GPU instances of the MIG GPU: framebuffer and GPM, each its own,
+    // with the parent's labels and GPU_I_PROFILE / GPU_I_ID; fields not
+    // given per GPU instance have no such series.
+    let mig_gpu = gpus.iter().position(|g| g.mig.enabled).unwrap();
+    let parent = &gpus[mig_gpu];
+    let mut instance_series = 0;
+    for (name, _, _) in &values {
+        let got = prom.query(&format!("{name}{{GPU_I_PROFILE!=\"\"}}"));
+        let per_gi: Vec<_> = parent
+            .mig
+            .devices
+            .iter()
+            .enumerate()
+            .filter_map(|(pos, m)| {
+                expected_instance(name, parent, m.gi_id(pos), m.memory_mib).map(|v| (pos, m, v))
+            })
+            .collect();
+        assert_eq!(got.len(), per_gi.len(), "{name} per GPU instance: {got:?}");
+        for (pos, m, want) in per_gi {
+            let gi = m.gi_id(pos).to_string();
+            let s = got
+                .iter()
+                .find(|s| s.label("GPU_I_ID") == Some(gi.as_str()))
+                .unwrap_or_else(|| panic!("{name} of GPU instance {gi}: {got:?}"));
+            let mut labels = base_labels(mig_gpu, parent);
+            labels.insert("GPU_I_PROFILE".into(), m.profile.clone().unwrap());
+            labels.insert("GPU_I_ID".into(), gi.clone());
+            assert_eq!(without_name(s, name), labels, "{name} of GPU instance {gi}");
+            assert!(
+                close(s.value, want),
+                "{name} of GPU instance {gi}: {} (the fake reads {want})",
+                s.value
+            );
+            instance_series += 1;
+        }
+    }
+    eprintln!(
+        "{} value fields and {} label fields of dcgm-exporter's files: {series} GPU series and {instance_series} GPU-instance series checked, {} counters grew; test took {:?}",
+        values.len(),
+        lines.len() - values.len(),
+        growing.len(),
         started.elapsed()
     );
 }

@@ -230,6 +230,13 @@ def main():
     ev = ctypes.create_string_buffer(64)      # nvmlEventData_t
     procs = ctypes.create_string_buffer(64 * 64)
     pages = (c_ull * 512)()
+    licence = ctypes.create_string_buffer(4096)  # nvmlGridLicensableFeatures_t (about 900 bytes)
+
+    def field(fid):
+        """One nvmlFieldValue_t (40 bytes) asking for NVML field `fid`, scope 0."""
+        fv = (c_uint * 10)()
+        fv[0] = fid
+        return fv
 
     def lazy(fname, *argtypes):
         """Resolves `fname` at the first call, so a missing one is a Missing there."""
@@ -310,6 +317,15 @@ def main():
         ("nvmlDeviceGetComputeRunningProcesses", running_processes),
         ("nvmlDeviceGetComputeMode", lambda f=lazy("nvmlDeviceGetComputeMode", c_void_p, P(c_int)): f(h, ctypes.byref(ii))),
         ("nvmlDeviceGetSupportedEventTypes", lambda f=lazy("nvmlDeviceGetSupportedEventTypes", c_void_p, P(c_ull)): f(h, ctypes.byref(ull))),
+        # The calls behind dcgm-exporter's other fields (tests/fake-nvml/costs/
+        # modelled.txt models them until a run here measures them).
+        ("nvmlDeviceGetInforomVersion(OEM)", lambda f=lazy("nvmlDeviceGetInforomVersion", c_void_p, c_int, c_char_p, c_uint): f(h, 0, s, 16)),
+        ("nvmlDeviceGetInforomImageVersion", lambda f=lazy("nvmlDeviceGetInforomImageVersion", c_void_p, c_char_p, c_uint): f(h, s, 16)),
+        ("nvmlSystemGetNVMLVersion", lambda f=lazy("nvmlSystemGetNVMLVersion", c_char_p, c_uint): f(s, 80)),
+        ("nvmlDeviceGetGridLicensableFeatures_v4", lambda f=lazy("nvmlDeviceGetGridLicensableFeatures_v4", c_void_p, c_void_p): f(h, licence)),
+        ("nvmlDeviceGetNvLinkErrorCounter(link 0, CRC flit)", lambda f=lazy("nvmlDeviceGetNvLinkErrorCounter", c_void_p, c_uint, c_int, P(c_ull)): f(h, 0, 2, ctypes.byref(ull))),
+        ("nvmlDeviceGetFieldValues(ECC SBE volatile total)", lambda f=lazy("nvmlDeviceGetFieldValues", c_void_p, c_int, c_void_p): f(h, 1, field(3))),
+        ("nvmlDeviceGetFieldValues(perf policy power)", lambda f=lazy("nvmlDeviceGetFieldValues", c_void_p, c_int, c_void_p): f(h, 1, field(74))),
     ]
     for label, fn in cases:
         timed(label, fn)

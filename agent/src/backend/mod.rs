@@ -151,6 +151,31 @@ pub fn mig_profile_name(
     }
 }
 
+/// DCGM's name for NVML's brand (`nvmlBrandType_t`), as DCGM's
+/// `DCGM_FI_DEV_BRAND` gives it (its cache manager's table, taken from
+/// nvidia-smi).
+pub fn dcgm_brand(code: u32) -> &'static str {
+    match code {
+        1 => "Quadro",
+        2 => "Tesla",
+        3 => "NVS",
+        4 => "Grid",
+        5 => "GeForce",
+        6 => "Titan",
+        7 => "NVIDIA Virtual Applications",
+        8 => "NVIDIA Virtual PC",
+        9 => "NVIDIA Virtual Compute Server",
+        10 => "NVIDIA RTX Virtual Workstation",
+        11 => "NVIDIA vGaming",
+        12 => "Quadro RTX",
+        13 => "NVIDIA RTX",
+        14 => "NVIDIA",
+        15 => "GeForce RTX",
+        16 => "Titan RTX",
+        _ => "Unknown",
+    }
+}
+
 /// How two GPUs reach each other over PCIe (NVML's common-ancestor levels),
 /// nearest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -331,7 +356,10 @@ pub struct GpuSample {
     pub index: u32,
     pub uuid: String,
     pub values: Vec<(Field, f64)>,
-    /// MIG devices' own readings (framebuffer).
+    /// Label fields (VBIOS, serial, brand, InfoROM and NVML versions) with
+    /// their values: labels on every series of the GPU and its MIG devices.
+    pub labels: Vec<(Field, String)>,
+    /// MIG devices' own readings (framebuffer, GPM per GPU instance).
     pub mig: Vec<MigSample>,
 }
 

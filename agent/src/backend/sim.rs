@@ -186,6 +186,21 @@ impl GpuBackend for SimulatedBackend {
     }
 }
 
+/// The GPM figures DCGM gives per GPU and per GPU instance, as ratios.
+fn gpm_values(g: &simnode::readings::Gpm) -> Vec<(crate::metrics::fields::Field, f64)> {
+    use crate::metrics::fields::Field as F;
+    vec![
+        (F::ProfGrEngineActive, g.graphics_util_pct / 100.0),
+        (F::ProfPipeTensorActive, g.tensor_util_pct / 100.0),
+        (F::ProfDramActive, g.dram_bw_util_pct / 100.0),
+        (F::ProfSmActive, g.sm_util_pct / 100.0),
+        (F::ProfSmOccupancy, g.sm_occupancy_pct / 100.0),
+        (F::ProfPipeFp64Active, g.fp64_util_pct / 100.0),
+        (F::ProfPipeFp32Active, g.fp32_util_pct / 100.0),
+        (F::ProfPipeFp16Active, g.fp16_util_pct / 100.0),
+    ]
+}
+
 /// Samples the description's readings (`simnode::readings`), timed from the
 /// sampler's start.
 #[derive(Debug)]
@@ -240,12 +255,50 @@ impl super::Sampler for SimSampler {
                     (F::CorrectableRemappedRows, Some(0.0)),
                     (F::UncorrectableRemappedRows, Some(0.0)),
                     (F::RowRemapFailure, Some(0.0)),
+                    (F::EccSbeVolTotal, Some(r.ecc.sbe_volatile as f64)),
+                    (F::EccDbeVolTotal, Some(r.ecc.dbe_volatile as f64)),
+                    (F::EccSbeAggTotal, Some(r.ecc.sbe_aggregate as f64)),
+                    (F::EccDbeAggTotal, Some(r.ecc.dbe_aggregate as f64)),
+                    (F::RetiredSbe, r.retired.map(|p| p.sbe as f64)),
+                    (F::RetiredDbe, r.retired.map(|p| p.dbe as f64)),
+                    (F::RetiredPending, r.retired.map(|_| 0.0)),
+                    (
+                        F::NvlinkCrcFlitErrorCountTotal,
+                        r.nvlink_errors.map(|e| e.crc_flit as f64),
+                    ),
+                    (
+                        F::NvlinkCrcDataErrorCountTotal,
+                        r.nvlink_errors.map(|e| e.crc_data as f64),
+                    ),
+                    (
+                        F::NvlinkReplayErrorCountTotal,
+                        r.nvlink_errors.map(|e| e.replay as f64),
+                    ),
+                    (
+                        F::NvlinkRecoveryErrorCountTotal,
+                        r.nvlink_errors.map(|e| e.recovery as f64),
+                    ),
+                    (
+                        F::NvlinkBandwidthL0,
+                        r.nvlink_link_kib.map(|k| 2.0 * k as f64),
+                    ),
+                    (F::PowerViolation, Some(r.throttle_ns.power as f64)),
+                    (F::ThermalViolation, Some(r.throttle_ns.thermal as f64)),
+                    (F::SyncBoostViolation, Some(r.throttle_ns.sync_boost as f64)),
+                    (
+                        F::BoardLimitViolation,
+                        Some(r.throttle_ns.board_limit as f64),
+                    ),
+                    (F::LowUtilViolation, Some(r.throttle_ns.low_util as f64)),
+                    (
+                        F::ReliabilityViolation,
+                        Some(r.throttle_ns.reliability as f64),
+                    ),
+                    (F::VgpuLicenseStatus, Some(r.vgpu_license.into())),
                 ];
                 if let Some(gpm) = r.gpm {
+                    v.extend(gpm_values(&gpm).into_iter().map(|(f, x)| (f, Some(x))));
                     v.extend([
-                        (F::ProfGrEngineActive, Some(gpm.graphics_util_pct / 100.0)),
-                        (F::ProfPipeTensorActive, Some(gpm.tensor_util_pct / 100.0)),
-                        (F::ProfDramActive, Some(gpm.dram_bw_util_pct / 100.0)),
                         (
                             F::ProfPcieTxBytes,
                             Some(gpm.pcie_tx_mib_s * 1024.0 * 1024.0),
@@ -256,6 +309,20 @@ impl super::Sampler for SimSampler {
                         ),
                     ]);
                 }
+                let b = g.board();
+                let labels: Vec<(F, String)> = [
+                    (F::NvmlVersion, self.node.nvml_version()),
+                    (F::Brand, Some(super::dcgm_brand(b.brand).to_string())),
+                    (F::Serial, Some(b.serial)),
+                    (F::OemInforomVer, Some(b.inforom_oem)),
+                    (F::EccInforomVer, Some(b.inforom_ecc)),
+                    (F::PowerInforomVer, b.inforom_power),
+                    (F::InforomImageVer, Some(b.inforom_image)),
+                    (F::VbiosVersion, Some(b.vbios)),
+                ]
+                .into_iter()
+                .filter_map(|(f, x)| x.filter(|_| want.wants(f)).map(|x| (f, x)))
+                .collect();
                 let mig = if g.mig.enabled {
                     g.mig
                         .devices
@@ -272,12 +339,17 @@ impl super::Sampler for SimSampler {
                                     g.memory_mib,
                                 )
                             }),
-                            values: vec![
+                            values: [
                                 (F::FbFree, m.memory_mib as f64),
                                 (F::FbUsed, 0.0),
                                 (F::FbTotal, m.memory_mib as f64),
                             ]
                             .into_iter()
+                            .chain(
+                                g.instance_gpm(m.gi_id(k))
+                                    .map(|x| gpm_values(&x))
+                                    .unwrap_or_default(),
+                            )
                             .filter(|(f, _)| want.wants(*f))
                             .collect(),
                         })
@@ -292,6 +364,7 @@ impl super::Sampler for SimSampler {
                         .into_iter()
                         .filter_map(|(f, x)| x.filter(|_| want.wants(f)).map(|x| (f, x)))
                         .collect(),
+                    labels,
                     mig,
                 }
             })

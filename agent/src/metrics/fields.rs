@@ -34,6 +34,38 @@ pub enum Field {
     ProfDramActive,
     ProfPcieTxBytes,
     ProfPcieRxBytes,
+    EccSbeVolTotal,
+    EccDbeVolTotal,
+    EccSbeAggTotal,
+    EccDbeAggTotal,
+    RetiredSbe,
+    RetiredDbe,
+    RetiredPending,
+    NvlinkCrcFlitErrorCountTotal,
+    NvlinkCrcDataErrorCountTotal,
+    NvlinkReplayErrorCountTotal,
+    NvlinkRecoveryErrorCountTotal,
+    NvlinkBandwidthL0,
+    PowerViolation,
+    ThermalViolation,
+    SyncBoostViolation,
+    BoardLimitViolation,
+    LowUtilViolation,
+    ReliabilityViolation,
+    VgpuLicenseStatus,
+    ProfSmActive,
+    ProfSmOccupancy,
+    ProfPipeFp64Active,
+    ProfPipeFp32Active,
+    ProfPipeFp16Active,
+    NvmlVersion,
+    Brand,
+    Serial,
+    OemInforomVer,
+    EccInforomVer,
+    PowerInforomVer,
+    InforomImageVer,
+    VbiosVersion,
 }
 
 /// How a field is exported.
@@ -64,8 +96,10 @@ impl Kind {
     }
 }
 
-/// Every field: DCGM name, kind, our help text (dcgm-exporter's default set
-/// is the ones with `default: true`).
+/// Every field: DCGM name, kind (dcgm-exporter's, from its counters files),
+/// our help text (a counters file's help replaces it), and whether it is in
+/// dcgm-exporter's default set (the lines default-counters.csv leaves
+/// uncommented).
 pub struct FieldInfo {
     pub field: Field,
     pub name: &'static str,
@@ -116,18 +150,65 @@ fields! {
     ProfDramActive "DCGM_FI_PROF_DRAM_ACTIVE" Gauge true "Share of cycles device memory was busy (ratio).";
     ProfPcieTxBytes "DCGM_FI_PROF_PCIE_TX_BYTES" Gauge true "PCIe data sent (bytes/s).";
     ProfPcieRxBytes "DCGM_FI_PROF_PCIE_RX_BYTES" Gauge true "PCIe data received (bytes/s).";
+    EccSbeVolTotal "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" Counter false "Single-bit (corrected) ECC errors since the driver was loaded.";
+    EccDbeVolTotal "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" Counter false "Double-bit (uncorrected) ECC errors since the driver was loaded.";
+    EccSbeAggTotal "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL" Counter false "Single-bit (corrected) ECC errors over the board's life.";
+    EccDbeAggTotal "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL" Counter false "Double-bit (uncorrected) ECC errors over the board's life.";
+    RetiredSbe "DCGM_FI_DEV_RETIRED_SBE" Counter false "Pages retired after single-bit errors (GPUs before Ampere).";
+    RetiredDbe "DCGM_FI_DEV_RETIRED_DBE" Counter false "Pages retired after double-bit errors (GPUs before Ampere).";
+    RetiredPending "DCGM_FI_DEV_RETIRED_PENDING" Counter false "1 when pages wait for a GPU reset to be retired (GPUs before Ampere).";
+    NvlinkCrcFlitErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL" Counter false "NVLink flow-control CRC errors, all links.";
+    NvlinkCrcDataErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL" Counter false "NVLink data CRC errors, all links.";
+    NvlinkReplayErrorCountTotal "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" Counter false "NVLink replays (retries), all links.";
+    NvlinkRecoveryErrorCountTotal "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL" Counter false "NVLink link recoveries, all links.";
+    NvlinkBandwidthL0 "DCGM_FI_DEV_NVLINK_BANDWIDTH_L0" Counter false "NVLink data sent and received over link 0 (KiB).";
+    PowerViolation "DCGM_FI_DEV_POWER_VIOLATION" Counter false "Time the clocks were held back by the power cap (ns).";
+    ThermalViolation "DCGM_FI_DEV_THERMAL_VIOLATION" Counter false "Time the clocks were held back by temperature (ns).";
+    SyncBoostViolation "DCGM_FI_DEV_SYNC_BOOST_VIOLATION" Counter false "Time the clocks were held back to match a sync-boost group (ns).";
+    BoardLimitViolation "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION" Counter false "Time the clocks were held back by the board's limit (ns).";
+    LowUtilViolation "DCGM_FI_DEV_LOW_UTIL_VIOLATION" Counter false "Time the clocks were held back for low utilisation (ns).";
+    ReliabilityViolation "DCGM_FI_DEV_RELIABILITY_VIOLATION" Counter false "Time the clocks were held back for reliability (ns).";
+    VgpuLicenseStatus "DCGM_FI_DEV_VGPU_LICENSE_STATUS" Gauge true "1 when the vGPU is licensed (0 on bare metal).";
+    ProfSmActive "DCGM_FI_PROF_SM_ACTIVE" Gauge false "Share of cycles an SM had at least one warp (ratio).";
+    ProfSmOccupancy "DCGM_FI_PROF_SM_OCCUPANCY" Gauge false "Warps resident on the SMs against the most there could be (ratio).";
+    ProfPipeFp64Active "DCGM_FI_PROF_PIPE_FP64_ACTIVE" Gauge false "Share of cycles the FP64 pipes were active (ratio).";
+    ProfPipeFp32Active "DCGM_FI_PROF_PIPE_FP32_ACTIVE" Gauge false "Share of cycles the FP32 pipes were active (ratio).";
+    ProfPipeFp16Active "DCGM_FI_PROF_PIPE_FP16_ACTIVE" Gauge false "Share of cycles the FP16 pipes were active (ratio).";
+    NvmlVersion "DCGM_FI_NVML_VERSION" Label false "NVML version.";
+    Brand "DCGM_FI_DEV_BRAND" Label false "Device brand.";
+    Serial "DCGM_FI_DEV_SERIAL" Label false "Board serial number.";
+    OemInforomVer "DCGM_FI_DEV_OEM_INFOROM_VER" Label false "OEM InfoROM object version.";
+    EccInforomVer "DCGM_FI_DEV_ECC_INFOROM_VER" Label false "ECC InfoROM object version.";
+    PowerInforomVer "DCGM_FI_DEV_POWER_INFOROM_VER" Label false "Power-management InfoROM object version.";
+    InforomImageVer "DCGM_FI_DEV_INFOROM_IMAGE_VER" Label false "InfoROM image version.";
+    VbiosVersion "DCGM_FI_DEV_VBIOS_VERSION" Label false "VBIOS version.";
 }
 
-/// Fields from dcgm-exporter's default file that NVML cannot give (they
-/// need a vGPU guest or a DCGM host engine): named so that a counters file
-/// listing them gets one plain warning, not an error.
-const NOT_FROM_NVML: &[&str] = &[
-    "DCGM_FI_DEV_VGPU_LICENSE_STATUS",
-    "DCGM_EXP_CLOCK_EVENTS_COUNT",
-    "DCGM_EXP_XID_ERRORS_COUNT",
-    "DCGM_EXP_GPU_HEALTH_STATUS",
-    "DCGM_EXP_P2P_STATUS",
+/// Series dcgm-exporter's counters files name that gpu-agent does not
+/// export, each with why: named so that a counters file listing them gets
+/// one plain warning, not an error. Every `DCGM_FI_` field of those files
+/// is in [`FIELDS`]; these four are dcgm-exporter's own.
+const NOT_EXPORTED: &[(&str, &str)] = &[
+    (
+        "DCGM_EXP_CLOCK_EVENTS_COUNT",
+        "dcgm-exporter's own count of DCGM clock events over its collection window, not a DCGM field; gpu-agent does not compute it",
+    ),
+    (
+        "DCGM_EXP_XID_ERRORS_COUNT",
+        "dcgm-exporter's own count of XIDs over its collection window, not a DCGM field; gpu-agent counts XIDs in gpu_agent_health_events_total",
+    ),
+    (
+        "DCGM_EXP_GPU_HEALTH_STATUS",
+        "the verdict of DCGM's health watches, which need a DCGM host engine",
+    ),
+    (
+        "DCGM_EXP_P2P_STATUS",
+        "dcgm-exporter's own series from DCGM's NVLink peer-to-peer status, not a DCGM field; gpu-agent does not compute it",
+    ),
 ];
+
+/// Why a DCGM field gpu-agent does not know is left out.
+pub const UNKNOWN_FIELD: &str = "not a field gpu-agent reads through NVML: it exports those of dcgm-exporter's default-counters.csv and dcp-metrics-included.csv";
 
 impl Field {
     pub fn info(self) -> &'static FieldInfo {
@@ -188,6 +269,15 @@ pub enum CountersError {
 }
 
 impl FieldSet {
+    /// Every field gpu-agent exports (all of dcgm-exporter's counters
+    /// files, commented lines too, and `DCGM_FI_DEV_FB_TOTAL`).
+    pub fn every() -> FieldSet {
+        FieldSet {
+            fields: FIELDS.iter().map(|f| f.field).collect(),
+            ..FieldSet::default()
+        }
+    }
+
     pub fn wants(&self, f: Field) -> bool {
         self.fields.contains(&f)
     }
@@ -250,11 +340,10 @@ impl FieldSet {
             }
             listed.push((name.to_string(), n + 1));
             let Some(f) = Field::by_name(name) else {
-                let why = if NOT_FROM_NVML.contains(&name) {
-                    "needs a DCGM host engine or a vGPU guest"
-                } else {
-                    "NVML cannot give it"
-                };
+                let why = NOT_EXPORTED
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or(UNKNOWN_FIELD, |(_, why)| why);
                 set.skipped.push(format!("{at}: {name} ({why})"));
                 continue;
             };
@@ -309,7 +398,9 @@ mod tests {
     #[test]
     fn the_default_set_is_dcgm_exporters() {
         let d = FieldSet::default();
-        assert_eq!(d.fields.len(), 25);
+        assert_eq!(d.fields.len(), 26);
+        assert!(d.wants(Field::VgpuLicenseStatus));
+        assert!(!d.wants(Field::PowerViolation));
         assert!(d.wants(Field::TotalEnergyConsumption));
         assert!(!d.wants(Field::FbTotal));
     }
@@ -320,6 +411,8 @@ mod tests {
                     DCGM_FI_DEV_GPU_TEMP, gauge, GPU temperature (in C).\n\
                     DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION, counter, Total energy (mJ).\n\
                     DCGM_FI_DEV_VGPU_LICENSE_STATUS, gauge, vGPU License status\n\
+                    DCGM_EXP_GPU_HEALTH_STATUS, counter, DCGM reported health status\n\
+                    DCGM_FI_DEV_CLOCKS_EVENT_REASONS, gauge, x\n\
                     DCGM_FI_DRIVER_VERSION, label, Driver Version\n";
         let s = FieldSet::parse(text, "/etc/dcgm/c.csv").unwrap();
         assert_eq!(
@@ -327,14 +420,17 @@ mod tests {
             [
                 Field::GpuTemp,
                 Field::TotalEnergyConsumption,
-                Field::DriverVersion
+                Field::DriverVersion,
+                Field::VgpuLicenseStatus,
             ]
         );
         assert_eq!(s.help_of(Field::GpuTemp), "GPU temperature (in C).");
         assert_eq!(
             s.skipped,
             [
-                "/etc/dcgm/c.csv:6: DCGM_FI_DEV_VGPU_LICENSE_STATUS (needs a DCGM host engine or a vGPU guest)"
+                "/etc/dcgm/c.csv:7: DCGM_EXP_GPU_HEALTH_STATUS (the verdict of DCGM's health watches, which need a DCGM host engine)"
+                    .to_string(),
+                format!("/etc/dcgm/c.csv:8: DCGM_FI_DEV_CLOCKS_EVENT_REASONS ({UNKNOWN_FIELD})"),
             ]
         );
         // A line that does not read is left out, named; the others stay.

@@ -106,6 +106,16 @@ pub fn render(s: &Scrape<'_>) -> String {
         if let Some(v) = &driver {
             base.push(pair("DCGM_FI_DRIVER_VERSION", v));
         }
+        // The other label fields, in dcgm-exporter's order; one the GPU
+        // does not give is absent, as dcgm-exporter leaves a blank out.
+        for info in FIELDS {
+            if info.kind != Kind::Label || !s.fields.wants(info.field) {
+                continue;
+            }
+            if let Some((_, v)) = g.labels.iter().find(|(f, _)| *f == info.field) {
+                base.push(pair(info.name, v));
+            }
+        }
         let mut values: BTreeMap<Field, f64> = g.values.iter().copied().collect();
         if s.fields.wants(Field::XidErrors) {
             let last = s.agent.last_xid.get(&g.uuid).copied().unwrap_or(0);
@@ -272,6 +282,77 @@ mod tests {
             "{text}"
         );
         assert_eq!(text.matches("\nDCGM_FI_DEV_GPU_TEMP{").count(), 4, "{text}");
+    }
+
+    #[test]
+    fn label_fields_ride_on_every_series_and_gpu_instances_have_their_gpm() {
+        let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
+        let inv = crate::inventory::discover(&sys, &backend);
+        let fields = FieldSet::parse(
+            "DCGM_FI_DEV_GPU_TEMP, gauge, t\nDCGM_FI_PROF_SM_ACTIVE, gauge, s\n\
+             DCGM_FI_PROF_PCIE_TX_BYTES, gauge, p\nDCGM_FI_DEV_VBIOS_VERSION, label, v\n\
+             DCGM_FI_DEV_SERIAL, label, s\nDCGM_FI_DEV_POWER_INFOROM_VER, label, p\n",
+            "c.csv",
+        )
+        .unwrap();
+        let sample = backend.sampler().unwrap().sample(&fields).unwrap();
+        let text = render(&Scrape {
+            sample: &sample,
+            inventory: &inv,
+            pods: &PodMap::default(),
+            fields: &fields,
+            hostname: "node-1",
+            agent: &AgentSeries::default(),
+        });
+        let g = &inv.gpus[0];
+        let uuid = g.uuid.clone().unwrap();
+        let node = simnode::NodeDescription::load("h100-mig-2").unwrap();
+        let board = node.gpus[0].board();
+        // The labels the file asks for on the GPU's series; the power
+        // InfoROM object, which a Hopper board lacks, is absent.
+        let temp = text
+            .lines()
+            .find(|l| l.starts_with("DCGM_FI_DEV_GPU_TEMP{") && l.contains(&uuid))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            temp.contains(&format!(
+                ",DCGM_FI_DEV_SERIAL=\"{}\",DCGM_FI_DEV_VBIOS_VERSION=\"{}\"}}",
+                board.serial, board.vbios
+            )),
+            "{temp}"
+        );
+        assert!(!text.contains("DCGM_FI_DEV_POWER_INFOROM_VER"), "{text}");
+        assert!(
+            !text.contains("DCGM_FI_DRIVER_VERSION"),
+            "not asked: {text}"
+        );
+        // Each GPU instance its own SM activity, with the parent's labels;
+        // PCIe traffic only per GPU.
+        let mig = &g.mig_devices[0];
+        let want = node.gpus[0]
+            .instance_gpm(mig.gpu_instance_id.unwrap())
+            .unwrap()
+            .sm_util_pct
+            / 100.0;
+        let line = text
+            .lines()
+            .find(|l| {
+                l.starts_with("DCGM_FI_PROF_SM_ACTIVE{")
+                    && l.contains(&format!("GPU_I_ID=\"{}\"", mig.gpu_instance_id.unwrap()))
+            })
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            line.contains(&format!("GPU_I_PROFILE=\"{}\"", mig.profile)),
+            "{line}"
+        );
+        assert!(line.contains("DCGM_FI_DEV_VBIOS_VERSION="), "{line}");
+        assert!(line.ends_with(&format!(" {want}")), "{line} (want {want})");
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.starts_with("DCGM_FI_PROF_PCIE_TX_BYTES{") && l.contains("GPU_I_ID")),
+            "{text}"
+        );
     }
 
     #[test]

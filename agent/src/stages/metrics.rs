@@ -58,7 +58,7 @@ mod tests {
         assert_eq!(state, StageState::Ready);
         assert_eq!(
             detail,
-            "25 field(s) of 4 GPU(s) on 0.0.0.0:9400, sampled every 1000 ms while scraped"
+            "26 field(s) of 4 GPU(s) on 0.0.0.0:9400, sampled every 1000 ms while scraped"
         );
         let csv = dir.path().join("counters.csv");
         std::fs::write(

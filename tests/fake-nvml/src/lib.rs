@@ -19,7 +19,8 @@
 //!   `NVML_ERROR_UNKNOWN`). Without it, a wait sleeps its whole timeout.
 //! - `FAKE_NVML_STATE`: a file read at each call, lines `<UUID or index>
 //!   <word>`: `hot` (the temperature reads 95 °C; the slowdown threshold is
-//!   90 °C), `retired-pending` (retired pages wait for a reset),
+//!   90 °C), `retired-pending` (retired pages wait for a reset; also the
+//!   `NVML_FI_DEV_RETIRED_PENDING` field of a GPU before Ampere),
 //!   `remapped-pending` (remapped rows wait for a reset), `lost` (every call
 //!   about the GPU answers `NVML_ERROR_GPU_IS_LOST`), `busy`
 //!   (`nvmlDeviceSetMigMode` answers `NVML_ERROR_IN_USE`), `reset-ignored`
@@ -42,8 +43,10 @@
 //!   (`costs/h100-pcie-vm.txt`, built in: `nvmlInit` 10.7 ms the first time
 //!   in a process and 2.1 ms after, most calls 2–10 µs, MIG mode ~164 µs,
 //!   the PCIe replay counter ~173 µs, violation status 0.74 ms, total energy
-//!   3.2 ms, an event registration 2.1 ms; a call the table does not name
-//!   costs the table's median p50, 2.75 µs). `off`: no cost (a test of behaviour that
+//!   3.2 ms, an event registration 2.1 ms; the calls it did not measure as
+//!   `costs/modelled.txt` models them on measured ones; a field-values call
+//!   the sum of its fields; a call named nowhere the table's median p50,
+//!   2.75 µs). `off`: no cost (a test of behaviour that
 //!   makes many calls and times nothing may ask for it; a figure measured
 //!   with it must say so). `<file>`: another table in the same format
 //!   (`costs/README.md`). A table that cannot be read makes `nvmlInit` fail
@@ -54,8 +57,12 @@
 //! profiles per model and NVML's rules); see `mig.rs`.
 //!
 //! Readings (clocks, temperatures, power, energy, utilisations, framebuffer,
-//! NVLink traffic, GPM) come from `simnode::readings`: gauges as described,
-//! counters growing with the time since the library was first initialised.
+//! field values — NVLink traffic per link or over all links (`scopeId`),
+//! NVLink error counters, ECC counts, retired pages, clock-throttle time —,
+//! the board's brand, serial, VBIOS and InfoROM versions, NVML's version,
+//! the vGPU licence, GPM per GPU and per GPU instance) come from
+//! `simnode::readings`: gauges as described, counters growing with the time
+//! since the library was first initialised; see `metrics.rs`.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 

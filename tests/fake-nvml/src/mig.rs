@@ -362,6 +362,20 @@ fn with_ci(
     )
 }
 
+/// Whether the whole GPU behind `device` has MIG on and a GPU instance
+/// `id` (what `nvmlGpmMigSampleGet` takes).
+pub(crate) fn has_gpu_instance(device: nvmlDevice_t, id: u32) -> bool {
+    let mut found = false;
+    live(|node, state| {
+        if let Ok((i, _)) = gpu_of(node, device as usize, 0) {
+            let g = &state.gpus[i];
+            found = g.current && g.gpu_instance(id).is_some();
+        }
+        SUCCESS
+    });
+    found
+}
+
 /// Runs `f` with the MIG device behind a MIG handle.
 pub(crate) fn with_mig_device(
     device: nvmlDevice_t,
