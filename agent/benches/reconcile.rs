@@ -115,6 +115,7 @@ fn make_ctx<'a>(
         changes: Default::default(),
         mig_hold: None,
         upgrade: Default::default(),
+        logged: None,
     }
 }
 

@@ -73,6 +73,7 @@ pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
         changes: Default::default(),
         mig_hold: None,
         upgrade: Default::default(),
+        logged: None,
     });
     if let Some(inv) = &pass.inventory {
         for line in render::inventory(inv).lines() {

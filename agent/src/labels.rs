@@ -142,7 +142,11 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
             );
         }
         Some(None) => {
-            tracing::warn!(stage = "labels", version = ?inv.backend.driver_version, "driver version is not X.Y[.Z]; no driver-version labels")
+            tracing::warn!(
+                stage = "labels",
+                version = inv.backend.driver_version.as_deref(),
+                "driver version is not X.Y[.Z]; no driver-version labels"
+            )
         }
         None => {}
     }
@@ -465,7 +469,7 @@ fn full_gpu_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
     let models: std::collections::BTreeSet<&str> =
         gpus.iter().filter_map(|g| g.model.as_deref()).collect();
     if models.len() > 1 {
-        tracing::warn!(stage = "labels", models = ?models, "multiple GPU models on the node; labelling the last one's");
+        tracing::warn!(stage = "labels", models = %models.iter().copied().collect::<Vec<_>>().join(", "), "multiple GPU models on the node; labelling the last one's");
     }
     // The GPUs advertised whole (or in replicas), not as MIG devices.
     let whole: Vec<&Gpu> = gpus

@@ -601,6 +601,7 @@ fn context<'a>(
         changes: Default::default(),
         mig_hold: None,
         upgrade: Default::default(),
+        logged: None,
     }
 }
 

@@ -98,6 +98,7 @@ fn pass(n: &Node, gate: UpgradeGate) -> (StageState, String, Option<UpgradeStatu
         changes: Default::default(),
         mig_hold: None,
         upgrade: gate,
+        logged: None,
     };
     let p = stages::run_pass(&ctx);
     let s = p.stages.iter().find(|s| s.stage == Stage::Driver).unwrap();

@@ -122,6 +122,7 @@ impl Node {
             changes: Default::default(),
             mig_hold: None,
             upgrade: Default::default(),
+            logged: None,
         })
     }
 

@@ -182,9 +182,9 @@ where
         let mut lines = tokio::io::BufReader::new(from).lines();
         while let Ok(Some(line)) = lines.next_line().await {
             if stderr {
-                tracing::warn!(program = %program, pid = ?pid, "{line}");
+                tracing::warn!(program = %program, pid, "{line}");
             } else {
-                tracing::info!(program = %program, pid = ?pid, "{line}");
+                tracing::info!(program = %program, pid, "{line}");
             }
         }
     });
@@ -197,7 +197,7 @@ impl Spawner for HostSpawner {
             message: format!("cannot start {}: {e}", self.wrapper.display()),
         })?;
         let pid = child.id();
-        tracing::info!(command = %launch.command_line(), pid = ?pid, "started a host program");
+        tracing::info!(command = %launch.command_line(), pid, "started a host program");
         if let Some(out) = child.stdout.take() {
             log_lines(out, launch.program.clone(), pid, false);
         }

@@ -720,9 +720,9 @@ fn handle(
         Record::Xid(x) => {
             let advice = xid::describe(x.xid);
             if xid::default_severity(x.xid) == Severity::Ignore {
-                tracing::info!(stage = "health", source = "kmsg", bus_id = %x.bus_id, xid = x.xid, pid = ?x.pid, process = ?x.process, seq = x.seq, %advice, message = %x.message, "NVIDIA XID");
+                tracing::info!(stage = "health", source = "kmsg", bus_id = %x.bus_id, xid = x.xid, pid = x.pid, process = x.process.as_deref(), seq = x.seq, %advice, driver_message = %x.message, "NVIDIA XID");
             } else {
-                tracing::warn!(stage = "health", source = "kmsg", bus_id = %x.bus_id, xid = x.xid, pid = ?x.pid, process = ?x.process, seq = x.seq, %advice, message = %x.message, "NVIDIA XID");
+                tracing::warn!(stage = "health", source = "kmsg", bus_id = %x.bus_id, xid = x.xid, pid = x.pid, process = x.process.as_deref(), seq = x.seq, %advice, driver_message = %x.message, "NVIDIA XID");
             }
             tx.send(x).is_ok()
         }

@@ -391,12 +391,20 @@ impl PluginManager {
                     } else if deleted && self.kubelet_socket().exists() {
                         // (Without kubelet.sock the kubelet is restarting: its
                         // new socket's creation restarts every plugin.)
+                        let kubelet = self.kubelet_id();
                         for i in 0..self.plugins.len() {
                             let p = &self.plugins[i];
                             // Our own restarts delete the old socket too: only
                             // act when the socket is really gone.
                             if p.socket.file_name().is_some_and(|f| f.to_string_lossy() == name) && !p.socket.exists() {
-                                tracing::warn!(stage = "plugin", resource = %p.name, "our socket was removed; serving on a new one");
+                                // A kubelet.sock other than the one we registered
+                                // with: a kubelet restart, read after the new
+                                // kubelet's socket was made (routine).
+                                if p.kubelet != kubelet {
+                                    tracing::info!(stage = "plugin", resource = %p.name, "kubelet restarted; serving on new sockets and registering again");
+                                } else {
+                                    tracing::info!(stage = "plugin", resource = %p.name, socket = %p.socket.display(), "our socket was removed, not by a kubelet restart; serving on a new one and registering again");
+                                }
                                 self.restart(i, &done_tx)?;
                             }
                         }
@@ -565,7 +573,19 @@ impl PluginManager {
                 let delay = p.retry_delay;
                 p.retry_at = Some(tokio::time::Instant::now() + delay);
                 p.retry_delay = (delay * 2).min(MAX_RETRY);
-                if delay >= Duration::from_secs(1) {
+                // Said once the kubelet has not answered for a second (the
+                // first retry of 1 s or more), and again when its answer
+                // changes: a node without a kubelet does not warn every 30 s.
+                let said_before = self
+                    .board
+                    .lock()
+                    .unwrap()
+                    .get(index)
+                    .is_some_and(|s| s.last_error.as_deref() == Some(e.as_str()));
+                let p = &self.plugins[index];
+                if delay >= Duration::from_secs(1)
+                    && (delay < Duration::from_secs(2) || !said_before)
+                {
                     tracing::warn!(stage = "plugin", resource = %p.name, error = %e, retry_in = ?delay, "registration failed");
                 } else {
                     tracing::debug!(stage = "plugin", resource = %p.name, error = %e, "registration failed");

@@ -87,7 +87,17 @@ pub async fn run(cfg: ReportConfig, mut inputs: Inputs) {
             backoff = FIRST_BACKOFF;
         }
         let wait = jitter(backoff);
-        tracing::warn!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "no stream to the controller; the agent goes on without it");
+        // Said when the stream is lost or the controller's answer changes,
+        // not at every retry while it stays the same.
+        let news = {
+            let l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
+            l.connected || l.last_error.as_deref() != Some(&error)
+        };
+        if news {
+            tracing::warn!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "no stream to the controller; the agent goes on without it");
+        } else {
+            tracing::debug!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "no stream to the controller; the agent goes on without it");
+        }
         update(&inputs, |l| {
             if l.connected || l.last_error.as_deref() != Some(&error) {
                 l.since = crate::state::now();

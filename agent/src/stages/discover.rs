@@ -43,11 +43,44 @@ pub(super) fn discover_stage(
 ) -> ((super::StageState, String), Option<Inventory>) {
     let inv = crate::inventory::discover(ctx.sys, ctx.backend);
     let detail = discover_detail(&inv);
-    for w in &inv.warnings {
+    log_discovery(ctx.logged, &inv);
+    ((super::StageState::Done, detail), Some(inv))
+}
+
+/// Logs discovery's warnings and the GPUs found: with the running agent's
+/// memory only what is new since its last pass (and the GPUs no longer
+/// found), without it everything.
+fn log_discovery(logged: Option<&super::LogMemory>, inv: &Inventory) {
+    let warnings: Vec<&String> = match logged {
+        Some(m) => m.new_warnings(&inv.warnings),
+        None => inv.warnings.iter().collect(),
+    };
+    for w in warnings {
         tracing::warn!(stage = "discover", "{w}");
     }
-    for g in &inv.gpus {
+    let now: std::collections::BTreeMap<String, super::GpuSaid> = inv
+        .gpus
+        .iter()
+        .map(|g| {
+            let said = super::GpuSaid {
+                id: g.id(),
+                model: g.model.clone().unwrap_or_else(|| "unknown".into()),
+            };
+            (g.bus_id.to_string(), said)
+        })
+        .collect();
+    let (new, gone) = match logged {
+        Some(m) => m.gpus_found(now),
+        None => (now.into_keys().collect(), Vec::new()),
+    };
+    for g in inv
+        .gpus
+        .iter()
+        .filter(|g| new.contains(&g.bus_id.to_string()))
+    {
         tracing::info!(stage = "discover", gpu_uuid = %g.id(), bus_id = %g.bus_id, model = g.model.as_deref().unwrap_or("unknown"), "found GPU");
     }
-    ((super::StageState::Done, detail), Some(inv))
+    for (bus_id, was) in gone {
+        tracing::warn!(stage = "discover", gpu_uuid = %was.id, %bus_id, model = %was.model, "GPU no longer found");
+    }
 }

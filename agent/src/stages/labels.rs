@@ -168,6 +168,7 @@ mod tests {
                 changes: Default::default(),
                 mig_hold: None,
                 upgrade: Default::default(),
+                logged: None,
             }
         }
 

@@ -352,12 +352,120 @@ pub struct Context<'a> {
     /// Driver upgrades under the cluster's rollout (the controller's
     /// go-ahead), and where this pass found the node.
     pub upgrade: crate::driver::UpgradeGate,
+    /// What earlier passes of this process said in the log (the running
+    /// agent's): a pass then logs at INFO only what changed. `None`: a
+    /// one-shot pass (`status`, `run --once`, the demo) says everything.
+    pub logged: Option<&'a LogMemory>,
+}
+
+/// What the running agent's passes last said in the log, so that a pass
+/// that changes nothing says nothing above DEBUG (docs/operations.md): a
+/// stage's state is logged when it changes, or when the stage changed the
+/// host; its words when they change, except from those of a pass that
+/// changed the host to those of one that found it as left ("wrote X" to "X
+/// is up to date"); a GPU when it is found or no longer found; a warning of
+/// discovery when it is new.
+#[derive(Debug, Default)]
+pub struct LogMemory(std::sync::Mutex<Said>);
+
+#[derive(Debug, Default)]
+struct Said {
+    /// Each stage's last state and detail, and whether that pass changed the host.
+    stages: std::collections::HashMap<Stage, (StageState, String, bool)>,
+    /// The GPUs last found (bus id, then what was said of each); `None`
+    /// before the first discovery.
+    gpus: Option<std::collections::BTreeMap<String, GpuSaid>>,
+    /// Discovery's warnings of the last pass.
+    warnings: std::collections::BTreeSet<String>,
+    /// Other conditions by name ([`LogMemory::news`]), while they hold.
+    conditions: std::collections::HashMap<String, String>,
+}
+
+/// What the log says of a GPU found: a UUID NVML gives later, or another
+/// model, is news.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuSaid {
+    pub id: String,
+    pub model: String,
+}
+
+impl LogMemory {
+    /// Whether `stage` coming to `state` with `detail` is news (and
+    /// remembers it); `changed_host`: this pass of the stage changed the host.
+    pub fn stage_is_news(
+        &self,
+        stage: Stage,
+        state: StageState,
+        detail: &str,
+        changed_host: bool,
+    ) -> bool {
+        let mut said = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let news = match said.stages.get(&stage) {
+            None => true,
+            Some((was, _, _)) if *was != state => true,
+            Some(_) if changed_host => true,
+            Some((_, words, _)) if words == detail => false,
+            // Its words change: news, unless they went from a change made
+            // to finding it made.
+            Some((_, _, was_change)) => !was_change,
+        };
+        said.stages
+            .insert(stage, (state, detail.to_string(), changed_host));
+        news
+    }
+
+    /// The GPUs found now, by bus id: those not found (or said otherwise)
+    /// before, and those no longer found.
+    pub fn gpus_found(
+        &self,
+        now: std::collections::BTreeMap<String, GpuSaid>,
+    ) -> (Vec<String>, Vec<(String, GpuSaid)>) {
+        let mut said = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let before = said.gpus.take().unwrap_or_default();
+        let new = now
+            .iter()
+            .filter(|(bus, what)| before.get(*bus) != Some(what))
+            .map(|(bus, _)| bus.clone())
+            .collect();
+        let gone = before
+            .into_iter()
+            .filter(|(bus, _)| !now.contains_key(bus))
+            .collect();
+        said.gpus = Some(now);
+        (new, gone)
+    }
+
+    /// Whether the condition `key` changed since it was last told: `now` is
+    /// what it says now (`None`: it no longer holds). A condition that
+    /// holds pass after pass in the same words is said once.
+    pub fn news(&self, key: &str, now: Option<&str>) -> bool {
+        let mut said = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let before = match now {
+            Some(text) => said.conditions.insert(key.to_string(), text.to_string()),
+            None => said.conditions.remove(key),
+        };
+        before.as_deref() != now
+    }
+
+    /// Of discovery's warnings now, those the last pass did not have.
+    pub fn new_warnings<'w>(&self, now: &'w [String]) -> Vec<&'w String> {
+        let mut said = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let new = now.iter().filter(|w| !said.warnings.contains(*w)).collect();
+        said.warnings = now.iter().cloned().collect();
+        new
+    }
 }
 
 /// Host changes a stage made, in words (`wrote /var/run/cdi/nvidia.yaml`).
 pub type ChangeLog = std::cell::RefCell<Vec<String>>;
 
 impl Context<'_> {
+    /// Whether the condition `key` (`None`: it no longer holds) is news to
+    /// the running agent ([`LogMemory::news`]); always, without one.
+    pub fn news(&self, key: &str, now: Option<&str>) -> bool {
+        self.logged.is_none_or(|m| m.news(key, now))
+    }
+
     /// Records a change made to the host.
     pub fn changed(&self, what: impl Into<String>) {
         let what = what.into();
@@ -529,7 +637,7 @@ fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> 
             },
         }
     };
-    log_stage(stage, state, &detail);
+    log_stage(ctx, stage, state, &detail);
     let mut status = StageStatus {
         needs,
         missing,
@@ -580,7 +688,17 @@ pub fn run_deferred(
     *stages = p.stages;
 }
 
-fn log_stage(stage: Stage, state: StageState, detail: &str) {
+/// Logs a stage's outcome: at its level when it is news to the running
+/// agent ([`LogMemory`]) or there is none, at DEBUG otherwise.
+fn log_stage(ctx: &Context<'_>, stage: Stage, state: StageState, detail: &str) {
+    let changed_host = !ctx.changes.borrow().is_empty();
+    if ctx
+        .logged
+        .is_some_and(|m| !m.stage_is_news(stage, state, detail, changed_host))
+    {
+        tracing::debug!(stage = stage.name(), state = state.label(), "{detail}");
+        return;
+    }
     match state {
         StageState::Failed => tracing::error!(stage = stage.name(), "{detail}"),
         StageState::Blocked | StageState::Waiting => {
@@ -668,6 +786,7 @@ mod tests {
             changes: Default::default(),
             mig_hold: None,
             upgrade: Default::default(),
+            logged: None,
         })
     }
 
@@ -699,6 +818,7 @@ mod tests {
             changes: Default::default(),
             mig_hold: None,
             upgrade: Default::default(),
+            logged: None,
         };
         // Also when the plugin hands out CDI names: Allocate waits for the spec.
         for policy in &policies[..2] {
@@ -875,6 +995,7 @@ mod tests {
                 changes: Default::default(),
                 mig_hold: None,
                 upgrade: Default::default(),
+                logged: None,
             })
         };
         for _ in 0..2 {
@@ -917,6 +1038,7 @@ mod tests {
             changes: Default::default(),
             mig_hold: None,
             upgrade: Default::default(),
+            logged: None,
         });
         let d = state_of(&p, Stage::Driver);
         assert_eq!(d.state, StageState::Failed, "{}", d.detail);
@@ -946,5 +1068,160 @@ mod tests {
                 assert!(j < i, "{} waits on later stage {}", s.name(), dep.name());
             }
         }
+    }
+
+    /// What `f` logs at DEBUG and above, a line an event, the level first.
+    fn logs_of(f: impl FnOnce()) -> Vec<String> {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buf(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .without_time()
+            .with_ansi(false)
+            .with_target(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        text.lines().map(|l| l.trim_start().to_string()).collect()
+    }
+
+    /// The lines the default level (INFO) shows.
+    fn shown(lines: &[String]) -> Vec<&String> {
+        lines.iter().filter(|l| !l.starts_with("DEBUG")).collect()
+    }
+
+    #[test]
+    fn a_pass_that_changes_nothing_logs_nothing_above_debug() {
+        let (_dir, sys, backend) = sim_node("h100-sxm-8");
+        // No containerd: the runtime stage waits, a WARN said once.
+        let caps = HeldCaps::from_caps(&[]);
+        let policy = Policy::default();
+        let recording = hostlib::RecordingSyscalls::new();
+        let memory = LogMemory::default();
+        let ctx = || Context {
+            policy: &policy,
+            caps: &caps,
+            sys: &sys,
+            backend: &backend,
+            host: &sys,
+            apply: None,
+            syscalls: &recording,
+            simulated: true,
+            drain: None,
+            serve_first: false,
+            changes: Default::default(),
+            mig_hold: None,
+            upgrade: Default::default(),
+            logged: Some(&memory),
+        };
+        let first = logs_of(|| {
+            run_pass(&ctx());
+        });
+        let found = first.iter().filter(|l| l.contains("found GPU")).count();
+        assert_eq!(found, 8, "{first:#?}");
+        assert!(
+            first
+                .iter()
+                .any(|l| l.starts_with("WARN") && l.contains("state=\"waiting\"")),
+            "{first:#?}"
+        );
+        for _ in 0..3 {
+            let again = logs_of(|| {
+                run_pass(&ctx());
+            });
+            assert!(shown(&again).is_empty(), "{:#?}", shown(&again));
+            // Each stage's state is still there, at DEBUG.
+            let states = again.iter().filter(|l| l.contains(" state=")).count();
+            assert_eq!(states, Stage::ALL.len(), "{again:#?}");
+        }
+        // Without the running agent's memory (`status`, `run --once`),
+        // a pass says everything.
+        let once = logs_of(|| {
+            run_pass(&Context {
+                logged: None,
+                ..ctx()
+            });
+        });
+        assert_eq!(
+            once.iter().filter(|l| l.contains("found GPU")).count(),
+            8,
+            "{once:#?}"
+        );
+        assert!(shown(&once).len() >= Stage::ALL.len(), "{once:#?}");
+    }
+
+    #[test]
+    fn a_stage_is_news_when_its_state_or_words_change() {
+        use StageState::*;
+        let m = LogMemory::default();
+        let s = Stage::Cdi;
+        assert!(m.stage_is_news(s, Done, "wrote spec.json: 8 GPU(s)", true));
+        // From the words of a change to those of finding it made: not news.
+        assert!(!m.stage_is_news(s, Done, "spec.json is up to date: 8 GPU(s)", false));
+        assert!(!m.stage_is_news(s, Done, "spec.json is up to date: 8 GPU(s)", false));
+        // Other words without a change: news.
+        assert!(m.stage_is_news(s, Done, "spec.json is up to date: 7 GPU(s)", false));
+        // A change made, in the same words: news.
+        assert!(m.stage_is_news(s, Done, "spec.json is up to date: 7 GPU(s)", true));
+        // Another state: news; the same failure again: not; in other words: news.
+        assert!(m.stage_is_news(s, Failed, "no space left", false));
+        assert!(!m.stage_is_news(s, Failed, "no space left", false));
+        assert!(m.stage_is_news(s, Failed, "read-only file system", false));
+        // Each stage has its own memory.
+        assert!(m.stage_is_news(Stage::Labels, Failed, "no space left", false));
+    }
+
+    #[test]
+    fn a_condition_is_news_when_it_begins_changes_or_ends() {
+        let m = LogMemory::default();
+        assert!(!m.news("k", None), "nothing held, nothing holds");
+        assert!(m.news("k", Some("a")));
+        assert!(!m.news("k", Some("a")));
+        assert!(m.news("k", Some("b")));
+        assert!(m.news("k", None));
+        assert!(!m.news("k", None));
+        assert!(m.news("k", Some("b")), "again after it was over");
+        assert!(m.news("other", Some("b")));
+    }
+
+    #[test]
+    fn gpus_are_news_when_found_said_otherwise_or_gone() {
+        let m = LogMemory::default();
+        let said = |id: &str| GpuSaid {
+            id: id.into(),
+            model: "H100".into(),
+        };
+        let node = |gpus: &[(&str, &str)]| -> std::collections::BTreeMap<String, GpuSaid> {
+            gpus.iter()
+                .map(|(bus, id)| (bus.to_string(), said(id)))
+                .collect()
+        };
+        let (new, gone) = m.gpus_found(node(&[
+            ("0000:18:00.0", "GPU-a"),
+            ("0000:2a:00.0", "GPU-b"),
+        ]));
+        assert_eq!((new.len(), gone.len()), (2, 0));
+        let (new, gone) = m.gpus_found(node(&[
+            ("0000:18:00.0", "GPU-a"),
+            ("0000:2a:00.0", "GPU-b"),
+        ]));
+        assert!(new.is_empty() && gone.is_empty());
+        // NVML gives a UUID where there was only the bus id; one GPU gone.
+        let (new, gone) = m.gpus_found(node(&[("0000:18:00.0", "GPU-c")]));
+        assert_eq!(new, ["0000:18:00.0"]);
+        assert_eq!(gone, [("0000:2a:00.0".to_string(), said("GPU-b"))]);
     }
 }

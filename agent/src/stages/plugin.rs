@@ -77,11 +77,18 @@ pub(super) fn plugin_stage(
                     keys.join(", ")
                 );
             }
-            if let Some(why) = no_cdi.filter(|_| cdi_names) {
-                let warning = format!(
+            let warning = no_cdi.filter(|_| cdi_names).map(|why| {
+                format!(
                     "warning: the device-list strategy hands out CDI names, but {why}: containers get no GPU through them (use envvar, or a runtime with CDI)"
-                );
+                )
+            });
+            // Said once, not at every reconcile (the detail keeps it).
+            if ctx.news("plugin: CDI names without CDI", warning.as_deref())
+                && let Some(warning) = &warning
+            {
                 tracing::warn!(stage = "plugin", "{warning}");
+            }
+            if let Some(warning) = warning {
                 detail = format!("{detail}; {warning}");
             }
             ((StageState::Ready, detail), Some(plan))

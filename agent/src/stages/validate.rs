@@ -44,10 +44,10 @@ pub(super) fn validate_stage(
             Ok(d) => (true, d),
             Err(e) => (false, e),
         };
+        log_validation(ctx, st.stage, ok, &detail);
         if ok {
             checked.push(st.stage.name());
         } else {
-            tracing::error!(stage = st.stage.name(), "validation failed: {detail}");
             failed.push(format!("{}: {detail}", st.stage.name()));
         }
         st.validation = Some(Validation {
@@ -111,16 +111,31 @@ pub(super) fn validate_late(ctx: &Context<'_>, inv: &Inventory, st: &mut StageSt
     if let Some(r) = check(ctx, inv, st) {
         let (ok, detail) = match r {
             Ok(d) => (true, d),
-            Err(e) => {
-                tracing::error!(stage = st.stage.name(), "validation failed: {e}");
-                (false, e)
-            }
+            Err(e) => (false, e),
         };
+        log_validation(ctx, st.stage, ok, &detail);
         st.validation = Some(Validation {
             ok,
             detail,
             since: crate::state::now(),
         });
+    }
+}
+
+/// A failed validation is an ERROR when it begins or its words change,
+/// and passing again is INFO; the same failure pass after pass is DEBUG
+/// (`gpu-agent status` shows it while it lasts).
+fn log_validation(ctx: &Context<'_>, stage: Stage, ok: bool, detail: &str) {
+    let key = format!("validation of {}", stage.name());
+    let news = ctx.news(&key, (!ok).then_some(detail));
+    match (ok, news) {
+        (false, true) => tracing::error!(stage = stage.name(), "validation failed: {detail}"),
+        (false, false) => tracing::debug!(stage = stage.name(), "validation failed: {detail}"),
+        // Passing after a failure (without memory: every pass is news).
+        (true, true) if ctx.logged.is_some() => {
+            tracing::info!(stage = stage.name(), "validation passes again: {detail}")
+        }
+        (true, _) => {}
     }
 }
 

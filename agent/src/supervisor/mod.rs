@@ -220,6 +220,11 @@ fn log_unacted(policy: &Policy) {
     }
 }
 
+/// [`stages::LogMemory::news`]'s name for a reconcile without a device list.
+const NO_DEVICE_LIST: &str = "no device list";
+/// The same for a workload check that fails.
+const WORKLOAD_FAILED: &str = "workload check failed";
+
 /// The running agent's state and tasks.
 struct Supervisor {
     opts: Options,
@@ -275,6 +280,9 @@ struct Supervisor {
     rollout: crate::driver::Rollout,
     /// What systemd hears (READY, STATUS, watchdog); nothing outside it.
     systemd: notify::Systemd,
+    /// What the passes last said in the log: a pass that changes nothing
+    /// says nothing above DEBUG.
+    logged: stages::LogMemory,
 }
 
 #[derive(Default)]
@@ -349,6 +357,7 @@ impl Supervisor {
                 ..Default::default()
             },
             systemd: notify::Systemd::from_env(),
+            logged: stages::LogMemory::default(),
         }
     }
 
@@ -368,6 +377,7 @@ impl Supervisor {
             changes: Default::default(),
             mig_hold: None,
             upgrade: self.rollout.gate(self.controller_policy.is_some()),
+            logged: Some(&self.logged),
         }
     }
 
@@ -825,6 +835,9 @@ impl Supervisor {
                 true
             }
         });
+        // Said once while it lasts, not at every reconcile.
+        let no_list = pass.plugin.is_none() && plugin_state != Some(StageState::Disabled);
+        let no_list_news = self.logged.news(NO_DEVICE_LIST, no_list.then_some(""));
         match pass.plugin {
             Some(plan) => {
                 let settings_changed = self
@@ -878,7 +891,7 @@ impl Supervisor {
                 // No plan this time (e.g. NVML did not answer): keep
                 // advertising what was (health marks the devices), never
                 // drop the node's capacity to zero for a passing failure.
-                if self.plugin.is_some() {
+                if self.plugin.is_some() && no_list_news {
                     tracing::warn!(
                         stage = "plugin",
                         "no device list this reconcile; the device plugin keeps the last one"
@@ -1035,6 +1048,7 @@ impl Supervisor {
         let now = state::now();
         let v = match verdict {
             Ok(detail) => {
+                self.logged.news(WORKLOAD_FAILED, None);
                 tracing::info!(stage = "validate", "workload check passed: {detail}");
                 Validation {
                     ok: true,
@@ -1043,7 +1057,12 @@ impl Supervisor {
                 }
             }
             Err(detail) => {
-                tracing::error!(stage = "validate", "workload check failed: {detail}");
+                // Tried again at every reconcile; said when its words change.
+                if self.logged.news(WORKLOAD_FAILED, Some(&detail)) {
+                    tracing::error!(stage = "validate", "workload check failed: {detail}");
+                } else {
+                    tracing::debug!(stage = "validate", "workload check failed: {detail}");
+                }
                 Validation {
                     ok: false,
                     detail,

@@ -404,7 +404,7 @@ async fn supervise(
     let mut child = spawner
         .spawn(&daemon_launch(plan))
         .map_err(|e| e.to_string())?;
-    tracing::info!(task = TASK, resource, pid = ?child.id(), gpus = %plan.summary(), "MPS control daemon started");
+    tracing::info!(task = TASK, resource, pid = child.id(), gpus = %plan.summary(), "MPS control daemon started");
     let deadline = tokio::time::Instant::now() + timing.answer_within;
     let mut delay = Duration::from_millis(10);
     loop {
@@ -468,7 +468,12 @@ async fn quit(
     }
     match tokio::time::timeout(timing.quit_within, child.wait()).await {
         Ok(exit) => {
-            tracing::info!(task = TASK, resource, exit = ?exit.ok().map(|e| e.to_string()), "MPS control daemon quit");
+            tracing::info!(
+                task = TASK,
+                resource,
+                exit = exit.ok().map(|e| e.to_string()),
+                "MPS control daemon quit"
+            );
         }
         Err(_) => {
             tracing::warn!(

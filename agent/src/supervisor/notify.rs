@@ -21,13 +21,17 @@ pub struct Systemd {
     ready_sent: bool,
     status: String,
     watchdog: Option<Duration>,
+    /// systemd gave us a `NOTIFY_SOCKET`: there is someone to tell.
+    listening: bool,
 }
 
 impl Systemd {
-    /// Reads `WATCHDOG_USEC` (set by systemd when the unit has `WatchdogSec=`).
+    /// Reads `NOTIFY_SOCKET` and `WATCHDOG_USEC` (set by systemd for a
+    /// `Type=notify` unit, the latter when it has `WatchdogSec=`).
     pub fn from_env() -> Self {
         Systemd {
             watchdog: sd_notify::watchdog_enabled(),
+            listening: std::env::var_os("NOTIFY_SOCKET").is_some_and(|s| !s.is_empty()),
             ..Systemd::default()
         }
     }
@@ -54,9 +58,12 @@ impl Systemd {
         let mut msg = vec![NotifyState::Status(&line)];
         if ready_now {
             msg.push(NotifyState::Ready);
+        }
+        // Said only where systemd listens and heard it (outside systemd
+        // there is nobody to tell).
+        if send(&msg) && ready_now && self.listening {
             tracing::info!(status = %line, "told systemd the agent is ready");
         }
-        send(&msg);
         self.ready_sent |= ready_now;
         self.status = line;
     }
@@ -74,9 +81,15 @@ impl Systemd {
     }
 }
 
-fn send(msg: &[NotifyState<'_>]) {
-    if let Err(e) = sd_notify::notify(msg) {
-        tracing::warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
+/// Sends `msg` to systemd (nothing without `NOTIFY_SOCKET`); false when
+/// it could not be sent.
+fn send(msg: &[NotifyState<'_>]) -> bool {
+    match sd_notify::notify(msg) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot notify systemd (NOTIFY_SOCKET)");
+            false
+        }
     }
 }
 
