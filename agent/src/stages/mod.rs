@@ -772,15 +772,27 @@ mod tests {
 
     fn pass(policy: &Policy, caps: &HeldCaps) -> Pass {
         let (_dir, sys, backend) = sim_node("h100-sxm-8");
+        inspect(&sys, &backend, policy, caps, true)
+    }
+
+    /// One pass that only looks (nothing applied) over a node's files;
+    /// `simulated: false` treats them as a real host's (capabilities count).
+    fn inspect(
+        sys: &HostRoot,
+        backend: &dyn GpuBackend,
+        policy: &Policy,
+        caps: &HeldCaps,
+        simulated: bool,
+    ) -> Pass {
         run_pass(&Context {
             policy,
             caps,
-            sys: &sys,
-            backend: &backend,
-            host: &sys,
+            sys,
+            backend,
+            host: sys,
             apply: None,
             syscalls: &hostlib::RecordingSyscalls::new(),
-            simulated: true,
+            simulated,
             drain: None,
             serve_first: false,
             changes: Default::default(),
@@ -980,26 +992,8 @@ mod tests {
         let policy =
             Policy::from_yaml("spec:\n  migManager:\n    default: all-1g.10gb\n", "p").unwrap();
         let caps = HeldCaps::from_caps(&[]);
-        let run = || {
-            run_pass(&Context {
-                policy: &policy,
-                caps: &caps,
-                sys: &sys,
-                backend: &backend,
-                host: &sys,
-                apply: None,
-                syscalls: &hostlib::RecordingSyscalls::new(),
-                simulated: false,
-                drain: None,
-                serve_first: false,
-                changes: Default::default(),
-                mig_hold: None,
-                upgrade: Default::default(),
-                logged: None,
-            })
-        };
         for _ in 0..2 {
-            let p = run();
+            let p = inspect(&sys, &backend, &policy, &caps, false);
             assert_eq!(state_of(&p, Stage::Mig).state, StageState::Blocked);
             let m = p.mig.expect("a pending MIG state");
             assert_eq!(m.layout, "all-1g.10gb");
@@ -1024,22 +1018,7 @@ mod tests {
             Capability::CAP_MKNOD,
             Capability::CAP_SYS_ADMIN,
         ]);
-        let p = run_pass(&Context {
-            policy: &policy,
-            caps: &caps,
-            sys: &sys,
-            backend: &backend,
-            host: &sys,
-            apply: None,
-            syscalls: &hostlib::RecordingSyscalls::new(),
-            simulated: false,
-            drain: None,
-            serve_first: false,
-            changes: Default::default(),
-            mig_hold: None,
-            upgrade: Default::default(),
-            logged: None,
-        });
+        let p = inspect(&sys, &backend, &policy, &caps, false);
         let d = state_of(&p, Stage::Driver);
         assert_eq!(d.state, StageState::Failed, "{}", d.detail);
         assert!(
