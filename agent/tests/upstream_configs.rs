@@ -62,9 +62,9 @@ fn plugin_stage(node: &str, policy: &Path) -> (String, String) {
         .args(["--simulate", node, "--policy"])
         .arg(policy)
         .args(["status", "-o", "json"]));
-    // No agent runs here: `status` inspects (exit 3, LSB's "not running",
-    // once that lands; 0 before).
-    assert!(code == 0 || code == 3, "{node}: {code} {err}");
+    // No agent runs here: `status` inspects and exits 3 (LSB's "program
+    // is not running").
+    assert_eq!(code, 3, "{node}: {err}");
     let st = common::stage(&json(&out), "plugin");
     (
         st["state"].as_str().unwrap().to_string(),
