@@ -85,9 +85,94 @@ pub enum LabelsError {
     },
 }
 
+/// Something the labels could not say as the node asks, for the operator
+/// to act on. Working out labels logs nothing: the labels stage logs each
+/// warning once while it holds ([`LabelWarning::log`]), `gpu-agent labels`
+/// prints them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LabelWarning {
+    /// GPUs of several models; labelled as the last one.
+    MixedModels { models: String },
+    /// A driver version that is not X.Y[.Z].
+    DriverVersion { version: String },
+    /// A renamed resource too long for its labels' keys.
+    LongResource { resource: String },
+    /// `mig.strategy: single` on a node whose layout does not fit it.
+    MigInvalid { reason: &'static str },
+}
+
+impl LabelWarning {
+    /// Every [`LabelWarning::kind`] there is.
+    pub const KINDS: &'static [&'static str] = &[
+        "mixed-models",
+        "driver-version",
+        "long-resource",
+        "mig-invalid",
+    ];
+
+    /// The condition's stable name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::MixedModels { .. } => "mixed-models",
+            Self::DriverVersion { .. } => "driver-version",
+            Self::LongResource { .. } => "long-resource",
+            Self::MigInvalid { .. } => "mig-invalid",
+        }
+    }
+
+    /// Logs it (WARN, the values as fields).
+    pub fn log(&self) {
+        match self {
+            Self::MixedModels { models } => {
+                tracing::warn!(stage = "labels", models = %models, "multiple GPU models on the node; labelling the last one's")
+            }
+            Self::DriverVersion { version } => {
+                tracing::warn!(stage = "labels", version = %version, "driver version is not X.Y[.Z]; no driver-version labels")
+            }
+            Self::LongResource { resource } => {
+                tracing::warn!(stage = "labels", resource = %resource, "resource name too long for its labels' keys (63 characters after nvidia.com/, with {LONGEST_SUFFIX}); not labelled")
+            }
+            Self::MigInvalid { reason } => {
+                tracing::warn!(stage = "labels", reason = %reason, "the node's MIG layout is invalid for mig.strategy single")
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for LabelWarning {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::MixedModels { models } => write!(
+                f,
+                "multiple GPU models on the node ({models}); labelling the last one's"
+            ),
+            Self::DriverVersion { version } => write!(
+                f,
+                "driver version {version:?} is not X.Y[.Z]; no driver-version labels"
+            ),
+            Self::LongResource { resource } => write!(
+                f,
+                "resource name {resource} too long for its labels' keys (63 characters after nvidia.com/, with {LONGEST_SUFFIX}); not labelled"
+            ),
+            Self::MigInvalid { reason } => write!(
+                f,
+                "the node's MIG layout is invalid for mig.strategy single: {reason}"
+            ),
+        }
+    }
+}
+
 /// The labels for this node under this policy (its MIG strategy and the
 /// device plugin's sharing config).
 pub fn node_labels(inv: &Inventory, policy: &Policy) -> Result<Labels, LabelsError> {
+    node_labels_noted(inv, policy).map(|(labels, _)| labels)
+}
+
+/// [`node_labels`], with what the labels could not say ([`LabelWarning`]).
+pub fn node_labels_noted(
+    inv: &Inventory,
+    policy: &Policy,
+) -> Result<(Labels, Vec<LabelWarning>), LabelsError> {
     let settings = crate::plugin::settings(&policy.device_plugin, policy.mig.strategy)?;
     if !inv.gpus.is_empty() && described(inv).next().is_none() {
         return Err(LabelsError::Undescribed {
@@ -100,7 +185,7 @@ pub fn node_labels(inv: &Inventory, policy: &Policy) -> Result<Labels, LabelsErr
                 .unwrap_or_else(|| "no UUIDs reported".into()),
         });
     }
-    Ok(labels(inv, &settings))
+    Ok(labels_noted(inv, &settings))
 }
 
 /// GPUs NVML described (the ones the device plugin can advertise).
@@ -117,10 +202,16 @@ fn mig_enabled(g: &Gpu) -> bool {
 /// The labels GFD would write for this inventory, with the device plugin's
 /// MIG strategy and time-slicing. No GPU: no labels (as GFD).
 pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
+    labels_noted(inv, settings).0
+}
+
+/// [`labels`], with what they could not say.
+fn labels_noted(inv: &Inventory, settings: &PluginSettings) -> (Labels, Vec<LabelWarning>) {
     let gpus: Vec<&Gpu> = described(inv).collect();
     let mut out = Labels::new();
+    let warnings = std::cell::RefCell::new(Vec::new());
     if gpus.is_empty() {
-        return out;
+        return (out, Vec::new());
     }
     let mut put = |k: &str, v: String| {
         out.insert(format!("nvidia.com/{k}"), v);
@@ -141,13 +232,9 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
                 inv.backend.driver_version.clone().unwrap_or_default(),
             );
         }
-        Some(None) => {
-            tracing::warn!(
-                stage = "labels",
-                version = inv.backend.driver_version.as_deref(),
-                "driver version is not X.Y[.Z]; no driver-version labels"
-            )
-        }
+        Some(None) => warnings.borrow_mut().push(LabelWarning::DriverVersion {
+            version: inv.backend.driver_version.clone().unwrap_or_default(),
+        }),
         None => {}
     }
     if let Some(c) = inv.cuda_version {
@@ -171,6 +258,7 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
     let adv = Advertised {
         resources: advertised.as_deref(),
         settings,
+        warnings: &warnings,
     };
     put("mps.capable", mps_capable(&adv).to_string());
     put("gpu.mode", gpu_mode(&gpus).into());
@@ -186,7 +274,7 @@ pub fn labels(inv: &Inventory, settings: &PluginSettings) -> Labels {
             mig_mixed_labels(&gpus, &adv, &mut out);
         }
     }
-    out
+    (out, warnings.into_inner())
 }
 
 /// `nvidia.com/mps.capable`: GFD writes `false` unless the sharing in force
@@ -272,6 +360,14 @@ struct Advertised<'a> {
     /// `None`: the plugin refuses the config.
     resources: Option<&'a [Resource]>,
     settings: &'a PluginSettings,
+    /// What the labels could not say, gathered as they are worked out.
+    warnings: &'a std::cell::RefCell<Vec<LabelWarning>>,
+}
+
+impl Advertised<'_> {
+    fn warn(&self, w: LabelWarning) {
+        self.warnings.borrow_mut().push(w);
+    }
 }
 
 /// The devices of one labelled resource that one advertised name holds.
@@ -454,7 +550,9 @@ fn layout<'a>(adv: &Advertised<'a>, resource: &str, devices: &[&str]) -> Layout<
     groups.retain(|g| {
         let ok = keyable(g.name);
         if !ok {
-            tracing::warn!(stage = "labels", resource = g.name, "resource name too long for its labels' keys (63 characters after nvidia.com/, with {LONGEST_SUFFIX}); not labelled");
+            adv.warn(LabelWarning::LongResource {
+                resource: g.name.to_string(),
+            });
         }
         ok
     });
@@ -469,7 +567,9 @@ fn full_gpu_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
     let models: std::collections::BTreeSet<&str> =
         gpus.iter().filter_map(|g| g.model.as_deref()).collect();
     if models.len() > 1 {
-        tracing::warn!(stage = "labels", models = %models.iter().copied().collect::<Vec<_>>().join(", "), "multiple GPU models on the node; labelling the last one's");
+        adv.warn(LabelWarning::MixedModels {
+            models: models.iter().copied().collect::<Vec<_>>().join(", "),
+        });
     }
     // The GPUs advertised whole (or in replicas), not as MIG devices.
     let whole: Vec<&Gpu> = gpus
@@ -603,11 +703,7 @@ fn mig_single_labels(gpus: &[&Gpu], adv: &Advertised<'_>, out: &mut Labels) {
         None
     };
     if let Some(reason) = invalid {
-        tracing::warn!(
-            stage = "labels",
-            reason,
-            "the node's MIG layout is invalid for mig.strategy single"
-        );
+        adv.warn(LabelWarning::MigInvalid { reason });
         let rl = ResourceLabels {
             resource: GPU_RESOURCE,
             share: Share::UNSHARED,

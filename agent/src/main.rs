@@ -367,7 +367,10 @@ fn labels(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
     let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
-    let labels = gpu_agent::labels::node_labels(&inv, &policy)?;
+    let (labels, warnings) = gpu_agent::labels::node_labels_noted(&inv, &policy)?;
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
     match output {
         Output::Json => print_json(&labels)?,
         Output::Table => print!("{}", gpu_agent::labels::render(&labels)),

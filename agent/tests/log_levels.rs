@@ -540,14 +540,18 @@ fn macro_messages(code: &str) -> Vec<(usize, String)> {
 }
 
 /// docs/operations.md names every WARN and ERROR line the agent can write
-/// (the agent, and the host and driver libraries it logs through), each
-/// with what to do: a new one without its row fails here.
+/// (the agent, and the host and driver libraries it logs through) and
+/// gpu-controller's, each with what to do: a new one without its row fails
+/// here.
+/// The crates whose WARN and ERROR lines docs/operations.md lists.
+const LOGGING_CRATES: [&str; 4] = ["agent", "hostlib", "kmod", "controller"];
+
 #[test]
 fn every_warn_and_error_line_is_in_the_operations_doc() {
     let doc = fs::read_to_string(repo().join("docs/operations.md")).unwrap();
     let mut found = 0;
     let mut missing = Vec::new();
-    for krate in ["agent", "hostlib", "kmod"] {
+    for krate in LOGGING_CRATES {
         for (file, line, msg) in warn_and_error_messages(&repo().join(krate).join("src")) {
             assert!(
                 !msg.is_empty(),
@@ -567,7 +571,7 @@ fn every_warn_and_error_line_is_in_the_operations_doc() {
         missing.join("\n")
     );
     // And every line it lists is one the agent can write.
-    let messages: Vec<String> = ["agent", "hostlib", "kmod"]
+    let messages: Vec<String> = LOGGING_CRATES
         .into_iter()
         .flat_map(|k| warn_and_error_messages(&repo().join(k).join("src")))
         .map(|(_, _, m)| m)

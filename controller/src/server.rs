@@ -46,8 +46,11 @@ pub fn capped(
                 Err(_) => {
                     refused += 1;
                     if refused.is_power_of_two() {
+                        let peer = io
+                            .peer_addr()
+                            .map_or_else(|_| "?".to_string(), |a| a.to_string());
                         tracing::warn!(
-                            peer = ?io.peer_addr().ok(),
+                            peer = %peer,
                             max,
                             refused,
                             "connection closed: already holding the most connections allowed (--max-connections)"

@@ -296,7 +296,8 @@ pub fn ensure(
                 .as_ref()
                 .map(describe)
                 .unwrap_or_else(|| "missing".into());
-            tracing::warn!(stage = "devnodes", node = %n.path, is = %is, "left to the administrator (the driver's ModifyDeviceFiles/DeviceFileModify is 0); not made or changed");
+            // Said by the caller (the agent's stage logs it once while it
+            // holds; `driver nodes` prints it).
             out.push(Outcome::LeftToAdmin {
                 path: n.path.clone(),
                 is,

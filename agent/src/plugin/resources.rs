@@ -269,6 +269,26 @@ pub fn mig_resource_name(profile: &str) -> String {
     format!("nvidia.com/mig-{}", profile.replace('+', "."))
 }
 
+/// MIG devices the mixed strategy leaves out because their compute
+/// instance is part of their GPU instance only: (GPU UUID, MIG UUID,
+/// profile), for the plugin stage to say.
+pub fn partial_compute(inv: &Inventory, strategy: MigStrategy) -> Vec<(String, String, String)> {
+    if strategy != MigStrategy::Mixed {
+        return Vec::new();
+    }
+    inv.gpus
+        .iter()
+        .filter(|g| g.index.is_some() && g.mig.is_some_and(|m| m.current))
+        .filter_map(|g| g.uuid.as_ref().map(|u| (u, g)))
+        .flat_map(|(uuid, g)| {
+            g.mig_devices
+                .iter()
+                .filter(|m| m.ci_slices != m.gi_slices)
+                .map(|m| (uuid.clone(), m.uuid.clone(), m.profile.clone()))
+        })
+        .collect()
+}
+
 /// Every device the MIG strategy advertises, by resource.
 fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, ResourceError> {
     let gpus: Vec<&crate::inventory::Gpu> = inv
@@ -325,10 +345,8 @@ fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, Res
         for m in &g.mig_devices {
             let resource = match strategy {
                 MigStrategy::Single => GPU_RESOURCE.to_string(),
-                _ if m.ci_slices != m.gi_slices => {
-                    tracing::warn!(stage = "plugin", gpu_uuid = %uuid, mig = %m.uuid, profile = %m.profile, "MIG device with a partial compute instance is not advertised (mixed strategy)");
-                    continue;
-                }
+                // Left out, said by the plugin stage ([`partial_compute`]).
+                _ if m.ci_slices != m.gi_slices => continue,
                 _ => mig_resource_name(&m.profile),
             };
             out.push(Base {
@@ -521,6 +539,40 @@ mod tests {
             time_slicing: c.sharing.time_slicing,
             ..PluginSettings::default()
         }
+    }
+
+    /// A MIG device whose compute instance is part of its GPU instance
+    /// only is left out by the mixed strategy, and named by
+    /// [`partial_compute`] (which the plugin stage logs once) — not logged
+    /// by every [`build`].
+    #[test]
+    fn a_partial_compute_instance_is_left_out_and_named() {
+        let mut inv = inventory_of("h100-mig-2");
+        let g = inv
+            .gpus
+            .iter_mut()
+            .find(|g| !g.mig_devices.is_empty())
+            .unwrap();
+        let gpu_uuid = g.uuid.clone().unwrap();
+        let m = &mut g.mig_devices[0];
+        m.ci_slices = m.gi_slices.saturating_sub(1).max(1);
+        assert_ne!(m.ci_slices, m.gi_slices, "a GPU instance of one slice");
+        let (mig, profile) = (m.uuid.clone(), m.profile.clone());
+        assert_eq!(
+            partial_compute(&inv, MigStrategy::Mixed),
+            [(gpu_uuid, mig.clone(), profile)]
+        );
+        assert!(partial_compute(&inv, MigStrategy::None).is_empty());
+        let settings = PluginSettings {
+            mig_strategy: MigStrategy::Mixed,
+            ..PluginSettings::default()
+        };
+        let rs = build(&inv, &settings).unwrap();
+        assert!(
+            rs.iter().all(|r| r.devices.iter().all(|d| d.id != mig)),
+            "{rs:#?}"
+        );
+        assert!(rs.iter().map(|r| r.devices.len()).sum::<usize>() > 0);
     }
 
     #[test]

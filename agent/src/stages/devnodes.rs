@@ -78,6 +78,7 @@ pub(super) fn devnodes_stage(ctx: &Context<'_>, inv: &Inventory) -> (StageState,
                     _ => {}
                 }
             }
+            tell_left_to_admin(ctx, &out);
             (StageState::Done, driver::nodes_summary(&out))
         }
         Err(e) => (StageState::Failed, e.to_string()),
@@ -102,5 +103,30 @@ pub(super) fn validate(ctx: &Context<'_>, inv: &Inventory) -> Result<String, Str
         ))
     } else {
         Err(format!("missing or wrong: {}", wrong.join(", ")))
+    }
+}
+
+/// Device nodes the driver says not to make or change and that are not as
+/// it would make them: WARN once per node while that holds (said again
+/// when it changes or comes back).
+pub(super) fn tell_left_to_admin(ctx: &Context<'_>, out: &[kmod::devnodes::Outcome]) {
+    let mut left = std::collections::BTreeSet::new();
+    for o in out {
+        if let kmod::devnodes::Outcome::LeftToAdmin { path, is } = o {
+            left.insert(path.as_str());
+            if ctx.news(&format!("devnodes:left:{path}"), Some(is)) {
+                tracing::warn!(stage = "devnodes", node = %path, is = %is, "left to the administrator (the driver's ModifyDeviceFiles/DeviceFileModify is 0); not made or changed");
+            }
+        }
+    }
+    for o in out {
+        let path = match o {
+            kmod::devnodes::Outcome::Created(p) | kmod::devnodes::Outcome::Unchanged(p) => p,
+            kmod::devnodes::Outcome::Replaced { path, .. } => path,
+            kmod::devnodes::Outcome::LeftToAdmin { .. } => continue,
+        };
+        if !left.contains(path.as_str()) {
+            ctx.news(&format!("devnodes:left:{path}"), None);
+        }
     }
 }

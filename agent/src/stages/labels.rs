@@ -8,7 +8,7 @@ use hostlib::{HostError, HostRoot};
 
 use super::{Context, StageState};
 use crate::inventory::Inventory;
-use crate::labels::{FEATURES_FILE, Labels, LabelsError};
+use crate::labels::{FEATURES_FILE, LabelWarning, Labels, LabelsError};
 
 /// The feature file's mode (GFD writes it 0644: NFD's worker reads it).
 const FILE_MODE: u32 = 0o644;
@@ -28,9 +28,27 @@ fn current(host: &HostRoot, path: &str) -> Result<Option<Vec<u8>>, HostError> {
 
 /// What the file should hold, and how many labels that is.
 fn wanted(ctx: &Context<'_>, inv: &Inventory) -> Result<(Labels, String), LabelsError> {
-    let labels = crate::labels::node_labels(inv, ctx.policy)?;
+    let (labels, warnings) = crate::labels::node_labels_noted(inv, ctx.policy)?;
     let text = crate::labels::render(&labels);
+    tell(ctx, &warnings);
     Ok((labels, text))
+}
+
+/// Logs each of the labels' warnings once while it holds (WARN), and
+/// forgets those that no longer do, so one that comes back is said again.
+fn tell(ctx: &Context<'_>, warnings: &[LabelWarning]) {
+    for what in LabelWarning::KINDS {
+        let now: Vec<&LabelWarning> = warnings.iter().filter(|w| w.kind() == *what).collect();
+        let words = (!now.is_empty()).then(|| {
+            now.iter()
+                .map(|w| w.to_string())
+                .collect::<Vec<_>>()
+                .join("; ")
+        });
+        if ctx.news(&format!("labels:{what}"), words.as_deref()) {
+            now.iter().for_each(|w| w.log());
+        }
+    }
 }
 
 /// Up to date when the file holds exactly the labels; no label and no

@@ -1142,6 +1142,108 @@ mod tests {
         assert!(shown(&once).len() >= Stage::ALL.len(), "{once:#?}");
     }
 
+    /// The labels' warnings (two GPU models here) are said once while they
+    /// hold, not at every reconcile; `gpu-agent labels` and a pass without
+    /// the agent's memory say them each time.
+    #[test]
+    fn a_lasting_label_warning_is_said_once() {
+        let (_dir, sys, backend) = sim_node("a100-h100-mixed");
+        let caps = HeldCaps::from_caps(&[]);
+        let policy = Policy::default();
+        let recording = hostlib::RecordingSyscalls::new();
+        let memory = LogMemory::default();
+        let ctx = |logged| Context {
+            policy: &policy,
+            caps: &caps,
+            sys: &sys,
+            backend: &backend,
+            host: &sys,
+            apply: None,
+            syscalls: &recording,
+            simulated: true,
+            drain: None,
+            serve_first: false,
+            changes: Default::default(),
+            mig_hold: None,
+            upgrade: Default::default(),
+            logged,
+        };
+        let models = |lines: &[String]| {
+            lines
+                .iter()
+                .filter(|l| l.starts_with("WARN") && l.contains("multiple GPU models"))
+                .count()
+        };
+        let first = logs_of(|| {
+            run_pass(&ctx(Some(&memory)));
+        });
+        assert_eq!(models(&first), 1, "{first:#?}");
+        for _ in 0..3 {
+            let again = logs_of(|| {
+                run_pass(&ctx(Some(&memory)));
+            });
+            assert_eq!(models(&again), 0, "{again:#?}");
+            assert!(shown(&again).is_empty(), "{:#?}", shown(&again));
+        }
+        let once = logs_of(|| {
+            run_pass(&ctx(None));
+        });
+        assert!(models(&once) >= 1, "{once:#?}");
+    }
+
+    /// A device node the driver leaves to the administrator is warned
+    /// once while it stays so, again when it changes or comes back.
+    #[test]
+    fn a_node_left_to_the_administrator_is_said_once() {
+        use kmod::devnodes::Outcome;
+        let (_dir, sys, backend) = sim_node("h100-sxm-8");
+        let caps = HeldCaps::from_caps(&[]);
+        let policy = Policy::default();
+        let recording = hostlib::RecordingSyscalls::new();
+        let memory = LogMemory::default();
+        let ctx = Context {
+            policy: &policy,
+            caps: &caps,
+            sys: &sys,
+            backend: &backend,
+            host: &sys,
+            apply: None,
+            syscalls: &recording,
+            simulated: false,
+            drain: None,
+            serve_first: false,
+            changes: Default::default(),
+            mig_hold: None,
+            upgrade: Default::default(),
+            logged: Some(&memory),
+        };
+        let left = |is: &str| {
+            vec![
+                Outcome::LeftToAdmin {
+                    path: "/dev/nvidia0".into(),
+                    is: is.into(),
+                },
+                Outcome::Unchanged("/dev/nvidiactl".into()),
+            ]
+        };
+        let warned = |out: Vec<Outcome>| {
+            logs_of(|| devnodes::tell_left_to_admin(&ctx, &out))
+                .iter()
+                .filter(|l| l.starts_with("WARN") && l.contains("left to the administrator"))
+                .count()
+        };
+        assert_eq!(warned(left("missing")), 1);
+        assert_eq!(warned(left("missing")), 0);
+        assert_eq!(warned(left("missing")), 0);
+        assert_eq!(warned(left("a regular file")), 1, "it changed");
+        assert_eq!(
+            warned(vec![Outcome::Unchanged("/dev/nvidia0".into())]),
+            0,
+            "made right by the administrator"
+        );
+        assert_eq!(warned(left("missing")), 1, "it came back");
+    }
+
     #[test]
     fn a_stage_is_news_when_its_state_or_words_change() {
         use StageState::*;

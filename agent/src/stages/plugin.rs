@@ -53,6 +53,16 @@ pub(super) fn plugin_stage(
         Ok(s) => s,
         Err(e) => return ((StageState::Failed, e.to_string()), None),
     };
+    let partial = crate::plugin::resources::partial_compute(inv, settings.mig_strategy);
+    let words: Vec<String> = partial.iter().map(|(_, m, p)| format!("{m} {p}")).collect();
+    if ctx.news(
+        "plugin:partial-compute",
+        (!words.is_empty()).then(|| words.join(", ")).as_deref(),
+    ) {
+        for (gpu, mig, profile) in &partial {
+            tracing::warn!(stage = "plugin", gpu_uuid = %gpu, mig = %mig, profile = %profile, "MIG device with a partial compute instance is not advertised (mixed strategy)");
+        }
+    }
     match crate::plugin::resources::build(inv, &settings) {
         Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => (
             (StageState::Waiting, super::undescribed(inv, "advertised")),
