@@ -46,7 +46,15 @@ impl Drop for Agent {
 /// config to patch (nothing to reload), the kubelet's directory, a FIFO for
 /// the kernel log.
 fn node() -> tempfile::TempDir {
-    let (host, _events) = plugin_host("h100-sxm-8");
+    node_of(NODE)
+}
+
+/// The simulated node [`node`] and [`Agent::start`] use.
+const NODE: &str = "h100-sxm-8";
+
+/// [`node`], of another simulated node.
+fn node_of(name: &str) -> tempfile::TempDir {
+    let (host, _events) = plugin_host(name);
     fs::create_dir_all(host.path().join("etc/containerd")).unwrap();
     fs::write(
         host.path().join("etc/containerd/config.toml"),
@@ -65,6 +73,11 @@ impl Agent {
     /// Starts the agent on `host`; `env` is added to its environment
     /// (`NOTIFY_SOCKET` is taken away unless `env` names it).
     fn start(host: tempfile::TempDir, env: &[(&str, &Path)]) -> Agent {
+        Self::start_as(NODE, host, env)
+    }
+
+    /// [`Agent::start`] of the simulated node `name` (made by [`node_of`]).
+    fn start_as(name: &str, host: tempfile::TempDir, env: &[(&str, &Path)]) -> Agent {
         let policy = host.path().join("policy.yaml");
         fs::write(
             &policy,
@@ -75,7 +88,7 @@ impl Agent {
         let mut cmd = at(host.path());
         cmd.arg("--policy")
             .arg(&policy)
-            .args(["--simulate", "h100-sxm-8", "--log-format", "json", "run"])
+            .args(["--simulate", name, "--log-format", "json", "run"])
             .env("GPU_AGENT_LOG", "info,gpu_agent::supervisor=debug")
             .env_remove("NOTIFY_SOCKET")
             .env_remove("WATCHDOG_USEC")
@@ -243,6 +256,48 @@ async fn an_idle_agent_logs_nothing_between_changes() {
     let text = a.text();
     assert!(!text.contains("Some("), "{text}");
     assert!(!text.contains("\"None\""), "{text}");
+    kubelet.stop().await;
+}
+
+/// A node with a lasting condition an operator should know of (two GPU
+/// models: labelled as one) says it once, then nothing while it lasts.
+/// Before, each reconcile repeated it (and each report to the controller
+/// did too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lasting_warning_is_said_once() {
+    const PASSES: usize = 5;
+    let host = node_of("a100-h100-mixed");
+    let kubelet = MockKubelet::start(
+        &host
+            .path()
+            .join("var/lib/kubelet/device-plugins/kubelet.sock"),
+    )
+    .unwrap()
+    .list_devices();
+    let a = Agent::start_as("a100-h100-mixed", host, &[]);
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(10)).await,
+        "the agent did not register:\n{}",
+        a.text()
+    );
+    let records = a.until(5 + 2 * PASSES as u64, "interval reconciles", |r| {
+        r.iter().filter(|r| interval_reconcile(r)).count() >= PASSES
+    });
+    let models: Vec<&Value> = records
+        .iter()
+        .filter(|r| message(r).starts_with("multiple GPU models"))
+        .collect();
+    assert_eq!(models.len(), 1, "{}", a.text());
+    assert_eq!(level(models[0]), "WARN");
+    assert!(models[0]["fields"]["models"].is_string(), "{}", models[0]);
+    let first = records.iter().position(interval_reconcile).unwrap();
+    let idle: Vec<&Value> = records[first..].iter().filter(|r| shown(r)).collect();
+    assert!(
+        idle.is_empty(),
+        "{} line(s) at INFO or above in {PASSES} reconciles of an unchanged node:\n{}",
+        idle.len(),
+        lines(&idle)
+    );
     kubelet.stop().await;
 }
 
