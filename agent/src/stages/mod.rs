@@ -784,22 +784,39 @@ mod tests {
         caps: &HeldCaps,
         simulated: bool,
     ) -> Pass {
+        let recording = hostlib::RecordingSyscalls::new();
         run_pass(&Context {
+            simulated,
+            ..looking(sys, backend, policy, caps, &recording, None)
+        })
+    }
+
+    /// A context that only looks (nothing applied) at a simulated node's
+    /// files, with the running agent's log memory when `logged` is given.
+    fn looking<'a>(
+        sys: &'a HostRoot,
+        backend: &'a dyn GpuBackend,
+        policy: &'a Policy,
+        caps: &'a HeldCaps,
+        syscalls: &'a hostlib::RecordingSyscalls,
+        logged: Option<&'a LogMemory>,
+    ) -> Context<'a> {
+        Context {
             policy,
             caps,
             sys,
             backend,
             host: sys,
             apply: None,
-            syscalls: &hostlib::RecordingSyscalls::new(),
-            simulated,
+            syscalls,
+            simulated: true,
             drain: None,
             serve_first: false,
             changes: Default::default(),
             mig_hold: None,
             upgrade: Default::default(),
-            logged: None,
-        })
+            logged,
+        }
     }
 
     #[test]
@@ -1090,22 +1107,7 @@ mod tests {
         let policy = Policy::default();
         let recording = hostlib::RecordingSyscalls::new();
         let memory = LogMemory::default();
-        let ctx = || Context {
-            policy: &policy,
-            caps: &caps,
-            sys: &sys,
-            backend: &backend,
-            host: &sys,
-            apply: None,
-            syscalls: &recording,
-            simulated: true,
-            drain: None,
-            serve_first: false,
-            changes: Default::default(),
-            mig_hold: None,
-            upgrade: Default::default(),
-            logged: Some(&memory),
-        };
+        let ctx = || looking(&sys, &backend, &policy, &caps, &recording, Some(&memory));
         let first = logs_of(|| {
             run_pass(&ctx());
         });
@@ -1152,22 +1154,7 @@ mod tests {
         let policy = Policy::default();
         let recording = hostlib::RecordingSyscalls::new();
         let memory = LogMemory::default();
-        let ctx = |logged| Context {
-            policy: &policy,
-            caps: &caps,
-            sys: &sys,
-            backend: &backend,
-            host: &sys,
-            apply: None,
-            syscalls: &recording,
-            simulated: true,
-            drain: None,
-            serve_first: false,
-            changes: Default::default(),
-            mig_hold: None,
-            upgrade: Default::default(),
-            logged,
-        };
+        let ctx = |logged| looking(&sys, &backend, &policy, &caps, &recording, logged);
         let models = |lines: &[String]| {
             lines
                 .iter()
@@ -1202,20 +1189,8 @@ mod tests {
         let recording = hostlib::RecordingSyscalls::new();
         let memory = LogMemory::default();
         let ctx = Context {
-            policy: &policy,
-            caps: &caps,
-            sys: &sys,
-            backend: &backend,
-            host: &sys,
-            apply: None,
-            syscalls: &recording,
             simulated: false,
-            drain: None,
-            serve_first: false,
-            changes: Default::default(),
-            mig_hold: None,
-            upgrade: Default::default(),
-            logged: Some(&memory),
+            ..looking(&sys, &backend, &policy, &caps, &recording, Some(&memory))
         };
         let left = |is: &str| {
             vec![
