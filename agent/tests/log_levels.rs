@@ -188,6 +188,29 @@ fn lines(records: &[&Value]) -> String {
         .join("\n")
 }
 
+/// The agent on simulated node `name`, registered with a kubelet stand-in,
+/// and its log records up to its `passes`th interval reconcile.
+async fn registered_then_idle(name: &str, passes: usize) -> (Agent, MockKubelet, Vec<Value>) {
+    let host = node_of(name);
+    let kubelet = MockKubelet::start(
+        &host
+            .path()
+            .join("var/lib/kubelet/device-plugins/kubelet.sock"),
+    )
+    .unwrap()
+    .list_devices();
+    let a = Agent::start_as(name, host, &[]);
+    assert!(
+        kubelet.wait_for(1, Duration::from_secs(10)).await,
+        "the agent did not register:\n{}",
+        a.text()
+    );
+    let records = a.until(5 + 2 * passes as u64, "interval reconciles", |r| {
+        r.iter().filter(|r| interval_reconcile(r)).count() >= passes
+    });
+    (a, kubelet, records)
+}
+
 /// An idle node's reconciles log nothing: not the GPUs found again, not
 /// each stage's unchanged state, not a warning already given. Each
 /// reconcile leaves one DEBUG line with its duration. A pass writes the
@@ -196,23 +219,7 @@ fn lines(records: &[&Value]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_agent_logs_nothing_between_changes() {
     const PASSES: usize = 5;
-    let host = node();
-    let kubelet = MockKubelet::start(
-        &host
-            .path()
-            .join("var/lib/kubelet/device-plugins/kubelet.sock"),
-    )
-    .unwrap()
-    .list_devices();
-    let a = Agent::start(host, &[]);
-    assert!(
-        kubelet.wait_for(1, Duration::from_secs(10)).await,
-        "the agent did not register:\n{}",
-        a.text()
-    );
-    let records = a.until(5 + 2 * PASSES as u64, "interval reconciles", |r| {
-        r.iter().filter(|r| interval_reconcile(r)).count() >= PASSES
-    });
+    let (a, kubelet, records) = registered_then_idle(NODE, PASSES).await;
     // Startup (up to the first reconcile) said what the agent found and did.
     let first = records
         .iter()
@@ -266,23 +273,7 @@ async fn an_idle_agent_logs_nothing_between_changes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lasting_warning_is_said_once() {
     const PASSES: usize = 5;
-    let host = node_of("a100-h100-mixed");
-    let kubelet = MockKubelet::start(
-        &host
-            .path()
-            .join("var/lib/kubelet/device-plugins/kubelet.sock"),
-    )
-    .unwrap()
-    .list_devices();
-    let a = Agent::start_as("a100-h100-mixed", host, &[]);
-    assert!(
-        kubelet.wait_for(1, Duration::from_secs(10)).await,
-        "the agent did not register:\n{}",
-        a.text()
-    );
-    let records = a.until(5 + 2 * PASSES as u64, "interval reconciles", |r| {
-        r.iter().filter(|r| interval_reconcile(r)).count() >= PASSES
-    });
+    let (a, kubelet, records) = registered_then_idle("a100-h100-mixed", PASSES).await;
     let models: Vec<&Value> = records
         .iter()
         .filter(|r| message(r).starts_with("multiple GPU models"))
