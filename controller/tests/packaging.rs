@@ -71,6 +71,16 @@ fn eks_values() -> PathBuf {
     chart().join("values-eks.yaml")
 }
 
+/// The GPU Operator chart's own default values.yaml, unchanged
+/// (../shared/upstream/gpu-operator, whose README names its version).
+fn upstream_operator_values() -> PathBuf {
+    repo().join("../shared/upstream/gpu-operator/values.yaml")
+}
+
+/// What `helm template --api-versions` adds for a cluster that serves the
+/// Prometheus Operator's ServiceMonitor kind.
+const SERVICE_MONITOR_API: &str = "monitoring.coreos.com/v1/ServiceMonitor";
+
 /// The documents of a multi-document YAML stream, as JSON values.
 fn documents(text: &str, origin: &str) -> Vec<Value> {
     serde_yaml_ng::Deserializer::from_str(text)
@@ -444,7 +454,12 @@ fn tolerates(tolerations: &Value, taint: &Value) -> bool {
 
 #[test]
 fn helm_lints_the_chart_with_every_values_file() {
-    for values in [None, Some(eks_values()), Some(operator_values())] {
+    for values in [
+        None,
+        Some(eks_values()),
+        Some(operator_values()),
+        Some(upstream_operator_values()),
+    ] {
         let mut cmd = Command::new(helm());
         cmd.args(["lint", "--strict"])
             .arg(chart())
@@ -491,11 +506,20 @@ fn every_rendered_object_is_what_an_api_server_takes() {
         .into(),
     );
     assert!(check_objects(&render_with(&eks_values()), "values-eks.yaml").is_empty());
-    let op = render_with(&operator_values());
+    let op = render(&[
+        "-f",
+        operator_values().to_str().unwrap(),
+        "--api-versions",
+        SERVICE_MONITOR_API,
+    ]);
     assert_eq!(
         check_objects(&op, "operator-values.yaml"),
-        vec!["ServiceMonitor gpu-agent".to_string()],
-        "the ServiceMonitor is the one object without a schema, and only when asked for"
+        vec!["ServiceMonitor nvidia-dcgm-exporter".to_string()],
+        "the ServiceMonitor is the one object without a schema, and only where the API serves it"
+    );
+    assert!(
+        check_objects(&render_with(&operator_values()), "operator-values.yaml").is_empty(),
+        "no ServiceMonitor where the API server does not serve the kind"
     );
     for o in &op {
         assert!(
@@ -507,8 +531,8 @@ fn every_rendered_object_is_what_an_api_server_takes() {
     }
     // The ServiceMonitor scrapes the metrics Service's named port, in its
     // namespace, by the Service's labels.
-    let sm = find(&op, "ServiceMonitor", "gpu-agent");
-    let svc = find(&op, "Service", "gpu-agent-metrics");
+    let sm = find(&op, "ServiceMonitor", "nvidia-dcgm-exporter");
+    let svc = find(&op, "Service", "nvidia-dcgm-exporter");
     for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
         assert_eq!(&svc["metadata"]["labels"][k], v, "label {k}");
     }
@@ -524,7 +548,6 @@ fn every_rendered_object_is_what_an_api_server_takes() {
     for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
         assert_eq!(&ds["spec"]["template"]["metadata"]["labels"][k], v);
     }
-    assert_eq!(svc["spec"]["clusterIP"], "None");
     assert_eq!(
         container(ds, "gpu-agent")["ports"][0]["name"],
         svc["spec"]["ports"][0]["targetPort"]
@@ -867,10 +890,25 @@ fn the_runtime_class_is_the_runtime_the_agent_adds() {
 #[test]
 fn bad_values_are_refused_naming_the_key() {
     let cases: &[(&[&str], &str)] = &[
-        // An operator key gpu-agent does not take is not silently ignored.
+        // A key neither gpu-agent nor the GPU Operator has, at the top and
+        // in gpu-agent's own sections, is not silently ignored.
         (
-            &["--set", "driver.repository=nvcr.io/nvidia"],
-            "at '/driver': additional properties 'repository' not allowed",
+            &["--set", "drivr.enabled=false"],
+            "additional properties 'drivr' not allowed",
+        ),
+        (
+            &["--set", "agent.polcy.driver.enabled=false"],
+            "at '/agent': additional properties 'polcy' not allowed",
+        ),
+        (
+            &["--set", "metricsService.gpuOperatorName=false"],
+            "at '/metricsService': additional properties 'gpuOperatorName' not allowed",
+        ),
+        // The types of the operator keys gpu-agent reads are checked.
+        (&["--set", "toolkit.env=CONTAINERD_CONFIG"], "/toolkit/env"),
+        (
+            &["--set", "dcgmExporter.serviceMonitor.enabled=sometimes"],
+            "/dcgmExporter/serviceMonitor/enabled",
         ),
         (&["--set", "mig.strategy=bogus"], "/mig/strategy"),
         (
@@ -917,17 +955,22 @@ fn bad_values_are_refused_naming_the_key() {
             "migManager.config.data:",
         ),
         (
-            &["--set", "driver.upgradePolicy.autoUpgrade=true"],
-            "driver.upgradePolicy:",
+            &[
+                "--set",
+                "dcgmExporter.serviceMonitor.enabled=always",
+                "--set",
+                "dcgmExporter.enabled=false",
+            ],
+            "dcgmExporter.serviceMonitor.enabled: always:",
         ),
         (
             &[
                 "--set",
-                "dcgmExporter.serviceMonitor.enabled=true",
+                "dcgmExporter.serviceMonitor.enabled=always",
                 "--set",
-                "dcgmExporter.enabled=false",
+                "metricsService.enabled=false",
             ],
-            "dcgmExporter.serviceMonitor.enabled:",
+            "dcgmExporter.serviceMonitor.enabled: always:",
         ),
     ];
     for (args, want) in cases {
@@ -948,6 +991,833 @@ fn bad_values_are_refused_naming_the_key() {
     ]);
     let p: Value = serde_yaml_ng::from_str(&policy_text(&one)).unwrap();
     assert_eq!(p["spec"]["devicePlugin"]["config"]["default"], "only");
+}
+
+// ---------------------------------------------------------------------------
+// The GPU Operator's values (issue 29 points 5 and 6)
+// ---------------------------------------------------------------------------
+
+/// `helm install --dry-run=client` of the chart with `args` (no cluster
+/// reached): the notes Helm prints after an install (NOTES.txt).
+fn helm_notes(args: &[&str]) -> String {
+    let out = Command::new(helm())
+        .args(["install", RELEASE])
+        .arg(chart())
+        .args(["--namespace", NS, "--dry-run=client"])
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "helm install --dry-run=client {args:?}:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .split_once("\nNOTES:\n")
+        .map(|(_, n)| n.to_string())
+        .unwrap_or_else(|| panic!("no NOTES in:\n{stdout}"))
+}
+
+/// The operator keys the notes name as taken but not used: key -> why.
+fn named_in_notes(notes: &str) -> BTreeMap<String, String> {
+    let mut named = BTreeMap::new();
+    let Some((_, list)) = notes.split_once("GPU Operator values taken but not used by gpu-agent")
+    else {
+        return named;
+    };
+    let mut lines = list.lines().skip_while(|l| !l.starts_with("- "));
+    while let Some(keys) = lines.next() {
+        let Some(keys) = keys.strip_prefix("- ").and_then(|k| k.strip_suffix(':')) else {
+            break;
+        };
+        let why = lines.next().unwrap_or_default().trim().to_string();
+        assert!(!why.is_empty(), "{keys}: no reason in the notes:\n{notes}");
+        for k in keys.split(", ") {
+            named.insert(k.to_string(), why.clone());
+        }
+    }
+    named
+}
+
+/// A values file written by a test.
+fn values_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Whether a node with `labels` is one the pod's required node affinity
+/// lets it on (the scheduler's rule: any term, every expression of it).
+fn affinity_admits(pod_spec: &Value, labels: &[(&str, &str)]) -> bool {
+    let terms = &pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"];
+    let Some(terms) = terms.as_array() else {
+        return true;
+    };
+    let label = |k: &str| labels.iter().find(|(l, _)| *l == k).map(|(_, v)| *v);
+    terms.iter().any(|t| {
+        t["matchExpressions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|e| {
+                let values: Vec<&str> = e["values"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|v| v.as_str().unwrap())
+                    .collect();
+                let have = label(e["key"].as_str().unwrap());
+                match e["operator"].as_str().unwrap() {
+                    "In" => have.is_some_and(|v| values.contains(&v)),
+                    "NotIn" => have.is_none_or(|v| !values.contains(&v)),
+                    "Exists" => have.is_some(),
+                    "DoesNotExist" => have.is_none(),
+                    op => panic!("operator {op} not handled here"),
+                }
+            })
+    })
+}
+
+#[test]
+fn the_gpu_operators_own_values_file_renders_whole() {
+    let values = upstream_operator_values();
+    let objs = render_with(&values);
+    assert!(check_objects(&objs, "the GPU Operator's values.yaml").is_empty());
+    // The keys that mean something for gpu-agent are in the agents' policy,
+    // which the real gpu-agent takes.
+    let e = agent_reads_policy(&objs);
+    let s = &e["spec"];
+    assert_eq!(s["driver"]["enabled"], true);
+    assert_eq!(s["driver"]["version"], "595.91.07");
+    assert_eq!(s["toolkit"]["enabled"], true);
+    assert_eq!(s["cdi"]["enabled"], true);
+    assert_eq!(s["mig"]["strategy"], "single");
+    assert_eq!(s["migManager"]["config"]["default"], "all-disabled");
+    assert_eq!(s["operator"]["runtimeClass"], "nvidia");
+    // clusterPolicy.deployCR: true makes the ClusterPolicy, with the
+    // driver's upgradePolicy as gpu-controller reads it.
+    let cp = find(&objs, "ClusterPolicy", "cluster-policy");
+    let up = gpu_controller::upgrade::UpgradePolicy::from_spec(&cp["spec"])
+        .unwrap_or_else(|e| panic!("the controller refuses the rendered upgradePolicy: {e}"));
+    assert!(up.auto_upgrade);
+    // dcgmExporter.service.internalTrafficPolicy on the metrics Service.
+    let svc = find(&objs, "Service", "nvidia-dcgm-exporter");
+    assert_eq!(svc["spec"]["internalTrafficPolicy"], "Cluster");
+    // The keys with no meaning for gpu-agent are named, with why, in the
+    // notes: images, the operator's own Deployment, its validator, NFD...
+    let named = named_in_notes(&helm_notes(&["-f", values.to_str().unwrap()]));
+    for key in [
+        "driver.repository",
+        "driver.image",
+        "driver.manager",
+        "toolkit.version",
+        "toolkit.installDir",
+        "devicePlugin.repository",
+        "dcgmExporter.image",
+        "validator.repository",
+        "operator.repository",
+        "operator.upgradeCRD",
+        "nfd.enabled",
+        "node-feature-discovery",
+        "hostPaths.driverInstallDir",
+        "driver.licensingConfig",
+    ] {
+        assert!(named.contains_key(key), "{key} is not named: {named:#?}");
+    }
+    assert!(named["operator.upgradeCRD"].contains("crds/"));
+    assert!(named["nfd.enabled"].contains("Node Feature Discovery"));
+    // What asks for nothing is not named: operands that are off, empty
+    // settings, and the keys gpu-agent reads.
+    for key in [
+        "dcgm",
+        "psa",
+        "gds",
+        "nodeStatusExporter",
+        "vgpuManager",
+        "ccManager",
+        "sandboxWorkloads",
+        "draDriver",
+        "driver.usePrecompiled",
+        "driver.rdma",
+        "driver.version",
+        "driver.upgradePolicy",
+        "driver.kernelModuleConfig",
+        "mig",
+        "dcgmExporter.serviceMonitor",
+        "dcgmExporter.service",
+        "dcgmExporter.enablePodLabels",
+        "clusterPolicy",
+        "daemonsets",
+        "extraObjects",
+        "devicePlugin.mps.root",
+    ] {
+        assert!(
+            !named
+                .keys()
+                .any(|k| k == key || k.starts_with(&format!("{key}."))),
+            "{key} is named, though it asks for nothing gpu-agent does not do: {named:#?}"
+        );
+    }
+}
+
+#[test]
+fn older_gpu_operator_values_formats_render_too() {
+    // The operator's values.yaml with the keys earlier versions of its chart
+    // had (v1.9 to v26.3), written over the unchanged file.
+    let text = std::fs::read_to_string(upstream_operator_values()).unwrap();
+    let mut v: Value = serde_yaml_ng::from_str(&text).unwrap();
+    let top = v.as_object_mut().unwrap();
+    // Before v26.7 the chart always made its ClusterPolicy (no key), and
+    // had no DRA, Kata sandbox plugin or extra objects.
+    for k in [
+        "clusterPolicy",
+        "gpuCluster",
+        "draDriver",
+        "kataSandboxDevicePlugin",
+        "extraObjects",
+    ] {
+        top.remove(k);
+    }
+    top.insert("psp".into(), json!({"enabled": false}));
+    v["operator"]["defaultRuntime"] = json!("docker");
+    v["operator"]["initContainer"] = json!({"repository": "nvcr.io/nvidia", "image": "cuda",
+        "version": "12.3.2-base-ubi8", "imagePullPolicy": "IfNotPresent"});
+    v["driver"]["version"] = json!("535.104.05");
+    v["driver"]["useOpenKernelModules"] = json!(true);
+    v["driver"]["rollingUpdate"] = json!({"maxUnavailable": "1"});
+    v["driver"]["securityContext"] = json!({"privileged": true, "seLinuxOptions": {"level": "s0"}});
+    v["driver"]["licensingConfig"] = json!({"configMapName": "", "nlsEnabled": false});
+    v["validator"]["driver"] =
+        json!({"env": [{"name": "DISABLE_DEV_CHAR_SYMLINK_CREATION", "value": "true"}]});
+    v["dcgm"]["hostPort"] = json!(5555);
+    v["dcgmExporter"].as_object_mut().unwrap().remove("service");
+    v["dcgmExporter"]["env"] = json!([
+        {"name": "DCGM_EXPORTER_LISTEN", "value": ":9400"},
+        {"name": "DCGM_EXPORTER_KUBERNETES", "value": "true"},
+        {"name": "DCGM_EXPORTER_COLLECTORS", "value": "/etc/dcgm-exporter/dcp-metrics-included.csv"},
+    ]);
+    v["dcgmExporter"]["serviceMonitor"] = json!({"enabled": false, "interval": "15s",
+        "honorLabels": false, "additionalLabels": {}});
+    v["devicePlugin"]["env"] = json!([
+        {"name": "PASS_DEVICE_SPECS", "value": "true"},
+        {"name": "FAIL_ON_INIT_ERROR", "value": "true"},
+        {"name": "DEVICE_LIST_STRATEGY", "value": "envvar"},
+        {"name": "DEVICE_ID_STRATEGY", "value": "uuid"},
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+    ]);
+    // v23.3 to v24.3 named the operator's own default layouts.
+    v["migManager"]["config"] =
+        json!({"name": "default-mig-parted-config", "default": "all-disabled"});
+    let dir = tempfile::tempdir().unwrap();
+    let file = values_file(
+        dir.path(),
+        "old-operator-values.yaml",
+        &serde_yaml_ng::to_string(&v).unwrap(),
+    );
+    let objs = render_with(&file);
+    assert!(check_objects(&objs, "older operator values").is_empty());
+    assert!(
+        !kinds(&objs).contains("ClusterPolicy"),
+        "clusterPolicy.deployCR is gpu-agent's false where the file has none"
+    );
+    let e = agent_reads_policy(&objs);
+    let s = &e["spec"];
+    assert_eq!(s["driver"]["version"], "535.104.05");
+    assert_eq!(s["operator"]["defaultRuntime"], "docker");
+    assert_eq!(s["devicePlugin"]["passDeviceSpecs"], true);
+    assert_eq!(s["devicePlugin"]["deviceListStrategy"], "envvar");
+    assert_eq!(s["devicePlugin"]["deviceIdStrategy"], "uuid");
+    // The operator's own default layouts ConfigMap (gone with it) is not
+    // mounted: gpu-agent's built-in layouts stand for it.
+    let ds = daemonset(&objs);
+    assert!(
+        pod_spec(ds)["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["configMap"]["name"] != "default-mig-parted-config"),
+        "{}",
+        pod_spec(ds)["volumes"]
+    );
+    assert!(s["migManager"]["config"].get("name").is_none());
+    assert_eq!(s["migManager"]["config"]["default"], "all-disabled");
+    // No ServiceMonitor: the file turns it off.
+    assert!(
+        !kinds(&render(&[
+            "-f",
+            file.to_str().unwrap(),
+            "--api-versions",
+            SERVICE_MONITOR_API
+        ]))
+        .contains("ServiceMonitor")
+    );
+    let named = named_in_notes(&helm_notes(&["-f", file.to_str().unwrap()]));
+    for key in [
+        "operator.defaultRuntime=docker",
+        "operator.initContainer",
+        "driver.useOpenKernelModules",
+        "driver.rollingUpdate",
+        "driver.securityContext",
+        "driver.upgradePolicy",
+        "validator.driver",
+        "dcgmExporter.env DCGM_EXPORTER_COLLECTORS",
+        "dcgmExporter.env DCGM_EXPORTER_LISTEN",
+        "devicePlugin.env FAIL_ON_INIT_ERROR",
+        "devicePlugin.env NVIDIA_VISIBLE_DEVICES",
+        "migManager.config.name=default-mig-parted-config",
+    ] {
+        assert!(named.contains_key(key), "{key} is not named: {named:#?}");
+    }
+    assert!(named["driver.upgradePolicy"].contains("clusterPolicy.deployCR"));
+    for key in [
+        "psp.enabled",
+        "dcgm.hostPort",
+        "devicePlugin.env PASS_DEVICE_SPECS",
+    ] {
+        assert!(!named.contains_key(key), "{key}: {named:#?}");
+    }
+}
+
+#[test]
+fn the_metrics_service_keeps_the_gpu_operators_scrape_identity_by_default() {
+    let objs = render(&[]);
+    // The operator's Service for dcgm-exporter: name, label app, the
+    // annotation Prometheus's annotation-driven jobs keep, port name.
+    let svc = find(&objs, "Service", "nvidia-dcgm-exporter");
+    assert_eq!(svc["metadata"]["labels"]["app"], "nvidia-dcgm-exporter");
+    assert_eq!(
+        svc["metadata"]["annotations"]["prometheus.io/scrape"],
+        "true"
+    );
+    let port = &svc["spec"]["ports"][0];
+    assert_eq!(port["name"], "gpu-metrics");
+    assert_eq!(port["port"], 9400);
+    // ... over the agents' pods and their metrics port.
+    let ds = daemonset(&objs);
+    for (k, v) in svc["spec"]["selector"].as_object().unwrap() {
+        assert_eq!(&ds["spec"]["template"]["metadata"]["labels"][k], v);
+    }
+    let c = container(ds, "gpu-agent");
+    assert_eq!(c["ports"][0]["name"], port["targetPort"]);
+    assert_eq!(c["ports"][0]["containerPort"], 9400);
+    assert!(
+        !objs
+            .iter()
+            .any(|o| o["kind"] == "Service" && o["metadata"]["name"] == "gpu-agent-metrics")
+    );
+    // gpu-agent's own names, when asked for.
+    let own = render(&["--set", "metricsService.gpuOperatorNames=false"]);
+    let svc = find(&own, "Service", "gpu-agent-metrics");
+    assert_eq!(svc["spec"]["clusterIP"], "None");
+    assert_eq!(svc["spec"]["ports"][0]["name"], "metrics");
+    assert!(svc["metadata"]["labels"].get("app").is_none());
+    assert!(svc["metadata"].get("annotations").is_none());
+    // dcgmExporter.service: the operator's type and traffic policy.
+    let np = render(&[
+        "--set",
+        "dcgmExporter.service.type=NodePort",
+        "--set",
+        "dcgmExporter.service.internalTrafficPolicy=Local",
+    ]);
+    check_objects(&np, "dcgmExporter.service");
+    let svc = find(&np, "Service", "nvidia-dcgm-exporter");
+    assert_eq!(svc["spec"]["type"], "NodePort");
+    assert_eq!(svc["spec"]["internalTrafficPolicy"], "Local");
+    // The notes say so.
+    let notes = helm_notes(&[]);
+    assert!(
+        notes.contains("Service nvidia-dcgm-exporter (port gpu-metrics, 9400)"),
+        "{notes}"
+    );
+}
+
+#[test]
+fn a_service_monitor_with_job_label_app_is_made_where_the_api_serves_it() {
+    let objs = render(&["--api-versions", SERVICE_MONITOR_API]);
+    assert_eq!(
+        check_objects(&objs, "--api-versions ServiceMonitor"),
+        vec!["ServiceMonitor nvidia-dcgm-exporter".to_string()]
+    );
+    let sm = find(&objs, "ServiceMonitor", "nvidia-dcgm-exporter");
+    let svc = find(&objs, "Service", "nvidia-dcgm-exporter");
+    // jobLabel app: Prometheus's job label is the Service's label app.
+    assert_eq!(sm["spec"]["jobLabel"], "app");
+    assert_eq!(
+        svc["metadata"]["labels"][sm["spec"]["jobLabel"].as_str().unwrap()],
+        "nvidia-dcgm-exporter",
+        "job=\"nvidia-dcgm-exporter\""
+    );
+    assert_eq!(sm["metadata"]["labels"]["app"], "nvidia-dcgm-exporter");
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "label {k}");
+    }
+    assert_eq!(sm["spec"]["namespaceSelector"]["matchNames"], json!([NS]));
+    let ep = &sm["spec"]["endpoints"][0];
+    assert_eq!(ep["port"], "gpu-metrics");
+    assert_eq!(ep["path"], "/metrics");
+    assert_eq!(ep["interval"], "15s");
+    assert_eq!(ep["scrapeTimeout"], "10s");
+    assert_eq!(ep["honorLabels"], false);
+    // Not made where the API does not serve the kind (the chart installs
+    // without the Prometheus Operator), nor when turned off; "always"
+    // makes it regardless.
+    assert!(!kinds(&render(&[])).contains("ServiceMonitor"));
+    assert!(
+        !kinds(&render(&[
+            "--api-versions",
+            SERVICE_MONITOR_API,
+            "--set",
+            "dcgmExporter.serviceMonitor.enabled=false"
+        ]))
+        .contains("ServiceMonitor")
+    );
+    find(
+        &render(&["--set", "dcgmExporter.serviceMonitor.enabled=always"]),
+        "ServiceMonitor",
+        "nvidia-dcgm-exporter",
+    );
+    assert!(
+        helm_notes(&[]).contains("No ServiceMonitor: the API server"),
+        "the notes say why there is none"
+    );
+    // The operator's own values.yaml (serviceMonitor.enabled: true) too.
+    let up = render(&[
+        "-f",
+        upstream_operator_values().to_str().unwrap(),
+        "--api-versions",
+        SERVICE_MONITOR_API,
+    ]);
+    let sm = find(&up, "ServiceMonitor", "nvidia-dcgm-exporter");
+    assert_eq!(sm["spec"]["jobLabel"], "app");
+    // gpu-agent's own names: the job is the Service's name.
+    let own = render(&[
+        "--api-versions",
+        SERVICE_MONITOR_API,
+        "--set",
+        "metricsService.gpuOperatorNames=false",
+    ]);
+    let sm = find(&own, "ServiceMonitor", "gpu-agent");
+    assert!(sm["spec"].get("jobLabel").is_none());
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+}
+
+#[test]
+fn gpu_operator_keys_with_a_meaning_for_gpu_agent_reach_its_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    // k3s as NVIDIA's docs set the operator up for it, and the other keys
+    // of issue 29 point 6.
+    let file = values_file(
+        dir.path(),
+        "k3s.yaml",
+        r#"
+toolkit:
+  env:
+    - name: CONTAINERD_CONFIG
+      value: /var/lib/rancher/k3s/agent/etc/containerd/config.toml.tmpl
+    - name: CONTAINERD_SOCKET
+      value: /run/k3s/containerd/containerd.sock
+    - name: RUNTIME_CONFIG_SOURCE
+      value: file=/var/lib/rancher/k3s/agent/etc/containerd/config.toml
+    - name: CONTAINERD_RUNTIME_CLASS
+      value: nvidia
+    - name: CONTAINERD_SET_AS_DEFAULT
+      value: "true"
+    - name: RUNTIME_RESTART_MODE
+      value: none
+    - name: RUNTIME_DROP_IN_CONFIG
+      value: /etc/containerd/conf.d/99-nvidia.toml
+    - name: NVIDIA_CONTAINER_RUNTIME_DEBUG
+      value: /dev/stderr
+migManager:
+  env:
+    - name: WITH_REBOOT
+      value: "true"
+driver:
+  rdma:
+    enabled: true
+    useHostMofed: true
+  usePrecompiled: true
+  kernelModuleConfig:
+    name: kernel-module-params
+devicePlugin:
+  env:
+    - name: DEVICE_LIST_STRATEGY
+      value: cdi-annotations,cdi-cri
+    - name: DEVICE_ID_STRATEGY
+      value: index
+dcgmExporter:
+  enablePodLabels: true
+  env:
+    - name: DCGM_EXPORTER_INTERVAL
+      value: "30000"
+validator:
+  repository: nvcr.io/nvidia
+  plugin:
+    env:
+      - name: WITH_WORKLOAD
+        value: "true"
+nfd:
+  enabled: true
+psa:
+  enabled: true
+dcgm:
+  enabled: true
+operator:
+  upgradeCRD: true
+hostPaths:
+  driverInstallDir: /run/nvidia/driver
+"#,
+    );
+    let objs = render_with(&file);
+    assert!(check_objects(&objs, "k3s.yaml").is_empty());
+    let e = agent_reads_policy(&objs);
+    let s = &e["spec"];
+    assert_eq!(
+        s["toolkit"]["containerd"]["config"],
+        "/var/lib/rancher/k3s/agent/etc/containerd/config.toml.tmpl"
+    );
+    assert_eq!(
+        s["toolkit"]["containerd"]["dropInDir"],
+        "/etc/containerd/conf.d"
+    );
+    assert_eq!(
+        s["validator"]["criSocket"],
+        "/run/k3s/containerd/containerd.sock"
+    );
+    assert_eq!(s["toolkit"]["setAsDefault"], true);
+    assert_eq!(s["toolkit"]["reload"], "none");
+    assert_eq!(s["operator"]["runtimeClass"], "nvidia");
+    assert_eq!(s["migManager"]["reboot"], true);
+    assert_eq!(s["driver"]["peermem"], true);
+    assert_eq!(s["validator"]["workload"], true);
+    assert_eq!(
+        s["devicePlugin"]["deviceListStrategy"],
+        json!(["cdi-annotations", "cdi-cri"])
+    );
+    assert_eq!(s["devicePlugin"]["deviceIdStrategy"], "index");
+    assert_eq!(s["dcgmExporter"]["collectIntervalMs"], 30000);
+    let p: Value = serde_yaml_ng::from_str(&policy_text(&objs)).unwrap();
+    assert_eq!(
+        p["spec"]["driver"]["kernelModuleConfig"]["name"],
+        "kernel-module-params"
+    );
+    // agent.policy still wins over them.
+    let over = render(&[
+        "-f",
+        file.to_str().unwrap(),
+        "--set",
+        "agent.policy.toolkit.setAsDefault=false",
+    ]);
+    assert_eq!(
+        agent_reads_policy(&over)["spec"]["toolkit"]["setAsDefault"],
+        false
+    );
+    // Docker's restart by signal; CRI-O's socket.
+    let docker = render(&[
+        "--set",
+        "operator.defaultRuntime=docker",
+        "--set",
+        "toolkit.env[0].name=RUNTIME_RESTART_MODE",
+        "--set",
+        "toolkit.env[0].value=signal",
+    ]);
+    assert_eq!(
+        agent_reads_policy(&docker)["spec"]["toolkit"]["reload"],
+        "signal"
+    );
+    let crio = render(&[
+        "--set",
+        "operator.defaultRuntime=crio",
+        "--set",
+        "toolkit.env[0].name=RUNTIME_SOCKET",
+        "--set",
+        "toolkit.env[0].value=/run/crio/crio.sock",
+    ]);
+    assert_eq!(
+        agent_reads_policy(&crio)["spec"]["validator"]["criSocket"],
+        "/run/crio/crio.sock"
+    );
+    // The keys with no meaning for gpu-agent: named in the notes, with why.
+    let named = named_in_notes(&helm_notes(&["-f", file.to_str().unwrap()]));
+    for (key, why) in [
+        ("nfd.enabled", "Node Feature Discovery"),
+        (
+            "psa.enabled",
+            "pod-security.kubernetes.io/enforce=privileged",
+        ),
+        ("dcgm.enabled", "DCGM host engine"),
+        ("dcgmExporter.enablePodLabels", "pods' labels"),
+        ("operator.upgradeCRD", "crds/"),
+        ("driver.usePrecompiled", "bundles"),
+        ("driver.rdma.useHostMofed", "MOFED"),
+        ("driver.kernelModuleConfig.name", "clusterPolicy.deployCR"),
+        ("hostPaths.driverInstallDir", "driver container"),
+        ("toolkit.env RUNTIME_CONFIG_SOURCE", "k3s"),
+        (
+            "toolkit.env NVIDIA_CONTAINER_RUNTIME_DEBUG",
+            "installs no toolkit",
+        ),
+        ("validator.repository", "validates its own stages"),
+    ] {
+        let got = named
+            .get(key)
+            .unwrap_or_else(|| panic!("{key} is not named: {named:#?}"));
+        assert!(got.contains(why), "{key}: {got:?} does not say {why:?}");
+    }
+    for key in [
+        "toolkit.env CONTAINERD_CONFIG",
+        "toolkit.env CONTAINERD_SOCKET",
+        "toolkit.env CONTAINERD_RUNTIME_CLASS",
+        "migManager.env WITH_REBOOT",
+        "driver.rdma.enabled",
+        "validator.plugin.env WITH_WORKLOAD",
+        "dcgmExporter.env DCGM_EXPORTER_INTERVAL",
+    ] {
+        assert!(!named.contains_key(key), "{key} is used, not named");
+    }
+}
+
+#[test]
+fn sandbox_workloads_keep_the_agents_off_vm_nodes_and_extra_objects_are_made() {
+    let gpu = ("nvidia.com/gpu.present", "true");
+    let workload = "nvidia.com/gpu.workload.config";
+    // sandboxWorkloads.enabled with the default workload container: every
+    // GPU node but those labelled for VMs.
+    let objs = render(&["--set", "sandboxWorkloads.enabled=true"]);
+    check_objects(&objs, "sandboxWorkloads");
+    let spec = pod_spec(daemonset(&objs));
+    assert!(affinity_admits(spec, &[gpu]));
+    assert!(affinity_admits(spec, &[gpu, (workload, "container")]));
+    assert!(!affinity_admits(spec, &[gpu, (workload, "vm-passthrough")]));
+    assert!(!affinity_admits(spec, &[gpu, (workload, "vm-vgpu")]));
+    assert!(
+        !affinity_admits(spec, &[(workload, "container")]),
+        "still GPU nodes only"
+    );
+    // A VM default: only the nodes labelled container.
+    let objs = render(&[
+        "--set",
+        "sandboxWorkloads.enabled=true",
+        "--set",
+        "sandboxWorkloads.defaultWorkload=vm-passthrough",
+        "--set",
+        "agent.affinity=null",
+    ]);
+    let spec = pod_spec(daemonset(&objs));
+    assert!(!affinity_admits(spec, &[gpu]));
+    assert!(affinity_admits(spec, &[gpu, (workload, "container")]));
+    // Off (the operator's default): the affinity is agent.affinity's.
+    let off = render(&["--set", "sandboxWorkloads.enabled=false"]);
+    assert_eq!(
+        pod_spec(daemonset(&off))["affinity"],
+        pod_spec(daemonset(&render(&[])))["affinity"]
+    );
+    // The sandbox operands, only meaningful with it, are named then.
+    let named = named_in_notes(&helm_notes(&[
+        "--set",
+        "sandboxWorkloads.enabled=true",
+        "--set",
+        "vfioManager.enabled=true",
+    ]));
+    assert!(named["sandboxWorkloads.enabled"].contains("VM passthrough"));
+    assert!(named.contains_key("vfioManager"), "{named:#?}");
+    // extraObjects: made, as templates of the chart.
+    let dir = tempfile::tempdir().unwrap();
+    let file = values_file(
+        dir.path(),
+        "extra.yaml",
+        r#"
+extraObjects:
+  - apiVersion: v1
+    kind: ConfigMap
+    metadata:
+      name: "{{ .Release.Name }}-extra"
+      namespace: "{{ .Release.Namespace }}"
+      labels:
+        app.kubernetes.io/part-of: gpu-agent
+    data:
+      a: b
+  - |
+    apiVersion: v1
+    kind: ConfigMap
+    metadata:
+      name: time-slicing-config
+      namespace: {{ .Release.Namespace }}
+      labels:
+        app.kubernetes.io/part-of: gpu-agent
+    data:
+      any: "version: v1"
+"#,
+    );
+    let objs = render_with(&file);
+    check_objects(&objs, "extraObjects");
+    assert_eq!(
+        find(&objs, "ConfigMap", "gpu-agent-extra")["data"]["a"],
+        "b"
+    );
+    find(&objs, "ConfigMap", "time-slicing-config");
+}
+
+#[test]
+fn gpu_operator_keys_gpu_agent_would_not_honour_are_refused_naming_them() {
+    let env = |name: &'static str, value: &'static str| -> Vec<String> {
+        vec![
+            "--set".into(),
+            format!("toolkit.env[0].name={name}"),
+            "--set".into(),
+            format!("toolkit.env[0].value={value}"),
+        ]
+    };
+    let with = |mut a: Vec<String>, more: &[&str]| -> Vec<String> {
+        a.extend(more.iter().map(|s| s.to_string()));
+        a
+    };
+    let cases: Vec<(Vec<String>, &[&str])> = vec![
+        (
+            env("NVIDIA_RUNTIME_NAME", "nvidia-x"),
+            &[
+                "toolkit.env NVIDIA_RUNTIME_NAME=nvidia-x",
+                "operator.runtimeClass: nvidia-x",
+            ],
+        ),
+        (
+            with(
+                env("DOCKER_RUNTIME_NAME", "nvidia-docker"),
+                &["--set", "operator.defaultRuntime=docker"],
+            ),
+            &[
+                "toolkit.env DOCKER_RUNTIME_NAME=nvidia-docker",
+                "operator.runtimeClass",
+            ],
+        ),
+        (
+            with(
+                env("DOCKER_CONFIG", "/etc/docker/custom.json"),
+                &["--set", "operator.defaultRuntime=docker"],
+            ),
+            &[
+                "toolkit.env DOCKER_CONFIG=/etc/docker/custom.json",
+                "/etc/docker/daemon.json",
+            ],
+        ),
+        (
+            with(
+                env("RUNTIME_DROP_IN_CONFIG", "/etc/crio/other.d/99-nvidia.conf"),
+                &["--set", "operator.defaultRuntime=crio"],
+            ),
+            &[
+                "toolkit.env RUNTIME_DROP_IN_CONFIG=",
+                "/etc/crio/crio.conf.d",
+            ],
+        ),
+        (
+            env("CONTAINERD_SET_AS_DEFAULT", "yes"),
+            &["toolkit.env CONTAINERD_SET_AS_DEFAULT=yes: not true or false"],
+        ),
+        (
+            env("RUNTIME_RESTART_MODE", "kill"),
+            &["toolkit.env RUNTIME_RESTART_MODE=kill"],
+        ),
+        (
+            env("CONTAINERD_CONFIG", "etc/containerd/config.toml"),
+            &["toolkit.env CONTAINERD_CONFIG=etc/containerd/config.toml: not an absolute path"],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "toolkit.env[0].name=CONTAINERD_SOCKET".into(),
+                "--set".into(),
+                "toolkit.env[0].valueFrom.configMapKeyRef.name=k3s".into(),
+            ],
+            &["toolkit.env CONTAINERD_SOCKET: given by valueFrom"],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "hostPaths.driverInstallDir=/home/kubernetes/bin/nvidia".into(),
+            ],
+            &[
+                "hostPaths.driverInstallDir=/home/kubernetes/bin/nvidia",
+                "would get no driver",
+            ],
+        ),
+        (
+            vec!["--set".into(), "gpuCluster.deployCR=true".into()],
+            &["gpuCluster.deployCR", "no DRA driver"],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "devicePlugin.env[0].name=MIG_STRATEGY".into(),
+                "--set".into(),
+                "devicePlugin.env[0].value=mixed".into(),
+            ],
+            &[
+                "devicePlugin.env MIG_STRATEGY=mixed",
+                "set mig.strategy: mixed",
+            ],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "migManager.env[0].name=WITH_REBOOT".into(),
+                "--set".into(),
+                "migManager.env[0].value=maybe".into(),
+            ],
+            &["migManager.env WITH_REBOOT=maybe: not true or false"],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "dcgmExporter.env[0].name=DCGM_EXPORTER_INTERVAL".into(),
+                "--set".into(),
+                "dcgmExporter.env[0].value=30s".into(),
+            ],
+            &["dcgmExporter.env DCGM_EXPORTER_INTERVAL=30s"],
+        ),
+        (
+            vec![
+                "--set".into(),
+                "dcgmExporter.service.type=ExternalName".into(),
+            ],
+            &["/dcgmExporter/service/type"],
+        ),
+        // Several at once: each is named.
+        (
+            with(
+                env("NVIDIA_RUNTIME_NAME", "other"),
+                &["--set", "gpuCluster.deployCR=true"],
+            ),
+            &["NVIDIA_RUNTIME_NAME=other", "gpuCluster.deployCR"],
+        ),
+    ];
+    for (args, want) in &cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        match helm_template(&args) {
+            Ok(_) => panic!("helm template {args:?} rendered; it should have been refused"),
+            Err(e) => {
+                for w in *want {
+                    assert!(e.contains(w), "helm template {args:?}: {w:?} not in:\n{e}");
+                }
+            }
+        }
+    }
+    // The operator set CONTAINERD_RUNTIME_CLASS itself over a value given
+    // for containerd: taken as it did, named.
+    let args = env("CONTAINERD_RUNTIME_CLASS", "other");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let objs = render(&args);
+    assert_eq!(
+        agent_reads_policy(&objs)["spec"]["operator"]["runtimeClass"],
+        "nvidia"
+    );
+    let named = named_in_notes(&helm_notes(&args));
+    assert!(
+        named["toolkit.env CONTAINERD_RUNTIME_CLASS"].contains("operator.runtimeClass"),
+        "{named:#?}"
+    );
 }
 
 #[test]

@@ -61,11 +61,16 @@ by these paths; the agent reads them in its own filesystem).
 {{- end -}}
 {{- end -}}
 
+{{/*
+The operator's chart (v23.3 to v24.3) named its own default layouts,
+default-mig-parted-config, a ConfigMap the operator made and takes with it:
+gpu-agent's built-in layouts stand for it.
+*/}}
 {{- define "gpu-agent.migPartedConfigMap" -}}
 {{- $c := .Values.migManager.config -}}
 {{- if $c.create -}}
 {{- $c.name | default (printf "%s-mig-parted-config" (include "gpu-agent.agentName" .)) -}}
-{{- else -}}
+{{- else if ne $c.name "default-mig-parted-config" -}}
 {{- $c.name -}}
 {{- end -}}
 {{- end -}}
@@ -103,7 +108,7 @@ agent.policy merged over them.
 {{- $operator := dict "runtimeClass" $v.operator.runtimeClass -}}
 {{- with $v.operator.defaultRuntime }}{{ $_ := set $operator "defaultRuntime" . }}{{ end -}}
 {{- $driver := dict "enabled" $v.driver.enabled -}}
-{{- with $v.driver.version }}{{ $_ := set $driver "version" . }}{{ end -}}
+{{- with $v.driver.version }}{{ $_ := set $driver "version" (toString .) }}{{ end -}}
 {{- if eq $v.driver.kernelModuleType "open" }}{{ $_ := set $driver "useOpenKernelModules" true }}{{ end -}}
 {{- if eq $v.driver.kernelModuleType "proprietary" }}{{ $_ := set $driver "useOpenKernelModules" false }}{{ end -}}
 {{- $devicePlugin := dict "enabled" $v.devicePlugin.enabled -}}
@@ -116,7 +121,7 @@ agent.policy merged over them.
 {{- $mmc := $v.migManager.config -}}
 {{- $migConfig := dict -}}
 {{- with $mmc.default }}{{ $_ := set $migConfig "default" . }}{{ end -}}
-{{- if or $mmc.create $mmc.name -}}
+{{- if include "gpu-agent.migPartedConfigMap" . -}}
 {{- $_ := set $migConfig "name" (include "gpu-agent.migPartedConfigMap" .) -}}
 {{- $_ := set $migConfig "file" (printf "%s/config.yaml" (include "gpu-agent.migPartedDir" .)) -}}
 {{- end -}}
@@ -137,6 +142,7 @@ agent.policy merged over them.
   "dcgmExporter" $dcgm
   "gfd" (dict "enabled" $v.gfd.enabled)
 -}}
+{{- $spec = mustMergeOverwrite $spec (include "gpu-agent.operatorMap" . | fromYaml).policy -}}
 {{- $spec = mustMergeOverwrite $spec (deepCopy ($v.agent.policy | default dict)) -}}
 {{- toYaml $spec -}}
 {{- end -}}
@@ -153,15 +159,78 @@ agent.policy merged over them.
 {{- if and $v.dcgmExporter.config.create (not $v.dcgmExporter.config.data) -}}
 {{- fail "dcgmExporter.config.data: dcgmExporter.config.create makes a ConfigMap from data, which is empty" -}}
 {{- end -}}
-{{- if and $v.dcgmExporter.serviceMonitor.enabled (not $v.metricsService.enabled) -}}
-{{- fail "dcgmExporter.serviceMonitor.enabled: the ServiceMonitor scrapes the metrics Service; set metricsService.enabled too" -}}
+{{- $always := eq (toString $v.dcgmExporter.serviceMonitor.enabled) "always" -}}
+{{- if and $always (not $v.metricsService.enabled) -}}
+{{- fail "dcgmExporter.serviceMonitor.enabled: always: the ServiceMonitor scrapes the metrics Service; set metricsService.enabled too" -}}
 {{- end -}}
-{{- if and $v.dcgmExporter.serviceMonitor.enabled (not $v.dcgmExporter.enabled) -}}
-{{- fail "dcgmExporter.serviceMonitor.enabled: the agents serve no metrics (dcgmExporter.enabled is false)" -}}
+{{- if and $always (not $v.dcgmExporter.enabled) -}}
+{{- fail "dcgmExporter.serviceMonitor.enabled: always: the agents serve no metrics (dcgmExporter.enabled is false)" -}}
 {{- end -}}
-{{- if and $v.driver.upgradePolicy (not $v.clusterPolicy.deployCR) -}}
-{{- fail "driver.upgradePolicy: gpu-controller runs rollouts from the cluster's ClusterPolicy only; set clusterPolicy.deployCR, or put upgradePolicy in your own ClusterPolicy" -}}
+{{- with (include "gpu-agent.operatorMap" . | fromYaml).refused -}}
+{{- fail (printf "GPU Operator values gpu-agent cannot honour:\n- %s" (join "\n- " .)) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The metrics Service and ServiceMonitor: the GPU Operator's names
+(metricsService.gpuOperatorNames) or gpu-agent's own.
+*/}}
+{{- define "gpu-agent.metricsServiceName" -}}
+{{- if .Values.metricsService.gpuOperatorNames -}}
+nvidia-dcgm-exporter
+{{- else -}}
+{{- include "gpu-agent.agentName" . }}-metrics
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-agent.metricsPortName" -}}
+{{- ternary "gpu-metrics" "metrics" (.Values.metricsService.gpuOperatorNames | default false) -}}
+{{- end -}}
+
+{{/*
+Whether the ServiceMonitor is rendered ("true" or ""): serviceMonitor.enabled
+true (the operator's default) where the API server serves the Prometheus
+Operator's ServiceMonitor kind, "always" whether or not, false never; and
+only over a metrics Service.
+*/}}
+{{- define "gpu-agent.serviceMonitorOn" -}}
+{{- $v := .Values -}}
+{{- $sm := toString $v.dcgmExporter.serviceMonitor.enabled -}}
+{{- if and $v.metricsService.enabled $v.dcgmExporter.enabled -}}
+{{- if or (eq $sm "always") (and (eq $sm "true") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) -}}
+true
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The agents' node affinity: agent.affinity, and with the operator's
+sandboxWorkloads.enabled only the nodes whose workload (the label
+nvidia.com/gpu.workload.config, else sandboxWorkloads.defaultWorkload) is
+container, as the operator runs its container operands. YAML, or "".
+*/}}
+{{- define "gpu-agent.affinity" -}}
+{{- $a := deepCopy (.Values.agent.affinity | default dict) -}}
+{{- $sw := .Values.sandboxWorkloads | default dict -}}
+{{- if $sw.enabled -}}
+{{- $expr := dict "key" "nvidia.com/gpu.workload.config" "operator" "In" "values" (list "container") -}}
+{{- if eq ($sw.defaultWorkload | default "container") "container" -}}
+{{- $expr = dict "key" "nvidia.com/gpu.workload.config" "operator" "NotIn" "values" (list "vm-passthrough" "vm-vgpu") -}}
+{{- end -}}
+{{- $na := $a.nodeAffinity | default dict -}}
+{{- $req := get $na "requiredDuringSchedulingIgnoredDuringExecution" | default dict -}}
+{{- $terms := list -}}
+{{- range ($req.nodeSelectorTerms | default (list)) -}}
+{{- $t := deepCopy . -}}
+{{- $_ := set $t "matchExpressions" (append ($t.matchExpressions | default (list)) $expr) -}}
+{{- $terms = append $terms $t -}}
+{{- end -}}
+{{- if not $terms }}{{ $terms = list (dict "matchExpressions" (list $expr)) }}{{ end -}}
+{{- $_ := set $req "nodeSelectorTerms" $terms -}}
+{{- $_ := set $na "requiredDuringSchedulingIgnoredDuringExecution" $req -}}
+{{- $_ := set $a "nodeAffinity" $na -}}
+{{- end -}}
+{{- if $a }}{{ toYaml $a }}{{ end -}}
 {{- end -}}
 
 {{/*
