@@ -237,6 +237,11 @@ pub const GRANTS: &[Grant] = &[
                 why: "sample the profiling fields through NVML's GPM (the driver keeps GPU profiling to CAP_SYS_ADMIN unless NVreg_RestrictProfilingToAdminUsers=0)",
                 unless: always,
             },
+            Use {
+                stage: Stage::Labels,
+                why: "read each GPU's PCI configuration space whole (sysfs gives a reader without it the first 64 bytes), where an NVIDIA vGPU shows itself (nvidia.com/vgpu.present)",
+                unless: always,
+            },
         ],
     },
     Grant {
@@ -845,10 +850,15 @@ mod tests {
             "metrics still use it (GPM)"
         );
         p.dcgm_exporter.enabled = false;
+        assert!(
+            has(&setting(&p, true), Capability::CAP_SYS_ADMIN),
+            "labels still use it (a GPU's whole PCI configuration space)"
+        );
+        p.gfd.enabled = false;
         let s = setting(&p, true);
         assert_eq!(
             why_not_wanted(Capability::CAP_SYS_ADMIN, &s).unwrap(),
-            "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false) and metrics was disabled (spec.dcgmExporter.enabled is false)"
+            "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false) and metrics was disabled (spec.dcgmExporter.enabled is false) and labels was disabled (spec.gfd.enabled is false)"
         );
         let held = HeldCaps::from_caps(&[]).with_dropped(
             [("CAP_SYS_MODULE".to_string(), because)]

@@ -7,12 +7,13 @@
 use std::collections::BTreeMap;
 
 use hostlib::pci::{self, PciFunction};
+use hostlib::vgpu::VgpuState;
 use hostlib::{DriverState, HostRoot, PciAddress};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{
-    BackendError, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, MigDevice, MigMode,
-    PcieLevel, Telemetry,
+    BackendError, BackendSnapshot, ComputeCapability, CudaVersion, GpuBackend, GpuFabric,
+    MigDevice, MigMode, PcieLevel, Telemetry,
 };
 
 const DMI_PRODUCT_NAME: &str = "/sys/class/dmi/id/product_name";
@@ -79,6 +80,15 @@ pub struct Gpu {
     /// MIG devices, while MIG is enabled.
     #[serde(default)]
     pub mig_devices: Vec<MigDevice>,
+    /// What its PCI configuration space says of NVIDIA vGPU; `None`: not
+    /// known (sysfs has no `config` file for it, or too little of it could
+    /// be read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vgpu: Option<VgpuState>,
+    /// Its registration with an NVLink fabric spanning nodes; `None`: none
+    /// (NVML: not supported, as on every PCIe GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<GpuFabric>,
 }
 
 impl Gpu {
@@ -122,6 +132,7 @@ pub fn discover(sys: &HostRoot, backend: &dyn GpuBackend) -> Inventory {
     };
     let snapshot = backend.snapshot();
     let mut inv = build(machine, scan.functions, driver, backend.name(), snapshot);
+    read_vgpu(sys, &mut inv, &mut unreadable);
     for u in &unreadable {
         inv.warnings.push(format!(
             "cannot read {u}; what it holds is unknown, the rest of the node was read"
@@ -199,6 +210,8 @@ pub fn build(
                 nvlinks: g.nvlink_remotes.len() as u32,
                 telemetry: g.telemetry.clone(),
                 mig_devices: g.mig_devices.clone(),
+                vgpu: None,
+                fabric: g.fabric.clone(),
             });
         }
         let pcie: BTreeMap<(u32, u32), PcieLevel> =
@@ -251,7 +264,12 @@ pub fn build(
             nvlinks: 0,
             telemetry: Telemetry::default(),
             mig_devices: Vec::new(),
+            vgpu: None,
+            fabric: None,
         });
+    }
+    if let Some(w) = clique_disagreement(&gpus) {
+        warnings.push(w);
     }
     Inventory {
         machine,
@@ -268,6 +286,51 @@ pub fn build(
         warnings,
         unreadable: Vec::new(),
     }
+}
+
+/// Reads each GPU's PCI configuration space for NVIDIA's vGPU capability
+/// ([`Gpu::vgpu`]). A file that cannot be read (or only in part) leaves the
+/// GPU's vGPU state unknown and is named in `unreadable`.
+fn read_vgpu(sys: &HostRoot, inv: &mut Inventory, unreadable: &mut Vec<hostlib::Unreadable>) {
+    for g in inv.gpus.iter_mut().filter(|g| g.pci.is_some()) {
+        match hostlib::vgpu::read(sys, g.bus_id) {
+            Ok(state) => g.vgpu = state,
+            Err(e) => unreadable.push(e.unreadable()),
+        }
+        if let Some(VgpuState::Guest {
+            host_driver_version,
+            host_driver_branch,
+        }) = &g.vgpu
+            && (host_driver_version.is_none() || host_driver_branch.is_none())
+        {
+            inv.warnings.push(format!(
+                "GPU {} is an NVIDIA vGPU, but its vGPU capability does not name the host's driver version and branch readably; no nvidia.com/vgpu.host-driver-* labels",
+                g.id()
+            ));
+        }
+    }
+}
+
+/// The clusters and cliques of the GPUs attached to an NVLink fabric, when
+/// they are not all one (GPU feature discovery then writes no
+/// `nvidia.com/gpu.clique`, and neither does gpu-agent): the warning.
+pub(crate) fn clique_disagreement(gpus: &[Gpu]) -> Option<String> {
+    let mut cliques: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for g in gpus {
+        if let Some(c) = g.fabric.as_ref().and_then(GpuFabric::clique) {
+            cliques.entry(c).or_default().push(g.id());
+        }
+    }
+    (cliques.len() > 1).then(|| {
+        let each: Vec<String> = cliques
+            .iter()
+            .map(|(c, ids)| format!("{c} ({})", ids.join(", ")))
+            .collect();
+        format!(
+            "the GPUs are in different NVLink fabric cliques ({}); no nvidia.com/gpu.clique label",
+            each.join("; ")
+        )
+    })
 }
 
 /// NVLinks between GPU A and GPU B: A's links that end at B, plus, for each

@@ -61,6 +61,9 @@ use crate::plugin::config::{MigStrategy, SharingStrategy};
 use crate::plugin::resources::{self, GPU_RESOURCE, PluginSettings, Resource};
 use crate::policy::Policy;
 
+mod clique;
+mod vgpu;
+
 /// NFD's local feature file GFD writes (GFD's `--output-file` default), a
 /// host path.
 pub const FEATURES_FILE: &str = "/etc/kubernetes/node-feature-discovery/features.d/gfd";
@@ -262,6 +265,8 @@ fn labels_noted(inv: &Inventory, settings: &PluginSettings) -> (Labels, Vec<Labe
     };
     put("mps.capable", mps_capable(&adv).to_string());
     put("gpu.mode", gpu_mode(&gpus).into());
+    vgpu::labels(&inv.gpus, &mut out);
+    clique::labels(&gpus, &mut out);
     full_gpu_labels(&gpus, &adv, &mut out);
     match settings.mig_strategy {
         MigStrategy::None => {}

@@ -85,7 +85,7 @@ fn demo_runs_in_a_sandbox_and_cleans_up() {
             &out,
             "labels",
             "done",
-            "wrote 26 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
+            "wrote 27 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
         ),
         "{out}"
     );
@@ -425,7 +425,7 @@ fn status_with_a_simulated_node_plans_the_plugin() {
     assert_eq!(labels["state"], "ready");
     assert_eq!(
         labels["detail"],
-        "would write 26 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
+        "would write 27 label(s) to /etc/kubernetes/node-feature-discovery/features.d/gfd"
     );
 }
 

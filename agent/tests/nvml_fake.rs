@@ -1059,3 +1059,177 @@ fn every_field_through_nvml() {
             .any(|f| f.info().kind == Kind::Label && *f != F::DriverVersion)
     );
 }
+
+// --- GPU fabric (nvidia.com/gpu.clique) and vGPU (nvidia.com/vgpu.*) ----------
+
+fn gb200_node() -> PathBuf {
+    repo().join("tests/fixtures/nodes/gb200-nvl-4.yaml")
+}
+
+/// `labels --output json` on `host_root` with the fake NVML serving `node`.
+fn nvml_labels(node: &OsStr, host_root: &Path) -> serde_json::Map<String, Value> {
+    let (_dir, lib) = fake_nvml();
+    let (code, out, err) = run(at(host_root)
+        .arg("--nvml-lib")
+        .arg(&lib)
+        .args(["labels", "--output", "json"])
+        .env("FAKE_NVML_NODE", node));
+    assert_eq!(code, 0, "{err}");
+    json(&out).as_object().unwrap().clone()
+}
+
+/// A GB200-like tray: every GPU's fabric info comes through
+/// nvmlDeviceGetGpuFabricInfoV as the simulated backend reads the
+/// description, and the node is labelled with its clique, as GFD labels it.
+/// PCIe and HGX GPUs answer "not supported": no fabric, no clique.
+#[test]
+fn fabric_clique_through_nvml_and_simulation() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = gb200_node();
+    simnode::NodeDescription::load(node.to_str().unwrap())
+        .unwrap()
+        .materialize(dir.path())
+        .unwrap();
+    assert_same_inventory(node.to_str().unwrap(), dir.path());
+    let (_, inv, _) = nvml_inventory(node.to_str().unwrap(), dir.path());
+    assert_eq!(
+        inv["gpus"][2]["fabric"],
+        serde_json::json!({"clusterUuid": "5f8c2d1e-7a3b-4c9d-8e6f-0a1b2c3d4e5f", "cliqueId": 32766, "state": "completed", "status": 0})
+    );
+    let labels = nvml_labels(node.as_os_str(), dir.path());
+    assert_eq!(
+        labels["nvidia.com/gpu.clique"],
+        "5f8c2d1e-7a3b-4c9d-8e6f-0a1b2c3d4e5f.32766"
+    );
+    assert_eq!(labels["nvidia.com/gpu.family"], "blackwell");
+    assert_eq!(labels["nvidia.com/vgpu.present"], "false");
+    for (name, host) in [
+        ("h100-sxm-8", host_fixture("h100-sxm-8")),
+        ("a10g-1", host_fixture("a10g-1")),
+    ] {
+        let (_, inv, _) = nvml_inventory(name, &host);
+        assert!(
+            inv["gpus"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|g| g.get("fabric").is_none()),
+            "{name}: {inv:#}"
+        );
+        let labels = nvml_labels(OsStr::new(name), &host);
+        assert!(!labels.contains_key("nvidia.com/gpu.clique"), "{name}");
+    }
+}
+
+/// The fake's fabric calls as NVML's header defines them: both struct
+/// versions of `…InfoV`, the unversioned call, a version it does not know,
+/// "not supported" for a GPU without a fabric; each in its own process.
+#[test]
+fn fabric_info_calls_answer_as_nvml_defines_them() {
+    if phase("fabric_info_calls_answer_as_nvml_defines_them").is_some() {
+        return fabric_calls_in_this_process();
+    }
+    let node = gb200_node();
+    run_phase(
+        "fabric_info_calls_answer_as_nvml_defines_them",
+        "run",
+        &[
+            ("FAKE_NVML_NODE", node.as_os_str()),
+            ("FAKE_NVML_COSTS", OsStr::new("off")),
+        ],
+    );
+}
+
+#[allow(unsafe_code)]
+fn fabric_calls_in_this_process() {
+    use nvml_wrapper_sys::bindings::{
+        nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
+    };
+    let (_dir, lib) = fake_nvml();
+    let nvml = open(&lib);
+    let v = |size: usize, n: u32| size as u32 | (n << 24);
+    let v2 = v(size_of::<nvmlGpuFabricInfo_v2_t>(), 2);
+    let v3 = v(size_of::<nvmlGpuFabricInfo_v3_t>(), 3);
+    let uuid = [
+        0x5f, 0x8c, 0x2d, 0x1e, 0x7a, 0x3b, 0x4c, 0x9d, 0x8e, 0x6f, 0x0a, 0x1b, 0x2c, 0x3d, 0x4e,
+        0x5f,
+    ];
+    let dev = nvml.device_by_index(1).unwrap();
+    // Version 3: health mask and summary of a healthy fabric.
+    // SAFETY: plain data; all-zero is valid.
+    let mut info: nvmlGpuFabricInfo_v3_t = unsafe { std::mem::zeroed() };
+    info.version = v3;
+    // SAFETY: a live handle; `info` is the struct the version names.
+    let rc = unsafe {
+        nvml.lib()
+            .nvmlDeviceGetGpuFabricInfoV(dev.handle(), &mut info)
+    };
+    assert_eq!(rc, 0);
+    assert_eq!(
+        (info.clusterUuid, info.status, info.cliqueId, info.state),
+        (uuid, 0, 32766, 3)
+    );
+    assert_eq!((info.healthMask, info.healthSummary), (426, 1));
+    // Version 2 fills only a v2 struct's fields.
+    // SAFETY: as above.
+    let mut info: nvmlGpuFabricInfo_v3_t = unsafe { std::mem::zeroed() };
+    info.version = v2;
+    info.healthSummary = 0xee;
+    // SAFETY: as above; a v3 struct is larger than the v2 the call fills.
+    let rc = unsafe {
+        nvml.lib()
+            .nvmlDeviceGetGpuFabricInfoV(dev.handle(), &mut info)
+    };
+    assert_eq!(rc, 0);
+    assert_eq!(
+        (info.cliqueId, info.state, info.healthMask),
+        (32766, 3, 426)
+    );
+    assert_eq!(info.healthSummary, 0xee, "v2 has no healthSummary");
+    // A version NVML does not define.
+    info.version = v(size_of::<nvmlGpuFabricInfo_v3_t>(), 9);
+    // SAFETY: as above.
+    let rc = unsafe {
+        nvml.lib()
+            .nvmlDeviceGetGpuFabricInfoV(dev.handle(), &mut info)
+    };
+    assert_eq!(rc, 25, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH");
+    // The unversioned call of older libraries.
+    // SAFETY: as above.
+    let mut old: nvmlGpuFabricInfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a live handle; `old` is the struct the call takes.
+    let rc = unsafe {
+        nvml.lib()
+            .nvmlDeviceGetGpuFabricInfo(dev.handle(), &mut old)
+    };
+    assert_eq!(rc, 0);
+    assert_eq!((old.clusterUuid, old.cliqueId, old.state), (uuid, 32766, 3));
+}
+
+/// A vGPU guest: the GPU's configuration space (written from the
+/// description's `vgpu`) carries NVIDIA's vGPU capability, read through the
+/// host root while NVML describes the GPU: `vgpu.present=true` and the
+/// host's driver, as GFD labels a vGPU guest.
+#[test]
+fn a_vgpu_guest_is_labelled_from_its_pci_config_space() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = include_str!("../../simnode/nodes/a10g-1.yaml").replace(
+        "    computeCapability:",
+        "    vgpu: { hostDriverVersion: 550.144.02, hostDriverBranch: r550_00 }\n    computeCapability:",
+    );
+    let node = dir.path().join("vgpu-node.yaml");
+    std::fs::write(&node, &text).unwrap();
+    let host = dir.path().join("host");
+    simnode::NodeDescription::load(node.to_str().unwrap())
+        .unwrap()
+        .materialize(&host)
+        .unwrap();
+    let labels = nvml_labels(node.as_os_str(), &host);
+    assert_eq!(labels["nvidia.com/vgpu.present"], "true");
+    assert_eq!(labels["nvidia.com/vgpu.host-driver-version"], "550.144.02");
+    assert_eq!(labels["nvidia.com/vgpu.host-driver-branch"], "r550_00");
+    // The physical A10G of the committed fixture tree.
+    let labels = nvml_labels(OsStr::new("a10g-1"), &host_fixture("a10g-1"));
+    assert_eq!(labels["nvidia.com/vgpu.present"], "false");
+    assert!(!labels.contains_key("nvidia.com/vgpu.host-driver-version"));
+}

@@ -141,6 +141,13 @@ pub enum PciError {
         /// What the file should hold (`a hex number`).
         expected: &'static str,
     },
+    /// Less of the configuration space than its 256-byte header could be
+    /// read (Linux gives an unprivileged reader 64 bytes): its capability
+    /// list is unknown.
+    #[error(
+        "{path}: only {len} bytes of the configuration space could be read (its capability list is in the first 256; reading them needs root)"
+    )]
+    ShortConfig { path: PathBuf, len: usize },
 }
 
 /// Every NVIDIA GPU function under `/sys/bus/pci/devices`, sorted by address.
@@ -261,6 +268,12 @@ impl PciError {
                 value,
                 expected,
             } => (path.clone(), format!("{value:?} is not {expected}")),
+            PciError::ShortConfig { path, len } => (
+                path.clone(),
+                format!(
+                    "only {len} bytes of the configuration space could be read (the capability list needs 256; reading them needs root)"
+                ),
+            ),
         };
         crate::driver::Unreadable {
             path,

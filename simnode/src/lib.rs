@@ -8,6 +8,7 @@
 //!
 //! Keys are camelCase; unknown keys are rejected with their path.
 
+pub mod config_space;
 pub mod mig;
 pub mod readings;
 
@@ -131,6 +132,83 @@ pub struct GpuDesc {
     /// Readings NVML gives; a reading left out is "not supported".
     #[serde(default)]
     pub telemetry: TelemetryDesc,
+    /// An NVIDIA vGPU in a guest VM: its PCI configuration space carries
+    /// NVIDIA's vGPU capability naming the host's vGPU manager. Absent: a
+    /// physical GPU (bare metal or passed through).
+    #[serde(default)]
+    pub vgpu: Option<VgpuDesc>,
+    /// The GPU's place in an NVLink fabric spanning nodes (GB200 NVL72 and
+    /// the like), as `nvmlDeviceGetGpuFabricInfoV` reports it. Absent: the
+    /// GPU has no fabric (PCIe and HGX GPUs; NVML: not supported).
+    #[serde(default)]
+    pub fabric: Option<FabricDesc>,
+}
+
+/// The host side of a vGPU, as its capability names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct VgpuDesc {
+    /// The host's vGPU manager driver version, at most 10 bytes
+    /// (`550.54.16`).
+    pub host_driver_version: String,
+    /// Its branch, at most 10 bytes (`r550_00`).
+    pub host_driver_branch: String,
+}
+
+/// A GPU's fabric registration (`nvmlGpuFabricInfo_v3_t`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct FabricDesc {
+    /// The NVLink domain's cluster UUID (`xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`).
+    pub cluster_uuid: String,
+    /// The clique (the GPUs that reach each other over the fabric) ID.
+    pub clique_id: u32,
+    /// Where the GPU's registration with the fabric manager stands
+    /// (default: completed).
+    #[serde(default)]
+    pub state: FabricState,
+    /// The registration's outcome, an `nvmlReturn_t` (default 0, success;
+    /// e.g. 999 unknown error).
+    #[serde(default)]
+    pub status: u32,
+}
+
+/// `nvmlGpuFabricState_t`, without `NOT_SUPPORTED` (no `fabric` says that).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FabricState {
+    NotStarted,
+    InProgress,
+    #[default]
+    Completed,
+}
+
+impl FabricState {
+    /// NVML's value (`NVML_GPU_FABRIC_STATE_*`).
+    pub fn nvml(self) -> u8 {
+        match self {
+            FabricState::NotStarted => 1,
+            FabricState::InProgress => 2,
+            FabricState::Completed => 3,
+        }
+    }
+}
+
+impl FabricDesc {
+    /// The cluster UUID's 16 bytes, in the order it is written.
+    pub fn cluster_uuid_bytes(&self) -> Option<[u8; 16]> {
+        let groups: Vec<&str> = self.cluster_uuid.split('-').collect();
+        let lens: Vec<usize> = groups.iter().map(|g| g.len()).collect();
+        if lens != [8, 4, 4, 4, 12] {
+            return None;
+        }
+        let hex: String = groups.concat();
+        let mut out = [0u8; 16];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(out)
+    }
 }
 
 fn default_class() -> HexU16 {
@@ -481,6 +559,32 @@ impl NodeDescription {
                     message.to_string(),
                 ));
             }
+            if let Some(v) = &g.vgpu {
+                for (field, value) in [
+                    ("hostDriverVersion", &v.host_driver_version),
+                    ("hostDriverBranch", &v.host_driver_branch),
+                ] {
+                    if value.is_empty()
+                        || value.len() > 10
+                        || !value.bytes().all(|b| b.is_ascii_graphic())
+                    {
+                        return Err(invalid(
+                            format!("gpus[{i}].vgpu.{field}"),
+                            format!(
+                                "{value:?} must be 1 to 10 printable ASCII characters (the capability's field)"
+                            ),
+                        ));
+                    }
+                }
+            }
+            if let Some(f) = &g.fabric
+                && f.cluster_uuid_bytes().is_none()
+            {
+                return Err(invalid(
+                    format!("gpus[{i}].fabric.clusterUuid"),
+                    format!("{:?} is not a UUID (8-4-4-4-12 hex digits)", f.cluster_uuid),
+                ));
+            }
             if g.name.is_empty() || g.name.len() >= 96 {
                 return Err(invalid(
                     format!("gpus[{i}].name"),
@@ -665,6 +769,16 @@ impl NodeDescription {
                 )?;
             }
             replace_symlink(&format!("../../../{rel}"), &devices.join(addr.to_string()))?;
+        }
+        // Each GPU's PCI configuration space (its 256-byte header), where
+        // a vGPU shows itself.
+        for g in &self.gpus {
+            let addr = g.bus_id;
+            let dir = root.join(format!(
+                "sys/devices/pci{:04x}:{:02x}/{addr}",
+                addr.domain, 0
+            ));
+            fs::write(dir.join("config"), config_space::header(g))?;
         }
         let dmi = root.join("sys/class/dmi/id");
         fs::create_dir_all(&dmi)?;

@@ -257,6 +257,76 @@ pub struct BackendGpu {
     pub telemetry: Telemetry,
     /// MIG devices, while MIG is enabled.
     pub mig_devices: Vec<MigDevice>,
+    /// Its registration with an NVLink fabric spanning nodes; `None`: the
+    /// GPU has none (NVML: not supported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric: Option<GpuFabric>,
+}
+
+/// A GPU's registration with an NVLink fabric that spans nodes (GB200
+/// NVL72 and the like), as `nvmlDeviceGetGpuFabricInfoV` reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuFabric {
+    /// The NVLink domain's cluster UUID, `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`
+    /// (lower case).
+    pub cluster_uuid: String,
+    /// The clique: the GPUs of the domain that reach each other.
+    pub clique_id: u32,
+    pub state: FabricState,
+    /// The registration's outcome, an NVML return code (0: success).
+    pub status: u32,
+}
+
+/// Where a GPU's fabric registration stands (`nvmlGpuFabricState_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FabricState {
+    NotStarted,
+    InProgress,
+    Completed,
+}
+
+impl GpuFabric {
+    /// From NVML's fields; `None` for `NVML_GPU_FABRIC_STATE_NOT_SUPPORTED`
+    /// (or a state NVML does not define).
+    pub fn from_nvml(
+        cluster_uuid: [u8; 16],
+        status: u32,
+        clique_id: u32,
+        state: u8,
+    ) -> Option<Self> {
+        let state = match state {
+            1 => FabricState::NotStarted,
+            2 => FabricState::InProgress,
+            3 => FabricState::Completed,
+            _ => return None,
+        };
+        let hex: String = cluster_uuid.iter().map(|b| format!("{b:02x}")).collect();
+        Some(GpuFabric {
+            cluster_uuid: format!(
+                "{}-{}-{}-{}-{}",
+                &hex[0..8],
+                &hex[8..12],
+                &hex[12..16],
+                &hex[16..20],
+                &hex[20..32]
+            ),
+            clique_id,
+            state,
+            status,
+        })
+    }
+
+    /// `<cluster UUID>.<clique ID>` when the GPU is attached to the fabric:
+    /// its registration completed with success and named a cluster (GPU
+    /// feature discovery's rule, `IsFabricAttached`).
+    pub fn clique(&self) -> Option<String> {
+        let attached = self.state == FabricState::Completed
+            && self.status == 0
+            && self.cluster_uuid.chars().any(|c| c != '0' && c != '-');
+        attached.then(|| format!("{}.{}", self.cluster_uuid, self.clique_id))
+    }
 }
 
 /// Everything a backend reports at once.

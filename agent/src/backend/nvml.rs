@@ -19,8 +19,8 @@ use nvml_wrapper::error::NvmlError;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, ComputeMode, CudaVersion,
-    GpuBackend, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
-    mig_profile_name,
+    GpuBackend, GpuFabric, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel,
+    Telemetry, mig_profile_name,
 };
 
 /// How long one wait for events blocks. Events wake the thread at once; the
@@ -197,6 +197,77 @@ pub(super) fn remapped_rows<E>(
     })
 }
 
+/// `NVML_STRUCT_VERSION(GpuFabricInfo, n)`: the struct's size with the
+/// version in the top byte.
+const fn fabric_info_version(size: usize, version: u32) -> u32 {
+    size as u32 | (version << 24)
+}
+
+/// The GPU's fabric registration (`nvmlDeviceGetGpuFabricInfoV`, which
+/// nvml-wrapper 0.13 does not wrap, called through nvml-wrapper-sys):
+/// version 3 of the struct, else 2 for a library that does not know 3, else
+/// the unversioned `nvmlDeviceGetGpuFabricInfo` of older libraries. `None`
+/// when the GPU has no fabric (not supported, as every PCIe GPU), the
+/// library has neither call, or the call fails (logged).
+#[allow(unsafe_code)]
+fn fabric_info(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, index: u32) -> Option<GpuFabric> {
+    use nvml_wrapper_sys::bindings::{
+        nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
+        nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as VERSION_MISMATCH,
+        nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED as NOT_SUPPORTED,
+        nvmlReturn_enum_NVML_SUCCESS as SUCCESS,
+    };
+    let lib = nvml.lib();
+    let (rc, fields) = if let Ok(f) = lib.nvmlDeviceGetGpuFabricInfoV.as_ref() {
+        let mut answer = (VERSION_MISMATCH, None);
+        for version in [
+            fabric_info_version(size_of::<nvmlGpuFabricInfo_v3_t>(), 3),
+            fabric_info_version(size_of::<nvmlGpuFabricInfo_v2_t>(), 2),
+        ] {
+            // SAFETY: plain integers and byte arrays; all-zero is valid.
+            let mut info: nvmlGpuFabricInfo_v3_t = unsafe { std::mem::zeroed() };
+            info.version = version;
+            // SAFETY: the handle belongs to `device`, which borrows the live
+            // NVML session the function was loaded from; `info` is a v3
+            // struct, as large as any version the call may fill.
+            let rc = unsafe { f(device.handle(), &mut info) };
+            answer = (
+                rc,
+                Some((info.clusterUuid, info.status, info.cliqueId, info.state)),
+            );
+            if rc != VERSION_MISMATCH {
+                break;
+            }
+        }
+        answer
+    } else if let Ok(f) = lib.nvmlDeviceGetGpuFabricInfo.as_ref() {
+        // SAFETY: plain integers and a byte array; all-zero is valid.
+        let mut info: nvmlGpuFabricInfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `info` is the struct the call takes.
+        let rc = unsafe { f(device.handle(), &mut info) };
+        (
+            rc,
+            Some((info.clusterUuid, info.status, info.cliqueId, info.state)),
+        )
+    } else {
+        return None;
+    };
+    match (rc, fields) {
+        (SUCCESS, Some((uuid, status, clique, state))) => {
+            GpuFabric::from_nvml(uuid, status, clique, state)
+        }
+        (NOT_SUPPORTED, _) => None,
+        (rc, _) => {
+            tracing::warn!(
+                gpu = index,
+                rc,
+                "NVML fabric info query failed; the GPU is taken as not on a fabric"
+            );
+            None
+        }
+    }
+}
+
 /// One GPU as NVML describes it (and its handle, for the topology).
 fn describe_device(
     nvml: &Nvml,
@@ -321,6 +392,7 @@ fn describe_device(
                 .map(|r| r.pending),
         },
         mig_devices,
+        fabric: fabric_info(nvml, &device, index),
     };
     Ok((device, gpu))
 }

@@ -6,8 +6,8 @@ use simnode::NodeDescription;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, ComputeMode, CudaVersion,
-    GpuBackend, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel, Telemetry,
-    mig_profile_name,
+    GpuBackend, GpuFabric, HealthEvent, HealthSender, MigDevice, MigEngines, MigMode, PcieLevel,
+    Telemetry, mig_profile_name,
 };
 
 /// Serves a [`NodeDescription`]. Health events are injected with
@@ -166,6 +166,14 @@ impl GpuBackend for SimulatedBackend {
                 } else {
                     Vec::new()
                 },
+                fabric: g.fabric.as_ref().and_then(|f| {
+                    GpuFabric::from_nvml(
+                        f.cluster_uuid_bytes()?,
+                        f.status,
+                        f.clique_id,
+                        f.state.nvml(),
+                    )
+                }),
             })
             .collect();
         let mut pcie = Vec::new();

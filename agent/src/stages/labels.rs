@@ -205,7 +205,7 @@ mod tests {
         let inv = f.inventory();
         let want = crate::labels::render(&crate::labels::node_labels(&inv, &f.policy).unwrap());
         let n = want.lines().count();
-        assert_eq!(n, 26);
+        assert_eq!(n, 27);
 
         // Inspecting (`status`): says what it would write, writes nothing.
         let look = f.ctx(false);

@@ -52,6 +52,11 @@
 //!   (`costs/README.md`). A table that cannot be read makes `nvmlInit` fail
 //!   with `NVML_ERROR_UNKNOWN`, the reason on stderr. See `costs.rs`.
 //!
+//! Fabric (`nvmlDeviceGetGpuFabricInfo`, `…InfoV` versions 2 and 3): a
+//! GPU's `fabric` in the description (cluster UUID, clique, state, status)
+//! for a GB200-like node; `NVML_ERROR_NOT_SUPPORTED` for a GPU without one
+//! (PCIe and HGX GPUs); see `fabric.rs`.
+//!
 //! MIG: the mode, GPU-instance and compute-instance profiles, placements,
 //! instances and MIG devices follow `simnode::mig` (NVIDIA's published
 //! profiles per model and NVML's rules); see `mig.rs`.
@@ -68,6 +73,7 @@
 
 mod compute_mode;
 pub mod costs;
+mod fabric;
 mod metrics;
 mod mig;
 
