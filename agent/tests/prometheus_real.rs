@@ -16,6 +16,13 @@
 //! packaging/grafana/gpu-agent.json returns data (its template variables'
 //! queries too).
 //!
+//! NVIDIA's own dashboard 12239 (`../shared/upstream`, unchanged) runs
+//! over two agents on simulated nodes, one exporting dcgm-exporter's
+//! default fields, one what upstream's `dcp-metrics-included.csv` names:
+//! its every template variable has values, its every panel's query returns
+//! data with "All" selected and with each single value, and every DCGM
+//! series' help is dcgm-exporter's text.
+//!
 //! A second run loads dcgm-exporter's own counters file with every
 //! `# DCGM_FI_` line uncommented on tests/fixtures/nodes/every-field.yaml
 //! (an NVLink H100, a MIG H100, a T4): every one of its fields reaches
@@ -320,12 +327,22 @@ fn panels(dash: &Value) -> Vec<&Value> {
 /// Prometheus, its own port and storage under `dir`, scraping the agent on
 /// `agent_port` every second; its log in `logs`.
 fn start_prometheus(bin: &Path, dir: &Path, logs: &Path, agent_port: u16) -> (Child, Prom) {
+    start_prometheus_on(bin, dir, logs, &[agent_port])
+}
+
+/// [`start_prometheus`] scraping the agents on `agent_ports`.
+fn start_prometheus_on(bin: &Path, dir: &Path, logs: &Path, agent_ports: &[u16]) -> (Child, Prom) {
     let prom_port = free_port();
     let prom_cfg = dir.join("prometheus.yml");
+    let targets: Vec<String> = agent_ports
+        .iter()
+        .map(|p| format!("'127.0.0.1:{p}'"))
+        .collect();
     fs::write(
         &prom_cfg,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: ['127.0.0.1:{agent_port}']\n"
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: {JOB}\n    static_configs:\n      - targets: [{}]\n",
+            targets.join(", ")
         ),
     )
     .unwrap();
@@ -1284,6 +1301,286 @@ fn a_real_prometheus_scrapes_every_field_of_dcgm_exporters_files_uncommented() {
         values.len(),
         lines.len() - values.len(),
         growing.len(),
+        started.elapsed()
+    );
+}
+
+/// A counters file's field lines as dcgm-exporter reads it (comments left
+/// out): name → help.
+fn counters_help(text: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for l in text.lines().map(str::trim) {
+        if !l.starts_with("DCGM_") {
+            continue;
+        }
+        let mut parts = l.splitn(3, ',').map(str::trim);
+        let name = parts.next().unwrap().to_string();
+        let help = parts.nth(1).unwrap_or_default().to_string();
+        out.entry(name).or_insert(help);
+    }
+    out
+}
+
+/// What Grafana puts for a multi-value variable with "All" selected and no
+/// `allValue`: every value, regex-escaped, as `(a|b|…)` (one value: itself).
+fn grafana_all(values: &[String]) -> String {
+    let escaped: Vec<String> = values
+        .iter()
+        .map(|v| {
+            v.chars()
+                .map(|c| {
+                    if "\\^$.|?*+()[]{}".contains(c) {
+                        format!("\\\\{c}")
+                    } else {
+                        c.to_string()
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    match escaped.as_slice() {
+        [one] => one.clone(),
+        many => format!("({})", many.join("|")),
+    }
+}
+
+/// NVIDIA's dashboard 12239 (dcgm-exporter's `grafana/dcgm-exporter-dashboard.json`,
+/// the copy in `../shared/upstream` unchanged) over two gpu-agents scraped
+/// by one real Prometheus: an 8x H100 node exporting dcgm-exporter's
+/// default fields (no counters file) and a node of two H100s (one in MIG
+/// mode) and a T4 exporting what upstream's `dcp-metrics-included.csv`
+/// (the GPU Operator's counters file), unchanged, names. Every template
+/// variable (`label_values(…)`) has values; every target of every panel
+/// returns data with each variable on "All" (Grafana's regex of every
+/// value), and with each single value of each variable. And every DCGM
+/// series' `# HELP` is the counters file's text (dcgm-exporter's), the
+/// same from both agents.
+#[test]
+fn upstream_dashboard_12239_has_data_on_every_panel_and_variable() {
+    let started = Instant::now();
+    let prom_bin = prometheus();
+    let upstream = repo().join("../shared/upstream/dcgm-exporter");
+    let read = |name: &str| {
+        fs::read_to_string(upstream.join(name)).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (CI has ../shared beside the checkout)",
+                upstream.join(name).display()
+            )
+        })
+    };
+    let dash: Value = serde_json::from_str(&read("dcgm-exporter-dashboard.json")).unwrap();
+    let dcp = upstream.join("dcp-metrics-included.csv");
+    let mut help = counters_help(&read("default-counters.csv"));
+    for (name, text) in counters_help(&read("dcp-metrics-included.csv")) {
+        assert_eq!(
+            help.entry(name.clone()).or_insert(text.clone()),
+            &text,
+            "{name}: the two files' help differs; check each agent against its own"
+        );
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let logs = tmp.path().join("logs");
+    fs::create_dir_all(&logs).unwrap();
+    let (_lib_dir, lib) = fake_nvml();
+    let mut children = Children::default();
+    // (process name, node, counters file, node name).
+    let agents: [(&'static str, PathBuf, Option<&Path>, &str); 2] = [
+        (
+            "gpu-agent-h100",
+            PathBuf::from("h100-sxm-8"),
+            None,
+            "dash-node-1",
+        ),
+        (
+            "gpu-agent-every-field",
+            repo().join("tests/fixtures/nodes/every-field.yaml"),
+            Some(&dcp),
+            "dash-node-2",
+        ),
+    ];
+    let mut ports = Vec::new();
+    for (name, node, counters, node_name) in &agents {
+        let host = tmp.path().join(name);
+        NodeDescription::load(node.to_str().unwrap())
+            .unwrap()
+            .materialize(&host)
+            .unwrap();
+        let port = free_port();
+        let mut policy = format!("spec:\n  dcgmExporter:\n    listen: 127.0.0.1:{port}\n");
+        if let Some(c) = counters {
+            policy.push_str(&format!("    config: {}\n", c.display()));
+        }
+        policy.push_str("  health:\n    kernelLog: false\n");
+        let policy_file = tmp.path().join(format!("{name}.yaml"));
+        fs::write(&policy_file, policy).unwrap();
+        let agent = at(&host)
+            .arg("--nvml-lib")
+            .arg(&lib)
+            .arg("--policy")
+            .arg(&policy_file)
+            .args(["--log-format", "text", "run"])
+            .env("FAKE_NVML_NODE", node)
+            .env("NODE_NAME", node_name)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(logs.join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .unwrap();
+        children.0.push((*name, agent));
+        ports.push(port);
+    }
+    let (prom_proc, prom) = start_prometheus_on(&prom_bin, tmp.path(), &logs, &ports);
+    children.0.push(("prometheus", prom_proc));
+
+    // Until both agents are up and have GPM (two samples each).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        children.check_alive(&logs);
+        let prom_ready = matches!(http_get(&prom.addr, "/-/ready"), Ok((200, _)));
+        let ready = prom_ready
+            && prom.query(&format!("up{{job=\"{JOB}\"}} == 1")).len() == 2
+            && prom
+                .query("count by (instance) (DCGM_FI_PROF_PIPE_TENSOR_ACTIVE)")
+                .len()
+                == 2;
+        if ready {
+            break;
+        }
+        if Instant::now() > deadline {
+            let scrapes: Vec<String> = ports
+                .iter()
+                .map(|p| {
+                    http_get(&format!("127.0.0.1:{p}"), "/metrics")
+                        .unwrap_or_default()
+                        .1
+                })
+                .collect();
+            panic!(
+                "Prometheus never had both agents' GPM\nscrapes:\n{}\nlogs:\n{}\nprometheus:\n{}",
+                scrapes.join("\n----\n"),
+                agents
+                    .iter()
+                    .map(|(n, ..)| fs::read_to_string(logs.join(format!("{n}.log")))
+                        .unwrap_or_default())
+                    .collect::<Vec<_>>()
+                    .join("\n----\n"),
+                fs::read_to_string(logs.join("prometheus.log")).unwrap_or_default(),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+
+    // The variables, in order (a later one may use an earlier one).
+    let mut values: Vec<(String, Vec<String>)> = Vec::new();
+    let mut all: Vec<(String, String)> = Vec::new();
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        let name = v["name"].as_str().unwrap().to_string();
+        match v["type"].as_str() {
+            Some("datasource") => continue,
+            Some("query") => {}
+            other => panic!("variable {name}: type {other:?}, which this test does not know"),
+        }
+        let q = v["query"]["query"]
+            .as_str()
+            .or(v["query"].as_str())
+            .unwrap_or_else(|| panic!("variable {name}: no query"));
+        let inner = q
+            .strip_prefix("label_values(")
+            .and_then(|r| r.strip_suffix(')'))
+            .unwrap_or_else(|| panic!("variable {name}: {q:?} is not label_values(…)"));
+        let (selector, label) = inner.rsplit_once(',').unwrap();
+        let selector = substitute(selector.trim(), &all);
+        let found = prom.label_values(&selector, label.trim());
+        assert!(
+            !found.is_empty(),
+            "dashboard variable {name} ({q}) has no values"
+        );
+        let all_value = match v["allValue"].as_str() {
+            Some(a) => a.to_string(),
+            None => grafana_all(&found),
+        };
+        all.push((name.clone(), all_value));
+        values.push((name, found));
+    }
+    assert_eq!(
+        values
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.len()))
+            .collect::<Vec<_>>(),
+        [("instance", 2), ("gpu", 8)],
+        "the variables' values over both nodes"
+    );
+
+    // Every target of every panel: with every variable on "All", then with
+    // each value of each variable alone (the others on "All").
+    let mut selections: Vec<(String, Vec<(String, String)>)> = vec![("All".into(), all.clone())];
+    for (name, vals) in &values {
+        for one in vals {
+            let vars = all
+                .iter()
+                .map(|(n, a)| {
+                    let v = if n == name {
+                        grafana_all(std::slice::from_ref(one))
+                    } else {
+                        a.clone()
+                    };
+                    (n.clone(), v)
+                })
+                .collect();
+            selections.push((format!("{name}={one}"), vars));
+        }
+    }
+    let mut empty = Vec::new();
+    let mut queries = 0;
+    let panels = panels(&dash);
+    for p in &panels {
+        let title = p["title"].as_str().unwrap();
+        let targets = p["targets"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        assert!(!targets.is_empty(), "panel {title:?} has no query");
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap();
+            for (label, vars) in &selections {
+                let q = substitute(expr, vars);
+                queries += 1;
+                if prom.query(&q).is_empty() {
+                    empty.push(format!("panel {title:?} ({label}): {q}"));
+                }
+            }
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "dashboard 12239 queries that return nothing:\n{}",
+        empty.join("\n")
+    );
+
+    // `# HELP` of every DCGM series: the counters files' text, one per
+    // metric over both agents.
+    let meta = prom.api("/api/v1/metadata");
+    let mut checked = 0;
+    for (name, entries) in meta.as_object().unwrap() {
+        if !name.starts_with("DCGM_") {
+            continue;
+        }
+        let entries = entries.as_array().unwrap();
+        let want = help
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is in neither counters file"));
+        assert!(
+            entries.len() == 1 && entries[0]["help"] == want.as_str(),
+            "{name}: help {entries:?}, dcgm-exporter's is {want:?}"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 20, "{checked} DCGM metrics' help checked");
+    eprintln!(
+        "dashboard 12239: {} panels, {queries} queries over {} selections with data; {checked} metrics' help as dcgm-exporter's; test took {:?}",
+        panels.len(),
+        selections.len(),
         started.elapsed()
     );
 }

@@ -97,9 +97,16 @@ impl Kind {
 }
 
 /// Every field: DCGM name, kind (dcgm-exporter's, from its counters files),
-/// our help text (a counters file's help replaces it), and whether it is in
-/// dcgm-exporter's default set (the lines default-counters.csv leaves
-/// uncommented).
+/// help text, and whether it is in dcgm-exporter's default set (the lines
+/// default-counters.csv leaves uncommented).
+///
+/// The help text is dcgm-exporter's, which prints a field's `# HELP` from
+/// the third column of its counters file's line: here the text of
+/// default-counters.csv's uncommented line for the field, else of the line
+/// of dcp-metrics-included.csv, else of the commented line (4.5.3-4.8.2;
+/// the two files agree on every text). `DCGM_FI_DEV_FB_TOTAL`, in neither
+/// file, has gpu-agent's own. A counters file in use gives its own texts
+/// ([`FieldSet::help_of`]).
 pub struct FieldInfo {
     pub field: Field,
     pub name: &'static str,
@@ -124,64 +131,64 @@ macro_rules! fields {
 }
 
 fields! {
-    SmClock "DCGM_FI_DEV_SM_CLOCK" Gauge true "SM clock (MHz).";
-    MemClock "DCGM_FI_DEV_MEM_CLOCK" Gauge true "Memory clock (MHz).";
-    MemoryTemp "DCGM_FI_DEV_MEMORY_TEMP" Gauge true "Memory (HBM) temperature (C).";
-    GpuTemp "DCGM_FI_DEV_GPU_TEMP" Gauge true "GPU temperature (C).";
-    PowerUsage "DCGM_FI_DEV_POWER_USAGE" Gauge true "Power drawn (W).";
-    TotalEnergyConsumption "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" Counter true "Energy used since the driver was loaded (mJ).";
-    PcieReplayCounter "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" Counter true "PCIe replays (link-level retries).";
-    GpuUtil "DCGM_FI_DEV_GPU_UTIL" Gauge true "Share of time a kernel ran on the GPU (%).";
-    MemCopyUtil "DCGM_FI_DEV_MEM_COPY_UTIL" Gauge true "Share of time device memory was read or written (%).";
-    EncUtil "DCGM_FI_DEV_ENC_UTIL" Gauge true "Video encoder busy (%).";
-    DecUtil "DCGM_FI_DEV_DEC_UTIL" Gauge true "Video decoder busy (%).";
-    XidErrors "DCGM_FI_DEV_XID_ERRORS" Gauge true "The last XID error the GPU raised (0: none since the agent started).";
-    FbFree "DCGM_FI_DEV_FB_FREE" Gauge true "Framebuffer memory free (MiB).";
-    FbUsed "DCGM_FI_DEV_FB_USED" Gauge true "Framebuffer memory in use (MiB).";
-    FbReserved "DCGM_FI_DEV_FB_RESERVED" Gauge true "Framebuffer memory the driver reserves (MiB).";
+    SmClock "DCGM_FI_DEV_SM_CLOCK" Gauge true "SM clock frequency (in MHz).";
+    MemClock "DCGM_FI_DEV_MEM_CLOCK" Gauge true "Memory clock frequency (in MHz).";
+    MemoryTemp "DCGM_FI_DEV_MEMORY_TEMP" Gauge true "Memory temperature (in C).";
+    GpuTemp "DCGM_FI_DEV_GPU_TEMP" Gauge true "GPU temperature (in C).";
+    PowerUsage "DCGM_FI_DEV_POWER_USAGE" Gauge true "Power draw (in W).";
+    TotalEnergyConsumption "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION" Counter true "Total energy consumption since boot (in mJ).";
+    PcieReplayCounter "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" Counter true "Total number of PCIe retries.";
+    GpuUtil "DCGM_FI_DEV_GPU_UTIL" Gauge true "GPU utilization (in %).";
+    MemCopyUtil "DCGM_FI_DEV_MEM_COPY_UTIL" Gauge true "Memory utilization (in %).";
+    EncUtil "DCGM_FI_DEV_ENC_UTIL" Gauge true "Encoder utilization (in %).";
+    DecUtil "DCGM_FI_DEV_DEC_UTIL" Gauge true "Decoder utilization (in %).";
+    XidErrors "DCGM_FI_DEV_XID_ERRORS" Gauge true "Value of the last XID error encountered.";
+    FbFree "DCGM_FI_DEV_FB_FREE" Gauge true "Framebuffer memory free (in MiB).";
+    FbUsed "DCGM_FI_DEV_FB_USED" Gauge true "Framebuffer memory used (in MiB).";
+    FbReserved "DCGM_FI_DEV_FB_RESERVED" Gauge true "Framebuffer memory reserved (in MiB).";
     FbTotal "DCGM_FI_DEV_FB_TOTAL" Gauge false "Framebuffer memory in all (MiB).";
-    NvlinkBandwidthTotal "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" Counter true "NVLink data sent and received over all links (KiB).";
-    UncorrectableRemappedRows "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS" Counter true "Rows remapped after uncorrectable errors.";
-    CorrectableRemappedRows "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" Counter true "Rows remapped after correctable errors.";
-    RowRemapFailure "DCGM_FI_DEV_ROW_REMAP_FAILURE" Gauge true "1 when a row remap failed (the GPU needs service).";
-    DriverVersion "DCGM_FI_DRIVER_VERSION" Label true "Driver version.";
-    ProfGrEngineActive "DCGM_FI_PROF_GR_ENGINE_ACTIVE" Gauge true "Share of time the graphics engine was active (ratio).";
-    ProfPipeTensorActive "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" Gauge true "Share of time a tensor pipe was active (ratio).";
-    ProfDramActive "DCGM_FI_PROF_DRAM_ACTIVE" Gauge true "Share of cycles device memory was busy (ratio).";
-    ProfPcieTxBytes "DCGM_FI_PROF_PCIE_TX_BYTES" Gauge true "PCIe data sent (bytes/s).";
-    ProfPcieRxBytes "DCGM_FI_PROF_PCIE_RX_BYTES" Gauge true "PCIe data received (bytes/s).";
-    EccSbeVolTotal "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" Counter false "Single-bit (corrected) ECC errors since the driver was loaded.";
-    EccDbeVolTotal "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" Counter false "Double-bit (uncorrected) ECC errors since the driver was loaded.";
-    EccSbeAggTotal "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL" Counter false "Single-bit (corrected) ECC errors over the board's life.";
-    EccDbeAggTotal "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL" Counter false "Double-bit (uncorrected) ECC errors over the board's life.";
-    RetiredSbe "DCGM_FI_DEV_RETIRED_SBE" Counter false "Pages retired after single-bit errors (GPUs before Ampere).";
-    RetiredDbe "DCGM_FI_DEV_RETIRED_DBE" Counter false "Pages retired after double-bit errors (GPUs before Ampere).";
-    RetiredPending "DCGM_FI_DEV_RETIRED_PENDING" Counter false "1 when pages wait for a GPU reset to be retired (GPUs before Ampere).";
-    NvlinkCrcFlitErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL" Counter false "NVLink flow-control CRC errors, all links.";
-    NvlinkCrcDataErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL" Counter false "NVLink data CRC errors, all links.";
-    NvlinkReplayErrorCountTotal "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" Counter false "NVLink replays (retries), all links.";
-    NvlinkRecoveryErrorCountTotal "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL" Counter false "NVLink link recoveries, all links.";
-    NvlinkBandwidthL0 "DCGM_FI_DEV_NVLINK_BANDWIDTH_L0" Counter false "NVLink data sent and received over link 0 (KiB).";
-    PowerViolation "DCGM_FI_DEV_POWER_VIOLATION" Counter false "Time the clocks were held back by the power cap (ns).";
-    ThermalViolation "DCGM_FI_DEV_THERMAL_VIOLATION" Counter false "Time the clocks were held back by temperature (ns).";
-    SyncBoostViolation "DCGM_FI_DEV_SYNC_BOOST_VIOLATION" Counter false "Time the clocks were held back to match a sync-boost group (ns).";
-    BoardLimitViolation "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION" Counter false "Time the clocks were held back by the board's limit (ns).";
-    LowUtilViolation "DCGM_FI_DEV_LOW_UTIL_VIOLATION" Counter false "Time the clocks were held back for low utilisation (ns).";
-    ReliabilityViolation "DCGM_FI_DEV_RELIABILITY_VIOLATION" Counter false "Time the clocks were held back for reliability (ns).";
-    VgpuLicenseStatus "DCGM_FI_DEV_VGPU_LICENSE_STATUS" Gauge true "1 when the vGPU is licensed (0 on bare metal).";
-    ProfSmActive "DCGM_FI_PROF_SM_ACTIVE" Gauge false "Share of cycles an SM had at least one warp (ratio).";
-    ProfSmOccupancy "DCGM_FI_PROF_SM_OCCUPANCY" Gauge false "Warps resident on the SMs against the most there could be (ratio).";
-    ProfPipeFp64Active "DCGM_FI_PROF_PIPE_FP64_ACTIVE" Gauge false "Share of cycles the FP64 pipes were active (ratio).";
-    ProfPipeFp32Active "DCGM_FI_PROF_PIPE_FP32_ACTIVE" Gauge false "Share of cycles the FP32 pipes were active (ratio).";
-    ProfPipeFp16Active "DCGM_FI_PROF_PIPE_FP16_ACTIVE" Gauge false "Share of cycles the FP16 pipes were active (ratio).";
-    NvmlVersion "DCGM_FI_NVML_VERSION" Label false "NVML version.";
-    Brand "DCGM_FI_DEV_BRAND" Label false "Device brand.";
-    Serial "DCGM_FI_DEV_SERIAL" Label false "Board serial number.";
-    OemInforomVer "DCGM_FI_DEV_OEM_INFOROM_VER" Label false "OEM InfoROM object version.";
-    EccInforomVer "DCGM_FI_DEV_ECC_INFOROM_VER" Label false "ECC InfoROM object version.";
-    PowerInforomVer "DCGM_FI_DEV_POWER_INFOROM_VER" Label false "Power-management InfoROM object version.";
-    InforomImageVer "DCGM_FI_DEV_INFOROM_IMAGE_VER" Label false "InfoROM image version.";
-    VbiosVersion "DCGM_FI_DEV_VBIOS_VERSION" Label false "VBIOS version.";
+    NvlinkBandwidthTotal "DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL" Counter true "Total number of NVLink bandwidth counters for all lanes.";
+    UncorrectableRemappedRows "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS" Counter true "Number of remapped rows for uncorrectable errors";
+    CorrectableRemappedRows "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS" Counter true "Number of remapped rows for correctable errors";
+    RowRemapFailure "DCGM_FI_DEV_ROW_REMAP_FAILURE" Gauge true "Whether remapping of rows has failed";
+    DriverVersion "DCGM_FI_DRIVER_VERSION" Label true "Driver Version";
+    ProfGrEngineActive "DCGM_FI_PROF_GR_ENGINE_ACTIVE" Gauge true "Ratio of time the graphics engine is active.";
+    ProfPipeTensorActive "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE" Gauge true "Ratio of cycles the tensor (HMMA) pipe is active.";
+    ProfDramActive "DCGM_FI_PROF_DRAM_ACTIVE" Gauge true "Ratio of cycles the device memory interface is active sending or receiving data.";
+    ProfPcieTxBytes "DCGM_FI_PROF_PCIE_TX_BYTES" Gauge true "The rate of data transmitted over the PCIe bus - including both protocol headers and data payloads - in bytes per second.";
+    ProfPcieRxBytes "DCGM_FI_PROF_PCIE_RX_BYTES" Gauge true "The rate of data received over the PCIe bus - including both protocol headers and data payloads - in bytes per second.";
+    EccSbeVolTotal "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL" Counter false "Total number of single-bit volatile ECC errors.";
+    EccDbeVolTotal "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL" Counter false "Total number of double-bit volatile ECC errors.";
+    EccSbeAggTotal "DCGM_FI_DEV_ECC_SBE_AGG_TOTAL" Counter false "Total number of single-bit persistent ECC errors.";
+    EccDbeAggTotal "DCGM_FI_DEV_ECC_DBE_AGG_TOTAL" Counter false "Total number of double-bit persistent ECC errors.";
+    RetiredSbe "DCGM_FI_DEV_RETIRED_SBE" Counter false "Total number of retired pages due to single-bit errors.";
+    RetiredDbe "DCGM_FI_DEV_RETIRED_DBE" Counter false "Total number of retired pages due to double-bit errors.";
+    RetiredPending "DCGM_FI_DEV_RETIRED_PENDING" Counter false "Total number of pages pending retirement.";
+    NvlinkCrcFlitErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL" Counter false "Total number of NVLink flow-control CRC errors.";
+    NvlinkCrcDataErrorCountTotal "DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL" Counter false "Total number of NVLink data CRC errors.";
+    NvlinkReplayErrorCountTotal "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" Counter false "Total number of NVLink retries.";
+    NvlinkRecoveryErrorCountTotal "DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL" Counter false "Total number of NVLink recovery errors.";
+    NvlinkBandwidthL0 "DCGM_FI_DEV_NVLINK_BANDWIDTH_L0" Counter false "The number of bytes of active NVLink rx or tx data including both header and payload.";
+    PowerViolation "DCGM_FI_DEV_POWER_VIOLATION" Counter false "Throttling duration due to power constraints (in ns).";
+    ThermalViolation "DCGM_FI_DEV_THERMAL_VIOLATION" Counter false "Throttling duration due to thermal constraints (in ns).";
+    SyncBoostViolation "DCGM_FI_DEV_SYNC_BOOST_VIOLATION" Counter false "Throttling duration due to sync-boost constraints (in ns).";
+    BoardLimitViolation "DCGM_FI_DEV_BOARD_LIMIT_VIOLATION" Counter false "Throttling duration due to board limit constraints (in ns).";
+    LowUtilViolation "DCGM_FI_DEV_LOW_UTIL_VIOLATION" Counter false "Throttling duration due to low utilization (in ns).";
+    ReliabilityViolation "DCGM_FI_DEV_RELIABILITY_VIOLATION" Counter false "Throttling duration due to reliability constraints (in ns).";
+    VgpuLicenseStatus "DCGM_FI_DEV_VGPU_LICENSE_STATUS" Gauge true "vGPU License status";
+    ProfSmActive "DCGM_FI_PROF_SM_ACTIVE" Gauge false "The ratio of cycles an SM has at least 1 warp assigned.";
+    ProfSmOccupancy "DCGM_FI_PROF_SM_OCCUPANCY" Gauge false "The ratio of number of warps resident on an SM.";
+    ProfPipeFp64Active "DCGM_FI_PROF_PIPE_FP64_ACTIVE" Gauge false "Ratio of cycles the fp64 pipes are active.";
+    ProfPipeFp32Active "DCGM_FI_PROF_PIPE_FP32_ACTIVE" Gauge false "Ratio of cycles the fp32 pipes are active.";
+    ProfPipeFp16Active "DCGM_FI_PROF_PIPE_FP16_ACTIVE" Gauge false "Ratio of cycles the fp16 pipes are active.";
+    NvmlVersion "DCGM_FI_NVML_VERSION" Label false "NVML Version";
+    Brand "DCGM_FI_DEV_BRAND" Label false "Device Brand";
+    Serial "DCGM_FI_DEV_SERIAL" Label false "Device Serial Number";
+    OemInforomVer "DCGM_FI_DEV_OEM_INFOROM_VER" Label false "OEM inforom version";
+    EccInforomVer "DCGM_FI_DEV_ECC_INFOROM_VER" Label false "ECC inforom version";
+    PowerInforomVer "DCGM_FI_DEV_POWER_INFOROM_VER" Label false "Power management object inforom version";
+    InforomImageVer "DCGM_FI_DEV_INFOROM_IMAGE_VER" Label false "Inforom image version";
+    VbiosVersion "DCGM_FI_DEV_VBIOS_VERSION" Label false "VBIOS version of the device";
 }
 
 /// Series dcgm-exporter's counters files name that gpu-agent does not
@@ -229,9 +236,11 @@ pub struct FieldSet {
     pub fields: BTreeSet<Field>,
     /// Help text from the counters file, where it gives one.
     pub help: Vec<(Field, String)>,
-    /// Lines left out, each with its file, line and why: fields NVML
-    /// cannot give, lines that do not read, a field listed again (logged
-    /// once, shown in the metrics stage). Never a reason to export nothing.
+    /// Lines left out, each with its file, line and why: fields gpu-agent
+    /// does not export (dcgm-exporter's own `DCGM_EXP_` series, DCGM fields
+    /// outside its two counters files), lines that do not read, a field
+    /// listed again (logged once, shown in the metrics stage). Never a
+    /// reason to export nothing.
     pub skipped: Vec<String>,
     /// Fields the file gives another Prometheus type than dcgm-exporter's
     /// own list (a gauge as `counter`): exported as the file says.
@@ -293,7 +302,7 @@ impl FieldSet {
     }
 
     /// Reads the file's lines. A line that does not read, names a field
-    /// NVML cannot give or lists a field again is left out and named in
+    /// gpu-agent does not export or lists a field again is left out and named in
     /// [`FieldSet::skipped`]; a field given another type than dcgm-exporter's
     /// list gives it is exported as the file says and named in
     /// [`FieldSet::notes`]. One line never costs the others their series.
@@ -403,6 +412,64 @@ mod tests {
         assert!(!d.wants(Field::PowerViolation));
         assert!(d.wants(Field::TotalEnergyConsumption));
         assert!(!d.wants(Field::FbTotal));
+    }
+
+    /// Each field's `# HELP` with no counters file is dcgm-exporter's: the
+    /// third column of its line in upstream's counters files, unchanged
+    /// (`../shared/upstream/dcgm-exporter`, dcgm-exporter 4.5.3-4.8.2).
+    #[test]
+    fn built_in_help_is_dcgm_exporters() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/upstream/dcgm-exporter"
+        );
+        // name -> help of its uncommented line, and of its commented line.
+        let lines = |file: &str| {
+            let text = std::fs::read_to_string(format!("{dir}/{file}")).unwrap_or_else(|e| {
+                panic!("{dir}/{file}: {e} (CI has ../shared beside the checkout)")
+            });
+            let mut on = std::collections::BTreeMap::new();
+            let mut off = std::collections::BTreeMap::new();
+            for l in text.lines() {
+                let commented = l.trim_start().starts_with('#');
+                let mut cols = l
+                    .trim_start_matches(['#', ' '])
+                    .splitn(3, ',')
+                    .map(str::trim);
+                let (Some(name), Some(_), Some(help)) = (cols.next(), cols.next(), cols.next())
+                else {
+                    continue;
+                };
+                if name.starts_with("DCGM_") {
+                    let map = if commented { &mut off } else { &mut on };
+                    map.entry(name.to_string()).or_insert(help.to_string());
+                }
+            }
+            (on, off)
+        };
+        let (default_on, default_off) = lines("default-counters.csv");
+        let (dcp_on, dcp_off) = lines("dcp-metrics-included.csv");
+        let mut checked = 0;
+        for info in FIELDS {
+            let upstream = [&default_on, &dcp_on, &default_off, &dcp_off]
+                .iter()
+                .find_map(|m| m.get(info.name));
+            match upstream {
+                Some(help) => {
+                    assert_eq!(info.help, help, "{}", info.name);
+                    // And what a scrape without a counters file prints.
+                    assert_eq!(FieldSet::every().help_of(info.field), help);
+                    checked += 1;
+                }
+                None => assert_eq!(
+                    info.field,
+                    Field::FbTotal,
+                    "{} is in neither file",
+                    info.name
+                ),
+            }
+        }
+        assert_eq!(checked, FIELDS.len() - 1);
     }
 
     #[test]

@@ -101,6 +101,10 @@ pub fn render(s: &Scrape<'_>) -> String {
             pair("pci_bus_id", &bus),
             pair("device", &format!("nvidia{}", g.index)),
             pair("modelName", model.unwrap_or_default()),
+            // `Hostname`, as every dcgm-exporter release up to 4.5.3-4.8.2
+            // writes it on GPU series (internal/pkg/rendermetrics). Upstream
+            // renamed it `hostname` after that release (#655, d5e5f51, not
+            // in a release yet); dashboard 12239 filters on neither.
             pair("Hostname", s.hostname),
         ];
         if let Some(v) = &driver {
