@@ -525,11 +525,20 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
             && let Err(e) = config.layout(layout, &origin, "spec.migManager.default")
         {
             // The built-in layouts are one list for every GPU model gpu-agent
-            // knows; a name missing there may still be a model's it does
-            // not: a warning. A file's or inline layouts are the user's: an
-            // error.
-            if origin == gpu_agent::mig::config::BUILTIN_ORIGIN {
-                mig_warning = Some(e.to_string());
+            // knows, and `all-<profile>`, `all-balanced` derived for the
+            // others at run time; another name missing there may still be a
+            // model's it does not know: a warning. A file's or inline
+            // layouts are the user's: an error.
+            if config.builtin {
+                mig_warning = Some(
+                    if gpu_agent::mig::derive::Generic::parse(layout).is_some() {
+                        format!(
+                            "note: layout {layout:?} is not in gpu-agent's built-in MIG config: each GPU gets it derived from the MIG profiles NVML lists for it"
+                        )
+                    } else {
+                        format!("warning: {e}")
+                    },
+                );
             } else {
                 return Err(bad_input(e));
             }
@@ -546,7 +555,7 @@ fn policy_check(file: &Path, effective: bool) -> Result<ExitCode, Failure> {
     };
     println!("{}: valid policy", file.display());
     if let Some(w) = &mig_warning {
-        println!("warning: {w}");
+        println!("{w}");
     }
     for u in &settings.unacted {
         println!(

@@ -457,3 +457,81 @@ fn an_a100_waits_for_a_reset_and_a_refused_reset_rolls_back() {
         "{mig:#}"
     );
 }
+
+/// The built-in layouts through the real NVML path with no file mounted:
+/// a B200 (in the built-in file since the operator's names were built in)
+/// gets its entry of `all-balanced`, and a MIG-capable GPU gpu-agent's
+/// table does not know (the fake NVML lists an 80 GB Hopper's profiles for
+/// it) gets `all-balanced` derived from the profiles NVML lists, asked
+/// while MIG is still off; `status` says which GPU was derived.
+#[test]
+fn the_built_in_layouts_cover_a_b200_and_derive_for_a_gpu_they_do_not_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = dir.path().join("node.yaml");
+    let gpu = |bus: &str, name: &str, uuid: &str, device: &str, mib: u64, cc: &str| {
+        format!(
+            "  - busId: \"{bus}\"\n    name: {name}\n    uuid: {uuid}\n    deviceId: \"{device}\"\n    memoryMib: {mib}\n    computeCapability: \"{cc}\"\n    mig: {{ capable: true, enabled: false }}\n"
+        )
+    };
+    fs::write(
+        &desc,
+        format!(
+            "name: B200 + a GPU gpu-agent does not know\ndriver:\n  version: 580.95.05\n  cudaVersion: \"13.0\"\ngpus:\n{}{}",
+            gpu(
+                "0000:18:00.0",
+                "NVIDIA B200",
+                "GPU-0b200000-0000-4000-8000-000000000001",
+                "0x2901",
+                183359,
+                "10.0"
+            ),
+            gpu(
+                "0000:2a:00.0",
+                "NVIDIA Future GPU",
+                "GPU-0f000000-0000-4000-8000-000000000002",
+                "0x3fff",
+                81559,
+                "10.0"
+            ),
+        ),
+    )
+    .unwrap();
+    let node = Node::new(desc.to_str().unwrap());
+    let pdir = tempfile::tempdir().unwrap();
+    let pfile = pdir.path().join("policy.yaml");
+    write_policy(&pfile, &policy("all-balanced", ""));
+    let (code, _, err) = run(node.agent(&pfile).args(["run", "--once"]));
+    assert_eq!(code, 0, "{err}");
+    let st = node.status(&pfile);
+    let mig = stage(&st, "mig");
+    assert_eq!(mig["state"], "done", "{mig:#}");
+    assert!(
+        mig["detail"].as_str().unwrap().ends_with(
+            "layout \"all-balanced\" applied (2 GPU(s) as wanted); GPU(s) 1: layout derived from their MIG profiles as NVML lists them (not in the built-in layouts)"
+        ),
+        "{mig:#}"
+    );
+    let profiles = |g: &serde_json::Value| {
+        let mut v: Vec<String> = g["mig_devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["profile"].as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    let gpus = st["inventory"]["gpus"].as_array().unwrap();
+    assert_eq!(
+        profiles(&gpus[0]),
+        ["1g.23gb", "1g.23gb", "2g.45gb", "3g.90gb"],
+        "{:#}",
+        gpus[0]
+    );
+    assert_eq!(
+        profiles(&gpus[1]),
+        ["1g.10gb", "1g.10gb", "2g.20gb", "3g.40gb"],
+        "{:#}",
+        gpus[1]
+    );
+}

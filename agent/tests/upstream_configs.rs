@@ -397,6 +397,53 @@ fn mig_parted_configs_upstream_ships_are_taken() {
     }
 }
 
+/// Every layout name of the operator's default layouts ConfigMap selects a
+/// layout of gpu-agent's built-in ones, with no file mounted: `policy
+/// check` takes each without a warning or a note (a name missing from the
+/// built-in file is named). That they plan the same MIG devices as the
+/// operator's file on every GPU each is for is
+/// `mig::tests::every_operator_layout_plans_as_the_operators_file_does_on_every_gpu_it_is_for`.
+#[test]
+fn every_operator_layout_name_is_built_in() {
+    let cm: serde_yaml_ng::Value = serde_yaml_ng::from_str(
+        &std::fs::read_to_string(
+            upstream().join("gpu-operator/state-mig-manager_0400_configmap.yaml"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let doc: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(cm["data"]["config.yaml"].as_str().unwrap()).unwrap();
+    let names: Vec<&str> = doc["mig-configs"]
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str().unwrap())
+        .collect();
+    assert_eq!(names.len(), 81);
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("policy.yaml");
+    for name in names {
+        std::fs::write(&p, format!("spec:\n  migManager:\n    default: {name}\n")).unwrap();
+        let (code, out, err) = run(bin().args(["policy", "check"]).arg(&p));
+        assert_eq!(code, 0, "{name}: {out}{err}");
+        assert!(
+            !out.contains("warning") && !out.contains("note: layout"),
+            "{name}: {out}"
+        );
+    }
+    // A name the built-in file lacks is named: derived at run time when it
+    // is one of the generic names, else a warning.
+    std::fs::write(&p, "spec:\n  migManager:\n    default: all-1g.12gb.gfx\n").unwrap();
+    let (code, out, _) = run(bin().args(["policy", "check"]).arg(&p));
+    assert_eq!(code, 0);
+    assert!(out.contains("note: layout \"all-1g.12gb.gfx\" is not in gpu-agent's built-in MIG config: each GPU gets it derived from the MIG profiles NVML lists for it"), "{out}");
+    std::fs::write(&p, "spec:\n  migManager:\n    default: my-layout\n").unwrap();
+    let (code, out, _) = run(bin().args(["policy", "check"]).arg(&p));
+    assert_eq!(code, 0);
+    assert!(out.contains("warning: gpu-agent's built-in MIG config: spec.migManager.default: no layout named \"my-layout\""), "{out}");
+}
+
 /// The operator's CRD sample ClusterPolicy, unchanged, as the cluster's
 /// policy: taken, every key gpu-agent does not use named, none fatal.
 #[test]

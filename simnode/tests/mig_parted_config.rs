@@ -29,23 +29,42 @@ fn config_name(profile: &str) -> String {
     format!("all-{}", profile.replace('+', "."))
 }
 
-/// One entry: `(models, mig-devices)`.
-type Entry = (Vec<&'static GpuMigFacts>, Vec<(&'static str, u32)>);
+/// One entry: the models and PCI device IDs it is for, and its mig-devices.
+type Entry = (Vec<&'static str>, Vec<u16>, Vec<(&'static str, u32)>);
 
-/// Groups models that get the same mig-devices, in table order.
-fn group(per_model: Vec<(&'static GpuMigFacts, Vec<(&'static str, u32)>)>) -> Vec<Entry> {
+/// One layout's entries from what each model asks (`None`: the model has
+/// no such layout). A PCI device ID is the first model's that asks for it
+/// (table order): one GPU under two drivers (HGX GB200) gets the current
+/// driver's entry where both have one. Models asking the same are grouped,
+/// in table order.
+fn entries(ask: impl Fn(&'static GpuMigFacts) -> Option<Vec<(&'static str, u32)>>) -> Vec<Entry> {
+    let mut claimed: Vec<u16> = Vec::new();
     let mut out: Vec<Entry> = Vec::new();
-    for (m, devices) in per_model {
-        match out.iter_mut().find(|(_, d)| *d == devices) {
-            Some((models, _)) => models.push(m),
-            None => out.push((vec![m], devices)),
+    for m in MODELS {
+        let Some(devices) = ask(m) else { continue };
+        let ids: Vec<u16> = m
+            .device_ids
+            .iter()
+            .copied()
+            .filter(|id| !claimed.contains(id))
+            .collect();
+        if ids.is_empty() {
+            continue;
+        }
+        claimed.extend(&ids);
+        match out.iter_mut().find(|(_, _, d)| *d == devices) {
+            Some((models, have, _)) => {
+                models.push(m.model);
+                have.extend(ids);
+            }
+            None => out.push((vec![m.model], ids, devices)),
         }
     }
     out
 }
 
 /// Two of the smallest `1g`, one `2g`, one `3g` where the model has a `3g`
-/// (an A30 has none: two `1g`, one `2g`).
+/// (an A30 or an RTX PRO 6000 has none: two `1g`, one `2g`).
 fn balanced(m: &'static GpuMigFacts) -> Vec<(&'static str, u32)> {
     let mut d = Vec::new();
     for (index, count) in [
@@ -61,17 +80,12 @@ fn balanced(m: &'static GpuMigFacts) -> Vec<(&'static str, u32)> {
 }
 
 fn write_entries(out: &mut String, entries: &[Entry]) {
-    for (models, devices) in entries {
-        let names: Vec<&str> = models.iter().map(|m| m.model).collect();
-        let ids: Vec<String> = models
+    for (models, ids, devices) in entries {
+        let ids: Vec<String> = ids
             .iter()
-            .flat_map(|m| {
-                m.device_ids
-                    .iter()
-                    .map(|d| format!("\"{}\"", filter_id(*d)))
-            })
+            .map(|d| format!("\"{}\"", filter_id(*d)))
             .collect();
-        writeln!(out, "    # {}", names.join("; ")).unwrap();
+        writeln!(out, "    # {}", models.join("; ")).unwrap();
         writeln!(out, "    - device-filter: [{}]", ids.join(", ")).unwrap();
         writeln!(out, "      devices: all").unwrap();
         writeln!(out, "      mig-enabled: true").unwrap();
@@ -94,6 +108,11 @@ fn generate() -> String {
          # all-balanced: per model, two of the smallest 1g, one 2g and one 3g.\n\
          # all-<profile>: as many of that one profile as fit (\"+me\" is written\n\
          # \".me\" in names: a label value cannot hold \"+\").\n\
+         #\n\
+         # A GPU that no entry of the selected layout names, or whose own MIG\n\
+         # profiles (as NVML lists them) lack one the entry asks for, gets the\n\
+         # layout of the same name derived from those profiles by the same rules\n\
+         # (README, MIG layouts).\n\
          version: v1\n\
          mig-configs:\n\
          \x20 all-disabled:\n\
@@ -106,10 +125,7 @@ fn generate() -> String {
          \x20     mig-devices: {}\n",
     );
     out.push_str("\n  all-balanced:\n");
-    write_entries(
-        &mut out,
-        &group(MODELS.iter().map(|m| (m, balanced(m))).collect()),
-    );
+    write_entries(&mut out, &entries(|m| Some(balanced(m))));
     // Every profile name, in the order the table first lists it.
     let mut names: Vec<&str> = Vec::new();
     for m in MODELS {
@@ -120,12 +136,11 @@ fn generate() -> String {
         }
     }
     for name in names {
-        let per_model = MODELS
-            .iter()
-            .filter_map(|m| m.by_name(name).map(|p| (m, vec![(p.name, p.instances)])))
-            .collect();
         writeln!(out, "\n  {}:", config_name(name)).unwrap();
-        write_entries(&mut out, &group(per_model));
+        write_entries(
+            &mut out,
+            &entries(|m| m.by_name(name).map(|p| vec![(p.name, p.instances)])),
+        );
     }
     out
 }
@@ -258,7 +273,18 @@ fn every_layout_fits_every_gpu_it_selects() {
                 Some(Filter::Many(fs)) => fs.iter().map(|f| parse_filter(f)).collect(),
             };
             for id in targets {
-                let facts = gi_profiles(id).unwrap_or_else(|| panic!("{name}: {id:#06x} unknown"));
+                // The model the entry is for: of those listing the ID (one
+                // GPU's tables under two drivers), the first with every
+                // profile the entry names.
+                let models: Vec<&GpuMigFacts> = MODELS
+                    .iter()
+                    .filter(|m| m.device_ids.contains(&id))
+                    .collect();
+                assert!(!models.is_empty(), "{name}: {id:#06x} unknown");
+                let facts = models
+                    .iter()
+                    .find(|m| devices.keys().all(|d| m.by_name(d).is_some()))
+                    .unwrap_or(&models[0]);
                 check_fits(facts, &devices).unwrap_or_else(|e| panic!("{name} on {id:#06x}: {e}"));
                 covered.entry(name.clone()).or_default().push(id);
             }

@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 
 /// The layouts gpu-agent ships (`packaging/mig/config-default.yaml`): the
 /// names GPU Operator users select (`all-disabled`, `all-enabled`,
-/// `all-balanced`, `all-<profile>`) for the MIG-capable GPUs.
+/// `all-balanced`, `all-<profile>`) for the MIG-capable GPUs of simnode's
+/// table; a GPU they do not cover gets them derived from its own profiles
+/// ([`super::derive`]).
 pub const BUILTIN: &str = include_str!("../../../packaging/mig/config-default.yaml");
 /// How errors name the built-in config.
 pub const BUILTIN_ORIGIN: &str = "gpu-agent's built-in MIG config";
@@ -23,6 +25,10 @@ pub struct MigPartedConfig {
     pub version: String,
     #[serde(rename = "mig-configs")]
     pub mig_configs: BTreeMap<String, Vec<Entry>>,
+    /// gpu-agent's own layouts ([`MigPartedConfig::builtin`]), not a
+    /// user's: a GPU they do not cover gets them derived ([`super::derive`]).
+    #[serde(skip)]
+    pub builtin: bool,
 }
 
 /// One entry of a layout: which GPUs, MIG on or off, and which devices.
@@ -228,8 +234,10 @@ impl MigPartedConfig {
 
     /// gpu-agent's own layouts.
     pub fn builtin() -> Self {
-        Self::from_yaml(BUILTIN, BUILTIN_ORIGIN)
-            .expect("the built-in MIG config is checked by tests")
+        let mut c = Self::from_yaml(BUILTIN, BUILTIN_ORIGIN)
+            .expect("the built-in MIG config is checked by tests");
+        c.builtin = true;
+        c
     }
 
     /// The rules the schema cannot say; error paths get `prefix` (for a
@@ -469,8 +477,17 @@ mod tests {
     #[test]
     fn the_builtin_config_parses() {
         let c = MigPartedConfig::builtin();
+        assert!(c.builtin);
         for name in ["all-disabled", "all-enabled", "all-balanced"] {
             assert!(c.mig_configs.contains_key(name), "{name}");
         }
+        // Every name is one the derived layouts also know.
+        for name in c.mig_configs.keys() {
+            assert!(
+                super::super::derive::Generic::parse(name).is_some(),
+                "{name}"
+            );
+        }
+        assert!(!MigPartedConfig::from_yaml(BUILTIN, "x").unwrap().builtin);
     }
 }

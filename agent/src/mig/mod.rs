@@ -10,10 +10,12 @@
 //! touched.
 
 pub mod config;
+pub mod derive;
 pub mod place;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -228,6 +230,9 @@ pub struct Plan {
     /// GPU indices the layout names that this node does not have: skipped,
     /// as mig-parted skips them (one layout serves nodes of several sizes).
     pub absent: Vec<u32>,
+    /// GPUs whose built-in layout was derived from their own MIG profiles
+    /// (the built-in file does not cover them: [`derive`]).
+    pub derived: Vec<u32>,
 }
 
 impl Plan {
@@ -260,15 +265,21 @@ impl Plan {
         } else {
             grouped(&parts)
         };
-        if self.absent.is_empty() {
-            done
-        } else {
-            let list: Vec<String> = self.absent.iter().map(u32::to_string).collect();
-            format!(
-                "{done}; GPU(s) {} named by the layout are not on this node (skipped)",
-                list.join(", ")
-            )
+        let list = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+        let mut out = done;
+        if !self.derived.is_empty() {
+            out.push_str(&format!(
+                "; GPU(s) {}: layout derived from their MIG profiles as NVML lists them (not in the built-in layouts)",
+                list(&self.derived)
+            ));
         }
+        if !self.absent.is_empty() {
+            out.push_str(&format!(
+                "; GPU(s) {} named by the layout are not on this node (skipped)",
+                list(&self.absent)
+            ));
+        }
+        out
     }
 }
 
@@ -364,6 +375,15 @@ pub fn load_config(
 }
 
 /// Plans `layout` of `config` for the node's GPUs.
+///
+/// With the built-in layouts ([`MigPartedConfig::builtin`]), each
+/// MIG-capable GPU gets the entry of `layout` that selects it (by PCI
+/// device ID) when the GPU has every profile it names, as NVML lists them
+/// (or, with MIG off and NVML listing none, as NVIDIA's table for the model
+/// does); otherwise — a model the built-in file does not name, or a driver
+/// that names its profiles differently — the layout is derived from the
+/// GPU's own profiles ([`derive`]). A user's config (file, inline) is
+/// planned as written.
 pub fn plan(
     control: &dyn MigControl,
     inv: &Inventory,
@@ -371,87 +391,171 @@ pub fn plan(
     origin: &str,
     layout: &str,
 ) -> Result<Plan, PlanError> {
-    let entries = config.layout(layout, origin, "spec.migManager.default")?;
+    let generic = if config.builtin {
+        derive::Generic::parse(layout)
+    } else {
+        None
+    };
+    let entries: &[Entry] = match config.layout(layout, origin, "spec.migManager.default") {
+        Ok(e) => e,
+        Err(_) if generic.is_some() => &[],
+        Err(e) => return Err(e.into()),
+    };
     let node_err = |path: String, message: String| PlanError::Node {
         origin: origin.to_string(),
         path,
         message,
     };
-    let mut chosen: BTreeMap<u32, (usize, &Entry)> = BTreeMap::new();
+    // GPU index → where its entry is, the entry.
+    let mut chosen: BTreeMap<u32, (String, Cow<'_, Entry>)> = BTreeMap::new();
     let mut absent: Vec<u32> = Vec::new();
-    for (i, e) in entries.iter().enumerate() {
-        let at = format!("mig-configs.{layout}[{i}]");
-        // An index the node does not have is skipped, as mig-parted walks
-        // the node's GPUs and skips what no entry selects.
-        if let Devices::Indices(v) = &e.devices {
-            for idx in v {
-                if !inv.gpus.iter().any(|g| g.index == Some(*idx)) && !absent.contains(idx) {
-                    absent.push(*idx);
-                }
-            }
-        }
+    let mut derived: Vec<u32> = Vec::new();
+    // What NVML said of a GPU while choosing: its mode and profiles.
+    let mut seen: BTreeMap<u32, (Mode, Option<Vec<GiProfile>>)> = BTreeMap::new();
+    if config.builtin {
         for g in &inv.gpus {
             let Some(index) = g.index else { continue };
-            if !entry_selects(e, g) {
+            if g.mig.is_none() {
+                // Every built-in entry says `devices: all`: GPUs that cannot
+                // do MIG are skipped, as mig-parted skips them.
                 continue;
             }
-            if g.mig.is_none() {
-                // mig-parted skips GPUs that cannot do MIG where the entry
-                // says `all` or turns MIG off; naming one is an error.
-                if e.mig_enabled && matches!(e.devices, Devices::Indices(_)) {
+            let mode = match &g.uuid {
+                Some(uuid) => control.mode(uuid)?,
+                None => Mode {
+                    current: false,
+                    pending: false,
+                },
+            };
+            let profiles = match &g.uuid {
+                Some(uuid) => profiles_of(control, g, uuid, mode.current)?,
+                None => facts(g),
+            };
+            let selecting = entries
+                .iter()
+                .enumerate()
+                .find(|(_, e)| entry_selects(e, g));
+            let has_all = |e: &Entry| {
+                profiles.as_ref().is_none_or(|p| {
+                    e.mig_devices.iter().flatten().all(|(key, _)| {
+                        ProfileKey::parse(key)
+                            .is_some_and(|k| p.iter().any(|p| p.name == k.gi_profile))
+                    })
+                })
+            };
+            match (selecting, &generic) {
+                (Some((i, e)), _) if has_all(e) => {
+                    chosen.insert(
+                        index,
+                        (format!("mig-configs.{layout}[{i}]"), Cow::Borrowed(e)),
+                    );
+                }
+                (Some((i, e)), None) => {
+                    // Not a name the derived layouts know: the entry as is
+                    // (planning it says which profile the GPU lacks).
+                    chosen.insert(
+                        index,
+                        (format!("mig-configs.{layout}[{i}]"), Cow::Borrowed(e)),
+                    );
+                }
+                (None, None) => {}
+                (_, Some(kind)) => {
+                    let at =
+                        format!("mig-configs.{layout} (derived from GPU {index}'s MIG profiles)");
+                    let listed = match (&profiles, kind) {
+                        (Some(p), _) => p.as_slice(),
+                        (None, derive::Generic::Disabled | derive::Generic::Enabled) => &[],
+                        (None, _) => {
+                            return Err(node_err(
+                                at,
+                                format!(
+                                    "GPU {index} ({}, PCI device {}) is not in gpu-agent's MIG table and NVML lists no MIG profiles while MIG is off; select all-enabled first, then {layout}",
+                                    model(g),
+                                    g.pci
+                                        .as_ref()
+                                        .map_or("unknown".into(), |p| format!("{:#06x}", p.device)),
+                                ),
+                            ));
+                        }
+                    };
+                    let e = derive::entry(kind, listed).map_err(|m| {
+                        node_err(at.clone(), format!("GPU {index} ({}) {m}", model(g)))
+                    })?;
+                    derived.push(index);
+                    chosen.insert(index, (at, Cow::Owned(e)));
+                }
+            }
+            seen.insert(index, (mode, profiles));
+        }
+    } else {
+        for (i, e) in entries.iter().enumerate() {
+            let at = format!("mig-configs.{layout}[{i}]");
+            // An index the node does not have is skipped, as mig-parted walks
+            // the node's GPUs and skips what no entry selects.
+            if let Devices::Indices(v) = &e.devices {
+                for idx in v {
+                    if !inv.gpus.iter().any(|g| g.index == Some(*idx)) && !absent.contains(idx) {
+                        absent.push(*idx);
+                    }
+                }
+            }
+            for g in &inv.gpus {
+                let Some(index) = g.index else { continue };
+                if !entry_selects(e, g) {
+                    continue;
+                }
+                if g.mig.is_none() {
+                    // mig-parted skips GPUs that cannot do MIG where the entry
+                    // says `all` or turns MIG off; naming one is an error.
+                    if e.mig_enabled && matches!(e.devices, Devices::Indices(_)) {
+                        return Err(node_err(
+                            format!("{at}.devices"),
+                            format!("GPU {index} ({}) cannot do MIG", model(g)),
+                        ));
+                    }
+                    continue;
+                }
+                if let Some((j, _)) = chosen.get(&index) {
                     return Err(node_err(
-                        format!("{at}.devices"),
-                        format!("GPU {index} ({}) cannot do MIG", model(g)),
+                        at.to_string(),
+                        format!(
+                            "GPU {index} is also selected by {j}; each GPU may be selected once"
+                        ),
                     ));
                 }
-                continue;
+                chosen.insert(index, (at.clone(), Cow::Borrowed(e)));
             }
-            if let Some((j, _)) = chosen.get(&index) {
-                return Err(node_err(
-                    at.to_string(),
-                    format!(
-                        "GPU {index} is also selected by mig-configs.{layout}[{j}]; each GPU may be selected once"
-                    ),
-                ));
-            }
-            chosen.insert(index, (i, e));
         }
     }
     let mut gpus = Vec::new();
-    for (index, (i, e)) in chosen {
+    for (index, (at, e)) in chosen {
         let g = inv
             .gpus
             .iter()
             .find(|g| g.index == Some(index))
             .expect("chosen from the inventory");
-        let uuid = g.uuid.clone().ok_or_else(|| {
-            node_err(
-                format!("mig-configs.{layout}[{i}]"),
-                format!("GPU {index} has no UUID from NVML"),
-            )
-        })?;
-        let at = format!("mig-configs.{layout}[{i}]");
-        let mode = control.mode(&uuid)?;
+        let uuid = g
+            .uuid
+            .clone()
+            .ok_or_else(|| node_err(at.clone(), format!("GPU {index} has no UUID from NVML")))?;
+        let (mode, profiles) = match seen.remove(&index) {
+            Some(s) => s,
+            None => {
+                let mode = control.mode(&uuid)?;
+                let profiles = profiles_of(control, g, &uuid, mode.current)?;
+                (mode, profiles)
+            }
+        };
         let instances = if mode.current {
             control.instances(&uuid)?
         } else {
             Vec::new()
         };
-        let profiles = if mode.current {
-            control.gi_profiles(&uuid)?
-        } else {
-            Vec::new()
-        };
-        let current = layout_of(control, &uuid, mode.current, &instances, &profiles)?;
-        // With MIG off NVML may not list profiles: NVIDIA's published table
-        // for the model checks the layout before anything changes; a model
-        // the table lacks is checked against NVML once MIG is on.
-        let (check, known) = if profiles.is_empty() {
-            facts(g).map_or((Vec::new(), false), |p| (p, true))
-        } else {
-            (profiles.clone(), true)
-        };
-        let wanted = wanted_of(e, &at, index, g, &check, known, origin)?;
+        let listed = profiles.as_deref().unwrap_or(&[]);
+        let current = layout_of(control, &uuid, mode.current, &instances, listed)?;
+        // A model NVML lists no profiles for (MIG off) and NVIDIA's table
+        // lacks is checked against NVML once MIG is on.
+        let wanted = wanted_of(&e, &at, index, g, listed, profiles.is_some(), origin)?;
         let cap_nodes = g
             .mig_devices
             .iter()
@@ -477,9 +581,33 @@ pub fn plan(
     absent.sort_unstable();
     Ok(Plan {
         absent,
+        derived,
         layout: layout.to_string(),
         gpus,
     })
+}
+
+/// A GPU's MIG profiles: NVML's list, else (MIG off, where NVML may list
+/// none or refuse) NVIDIA's published table for the model; `None` when
+/// neither has them.
+fn profiles_of(
+    control: &dyn MigControl,
+    g: &Gpu,
+    uuid: &str,
+    mig_on: bool,
+) -> Result<Option<Vec<GiProfile>>, MigError> {
+    let listed = match control.gi_profiles(uuid) {
+        Ok(p) => p,
+        Err(e) if mig_on => return Err(e),
+        Err(e) => {
+            tracing::debug!(gpu_uuid = uuid, error = %e, "NVML lists no MIG profiles while MIG is off");
+            Vec::new()
+        }
+    };
+    if !listed.is_empty() {
+        return Ok(Some(listed));
+    }
+    Ok(facts(g))
 }
 
 /// The `/dev/nvidia-caps` minor of a GPU instance's (or, with `ci`, a
@@ -491,7 +619,7 @@ fn cap_minor(gpu_minor: u32, gi: u32, ci: Option<u32>) -> u32 {
 
 /// The model's GPU-instance profiles from NVIDIA's published table.
 fn facts(g: &Gpu) -> Option<Vec<GiProfile>> {
-    let f = simnode::mig::gi_profiles(g.pci.as_ref()?.device)?;
+    let f = simnode::mig::facts_for(g.pci.as_ref()?.device, g.memory_mib.unwrap_or(0))?;
     Some(f.profiles.iter().map(GiProfile::from_table).collect())
 }
 

@@ -26,7 +26,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::{CiProfile, GiProfile, GpuMigFacts, fallback, gi_profiles};
+use super::{CiProfile, GiProfile, GpuMigFacts, facts_for, fallback};
 use crate::{GpuDesc, MigDeviceDesc, MigEngines, NodeDescription};
 
 /// GPU-instance IDs a GPU can have (`/proc/driver/nvidia-caps/mig-minors`
@@ -78,6 +78,10 @@ pub struct GpuMig {
     pub uuid: String,
     /// PCI device ID: which model's facts apply.
     pub device_id: u16,
+    /// The GPU's memory: which of a device ID's tables applies where it
+    /// has two ([`super::facts_for`]); 0: the first.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub memory_mib: u64,
     pub capable: bool,
     /// Ampere: a mode change waits for a reset.
     pub mode_change_needs_reset: bool,
@@ -173,6 +177,10 @@ pub fn mig_uuid(gpu_uuid: &str, gi: u32, ci: u32) -> String {
     )
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// Memory slices `start..start+size` as a bit mask.
 fn mask(start: u32, size: u32) -> u32 {
     ((1u32 << size) - 1) << start
@@ -234,7 +242,7 @@ fn described_profile(facts: &GpuMigFacts, m: &MigDeviceDesc) -> Option<&'static 
         .profiles
         .iter()
         .filter(|p| p.slices == m.gi_slices)
-        .min_by_key(|p| (p.memory_mib.abs_diff(m.memory_mib), p.media_extensions()))
+        .min_by_key(|p| (p.memory_mib.abs_diff(m.memory_mib), !p.is_plain()))
 }
 
 impl NodeMig {
@@ -268,6 +276,7 @@ impl GpuMig {
         let mut gpu = GpuMig {
             uuid: g.uuid.clone(),
             device_id: g.device_id.0,
+            memory_mib: g.memory_mib,
             capable: g.mig.capable,
             mode_change_needs_reset: g.compute_capability().is_none_or(|(major, _)| major < 9),
             current: g.mig.enabled,
@@ -280,7 +289,7 @@ impl GpuMig {
             return Ok(gpu);
         }
         let facts = gpu.facts();
-        let known = gi_profiles(g.device_id.0).is_some();
+        let known = facts_for(g.device_id.0, g.memory_mib).is_some();
         let mut profiles = Vec::new();
         let mut cis = Vec::new();
         for (k, m) in g.mig.devices.iter().enumerate() {
@@ -354,7 +363,7 @@ impl GpuMig {
 
     /// This GPU's model facts (an H100 80GB's when the table lacks the model).
     pub fn facts(&self) -> &'static GpuMigFacts {
-        gi_profiles(self.device_id).unwrap_or_else(fallback)
+        facts_for(self.device_id, self.memory_mib).unwrap_or_else(fallback)
     }
 
     fn need_capable(&self) -> Result<(), MigError> {
