@@ -79,7 +79,7 @@ pub async fn status_loop(
             }
         });
         let params = kube::api::PatchParams {
-            field_manager: Some(crate::node::FIELD_MANAGER.into()),
+            field_manager: Some(crate::model::node::FIELD_MANAGER.into()),
             ..Default::default()
         };
         match api
@@ -138,7 +138,7 @@ pub async fn run(
             tracing::warn!(wanted = %name, found = all.len(), "several ClusterPolicies and none is the one named: agents keep their own policy");
         }
         fleet.set_upgrade_policy(chosen.map(|o| {
-            crate::upgrade::UpgradePolicy::from_spec(
+            crate::model::upgrade_policy::UpgradePolicy::from_spec(
                 o.data.get("spec").unwrap_or(&serde_json::Value::Null),
             )
             .map_err(|e| e.to_string())

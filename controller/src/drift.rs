@@ -35,7 +35,7 @@ use kube::runtime::watcher::{self, Event};
 use serde::Deserialize;
 
 use crate::fleet::Fleet;
-use crate::writer::Observed;
+use crate::model::node::Observed;
 
 /// A Node as far as the controller reads it.
 #[derive(Clone, Debug, Deserialize)]

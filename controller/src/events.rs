@@ -30,12 +30,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpu_agent_proto::report::v1 as pb;
 use k8s_openapi::api::core::v1::Event;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
-use crate::node::FIELD_MANAGER;
+use crate::model::node::FIELD_MANAGER;
+pub use crate::model::node_event::{NodeEvent, OUTCOMES, STEPS};
 
 /// New Events one node may cause at once.
 pub const BURST: f64 = 5.0;
@@ -48,55 +48,6 @@ pub const SAME_WITHIN: Duration = Duration::from_secs(600);
 pub const UPDATE_EVERY: Duration = Duration::from_secs(10);
 /// Events waiting to be counted, over all nodes.
 pub const QUEUE: usize = 4096;
-
-/// Reasons whose Events are one per node however the words change (a
-/// driver upgrade's steps).
-pub const STEPS: &[&str] = &["DriverUpgrade"];
-/// Reasons that are outcomes: never held back.
-pub const OUTCOMES: &[&str] = &["DriverUpgradeDone", "DriverUpgradeFailed"];
-
-/// What an agent told, or the controller did, that becomes an Event.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeEvent {
-    pub node: String,
-    /// `Normal` or `Warning`.
-    pub kind: &'static str,
-    pub reason: &'static str,
-    pub message: String,
-}
-
-impl NodeEvent {
-    pub fn health(node: &str, e: &pb::HealthEvent) -> Self {
-        let mut message = format!("{} on {}", e.reason, e.gpu_uuid);
-        if !e.advice.is_empty() {
-            message.push_str(&format!(": {}", e.advice));
-        }
-        NodeEvent {
-            node: node.into(),
-            kind: if e.unhealthy { "Warning" } else { "Normal" },
-            reason: if e.unhealthy {
-                "GPUUnhealthy"
-            } else {
-                "GPUHealthEvent"
-            },
-            message,
-        }
-    }
-
-    pub fn repair(node: &str, r: &pb::Repair) -> Self {
-        NodeEvent {
-            node: node.into(),
-            kind: "Normal",
-            reason: "DriftRepaired",
-            message: format!("{}: {}", r.stage, r.what),
-        }
-    }
-
-    /// Never held back: a `Warning`, an upgrade's step or outcome.
-    pub fn kept(&self) -> bool {
-        self.kind == "Warning" || STEPS.contains(&self.reason) || OUTCOMES.contains(&self.reason)
-    }
-}
 
 /// The limits (the constants above; tests make them shorter).
 #[derive(Clone, Copy, Debug)]
@@ -453,7 +404,7 @@ pub async fn run_with(
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 && !w.create => Err(true),
                 Err(err) => {
-                    tracing::warn!(event = %w.name, error = %crate::error_chain(&err), "cannot write the Event");
+                    tracing::warn!(event = %w.name, error = %crate::error::error_chain(&err), "cannot write the Event");
                     Err(false)
                 }
             };

@@ -73,9 +73,9 @@ impl Election {
 /// kube's client makes of a 429, 503 or 504 (for up to minutes): the
 /// election looks again every retry period, and a leader must see an
 /// outage, and step down, before its renew deadline.
-pub fn client(mut config: kube::Config) -> Result<kube::Client, crate::ControllerError> {
+pub fn client(mut config: kube::Config) -> Result<kube::Client, crate::error::ControllerError> {
     config.default_retry = false;
-    kube::Client::try_from(config).map_err(|e| crate::ControllerError::Kube(e.to_string()))
+    kube::Client::try_from(config).map_err(|e| crate::error::ControllerError::Kube(e.to_string()))
 }
 
 /// What one look at the Lease found.
@@ -137,7 +137,7 @@ fn said(err: &kube::Error) -> String {
             "the API server answered {} {}: {}",
             s.code, s.reason, s.message
         ),
-        other => crate::error_chain(other),
+        other => crate::error::error_chain(other),
     }
 }
 

@@ -2,22 +2,51 @@
 //! node's state to it ([`server`]); it keeps the fleet in memory ([`fleet`])
 //! and writes what follows into Kubernetes ([`writer`]): GPU feature
 //! discovery's labels, the GPU node conditions and the health taint
-//! ([`node`]). It is the only part of gpu-agent that holds API credentials.
+//! ([`model::node`]). It is the only part of gpu-agent that holds API
+//! credentials.
+//!
+//! The modules are in layers; a module uses only the layers below it
+//! (`controller/tests/layers.rs` checks it, `docs/architecture.md` draws
+//! it). Bottom to top:
+//!
+//! 1. [`error`]: errors in words.
+//! 2. [`model`]: plain data and pure functions (a node's labels, conditions
+//!    and taint; Events; the driver rollout's states, policy and plan; the
+//!    policy text each agent is sent).
+//! 3. [`fleet`]: the store, what the controller knows of each node.
+//!    Beside it, [`lease`] and [`auth`]: the replicas' election and the
+//!    agents' token review, which know nothing of the fleet.
+//! 4. The workers, each a task or a server over the fleet and the API;
+//!    none uses another: [`server`], [`writer`], [`drift`], [`upgrade`],
+//!    [`cluster_policy`], [`config_maps`], [`mig_label`], [`events`],
+//!    [`page`], [`uninstall`].
+//! 5. This file: [`run`] starts them and wires them together (channels,
+//!    the fleet, the leadership watch).
 
+// 1. errors
+pub mod error;
+// 2. the model
+pub mod model;
+// 3. the fleet store; the election and the token review beside it
 pub mod auth;
+pub mod fleet;
+pub mod lease;
+// 4. the workers
 pub mod cluster_policy;
 pub mod config_maps;
 pub mod drift;
 pub mod events;
-pub mod fleet;
-pub mod lease;
 pub mod mig_label;
-pub mod node;
 pub mod page;
 pub mod server;
 pub mod uninstall;
 pub mod upgrade;
 pub mod writer;
+
+pub use error::{ControllerError, error_chain};
+// Where it was before the model was gathered under `model` (the fuzz
+// targets and the tests use `gpu_controller::node`).
+pub use model::node;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -38,7 +67,7 @@ pub struct Options {
     pub tls_key: PathBuf,
     /// The agents' service account (`namespace`, `name`).
     pub agent_account: (String, String),
-    pub taint: node::TaintPolicy,
+    pub taint: model::node::TaintPolicy,
     pub grace: Duration,
     /// The fleet page and `/fleet.json` (plain HTTP), if any.
     pub http_listen: Option<SocketAddr>,
@@ -57,21 +86,6 @@ pub struct Options {
     /// the new driver validated before the node is `upgrade-failed`
     /// (`None`: no limit).
     pub upgrade_validation_timeout: Option<Duration>,
-}
-
-/// The controller could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum ControllerError {
-    #[error("{path}: cannot read: {source}")]
-    Read {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {0}")]
-    Kube(String),
-    #[error("cannot serve on {addr}: {message}")]
-    Serve { addr: SocketAddr, message: String },
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
@@ -281,19 +295,4 @@ async fn shutdown() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-}
-
-/// An error and its causes in words.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let words = c.to_string();
-        if !text.contains(&words) {
-            text.push_str(": ");
-            text.push_str(&words);
-        }
-        cause = c.source();
-    }
-    text
 }

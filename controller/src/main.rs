@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use gpu_controller::node::TaintPolicy;
+use gpu_controller::model::node::TaintPolicy;
 
 /// The cluster half of gpu-agent: takes the agents' reports and writes node
 /// labels, conditions and taints.

@@ -17,20 +17,18 @@
 //! ([`crate::drift`]): each is an [`Observed`], held against what the node
 //! should carry by [`Fleet::look`].
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, NodeCondition, Taint};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
 use crate::fleet::Fleet;
-use crate::node::{
-    ALL_CONDITIONS, CONDITIONS, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT,
-    HEALTH_TAINT_KEY, HEALTH_TAINT_VALUE,
+use crate::model::node::{
+    Applied, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
+    HEALTH_TAINT_VALUE, Observed, read_applied,
 };
 
 /// A node is written at most this often.
@@ -39,95 +37,6 @@ pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
 const CONCURRENT: usize = 32;
 /// Tries of a taint change that meets a conflicting write.
 const TAINT_TRIES: usize = 4;
-
-/// What the API has for one node, as far as this controller knows.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Applied {
-    /// Our labels as last applied (`None`: not applied since start).
-    pub labels: Option<BTreeMap<String, String>>,
-    /// Our conditions as the API has them, with their transition times.
-    pub conditions: Option<Vec<(Condition, String)>>,
-    /// Whether the node carries our taint.
-    pub taint: Option<bool>,
-    /// The node's `resourceVersion` this is known at (a number, as etcd's
-    /// revisions are: an event at or before it says nothing new).
-    pub rv: Option<u64>,
-    /// The node's uid (another one: the node was deleted and made again).
-    pub uid: Option<String>,
-}
-
-/// A node as the API has it, as far as the controller cares: its labels,
-/// the conditions of the controller's types (with their transition
-/// times), whether it carries the health taint.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Observed {
-    pub rv: Option<u64>,
-    pub uid: Option<String>,
-    pub labels: BTreeMap<String, String>,
-    pub conditions: Vec<(Condition, String)>,
-    pub taint: bool,
-}
-
-impl Observed {
-    pub fn of(
-        meta: &ObjectMeta,
-        taints: Option<&[Taint]>,
-        conditions: Option<&[NodeCondition]>,
-    ) -> Self {
-        let cs = conditions.unwrap_or_default();
-        Observed {
-            rv: meta
-                .resource_version
-                .as_deref()
-                .and_then(|v| v.parse().ok()),
-            uid: meta.uid.clone(),
-            labels: meta.labels.clone().unwrap_or_default(),
-            conditions: ALL_CONDITIONS
-                .iter()
-                .filter_map(|kind| {
-                    let c = cs.iter().find(|c| c.type_ == *kind)?;
-                    let status = match c.status.as_str() {
-                        "True" => "True",
-                        "False" => "False",
-                        _ => "Unknown",
-                    };
-                    Some((
-                        Condition {
-                            kind,
-                            status,
-                            reason: c.reason.clone().unwrap_or_default(),
-                            message: c.message.clone().unwrap_or_default(),
-                        },
-                        c.last_transition_time
-                            .as_ref()
-                            .map(|t| t.0.to_string())
-                            .unwrap_or_default(),
-                    ))
-                })
-                .collect(),
-            taint: taints
-                .unwrap_or_default()
-                .iter()
-                .any(|t| t.key == HEALTH_TAINT_KEY && t.effect == HEALTH_TAINT_EFFECT),
-        }
-    }
-
-    pub fn of_node(n: &Node) -> Self {
-        Self::of(
-            &n.metadata,
-            n.spec.as_ref().and_then(|s| s.taints.as_deref()),
-            n.status.as_ref().and_then(|s| s.conditions.as_deref()),
-        )
-    }
-
-    /// Whether the node carries a condition the controller writes from an
-    /// agent's report: a GPU node of this controller's.
-    pub fn ours(&self) -> bool {
-        self.conditions
-            .iter()
-            .any(|(c, _)| CONDITIONS.contains(&c.kind))
-    }
-}
 
 /// A write that failed.
 #[derive(Debug, thiserror::Error)]
@@ -451,19 +360,5 @@ impl Writer {
         Err(WriteError::Conflicts {
             node: node.to_string(),
         })
-    }
-}
-
-/// What a node read from the API carries of ours: the conditions of our
-/// types (with their transition times) and the taint. Labels are applied
-/// once after a start whatever they are (server-side apply is idempotent).
-pub fn read_applied(n: &Node) -> Applied {
-    let seen = Observed::of_node(n);
-    Applied {
-        labels: None,
-        conditions: Some(seen.conditions),
-        taint: Some(seen.taint),
-        rv: seen.rv,
-        uid: seen.uid,
     }
 }

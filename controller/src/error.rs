@@ -1,0 +1,36 @@
+//! The controller's errors in words: [`ControllerError`] (why it could
+//! not run) and [`error_chain`] (an error and its causes on one line, as
+//! every log line and status message says them). The bottom layer: it uses
+//! no other module of the crate.
+
+use std::net::SocketAddr;
+
+/// The controller could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {0}")]
+    Kube(String),
+    #[error("cannot serve on {addr}: {message}")]
+    Serve { addr: SocketAddr, message: String },
+}
+
+/// An error and its causes in words.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let words = c.to_string();
+        if !text.contains(&words) {
+            text.push_str(": ");
+            text.push_str(&words);
+        }
+        cause = c.source();
+    }
+    text
+}

@@ -1,0 +1,137 @@
+//! Each node's place in the driver rollout, as the fleet keeps it: the
+//! ClusterPolicy's upgrade policy, the view the rollout plans from, and
+//! the moves it makes (written to the node, told to its agent, said as an
+//! Event).
+
+use std::sync::atomic::Ordering;
+
+use super::Fleet;
+use crate::model::node_event::NodeEvent;
+use crate::model::upgrade_plan::Seen;
+use crate::model::upgrade_policy::UpgradePolicy;
+use crate::model::upgrade_state::{NodeUpgrade, Step};
+
+impl Fleet {
+    /// The ClusterPolicy's upgrade policy (`None`: no ClusterPolicy).
+    pub fn upgrade_policy(&self) -> Option<Result<UpgradePolicy, String>> {
+        self.upgrade_policy.lock().unwrap().clone()
+    }
+
+    pub fn set_upgrade_policy(&self, p: Option<Result<UpgradePolicy, String>>) {
+        let mut cur = self.upgrade_policy.lock().unwrap();
+        if *cur != p {
+            if let Some(Err(e)) = &p {
+                tracing::warn!(error = %e, "the ClusterPolicy's upgrade policy cannot be used: no driver rollout");
+            }
+            *cur = p;
+            self.upgrade_changed.notify_one();
+        }
+    }
+
+    /// Every node with an agent's report or an upgrade state, by name, as
+    /// the rollout sees it.
+    pub fn upgrade_view(&self) -> Vec<Seen> {
+        let nodes = self.nodes.lock().unwrap();
+        let mut v: Vec<Seen> = nodes
+            .iter()
+            .filter(|(_, e)| e.hello.is_some() || e.upgrade.is_some())
+            .map(|(name, e)| {
+                let agent = e.report.upgrade.clone().unwrap_or_default();
+                Seen {
+                    node: name.clone(),
+                    step: e.upgrade.clone(),
+                    agent_state: agent.state,
+                    agent_version: agent.driver_version,
+                    agent_detail: agent.detail,
+                    driver_version: e
+                        .report
+                        .inventory
+                        .as_ref()
+                        .map(|i| i.driver_version.clone())
+                        .unwrap_or_default(),
+                    ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
+                    connected: e.stream.is_some(),
+                    reported: e.report.stages.is_some(),
+                    unavailable: None,
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.node.cmp(&b.node));
+        v
+    }
+
+    /// Moves a node's upgrade on: written to the node (label, condition),
+    /// told to its agent, and said as an Event when the step changed.
+    pub fn set_upgrade(&self, node: &str, next: Option<NodeUpgrade>) {
+        let step_changed = self.with(node, |e| {
+            let same = match (&e.upgrade, &next) {
+                (Some(a), Some(b)) => {
+                    a.step == b.step && a.target == b.target && a.detail == b.detail
+                }
+                (None, None) => true,
+                _ => false,
+            };
+            if same {
+                return None;
+            }
+            let changed = e.upgrade.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
+            // A step decided on an older view must not blank a target the
+            // agent's report filled in meanwhile.
+            let kept = e.upgrade.as_ref().map(|u| u.target.clone());
+            e.upgrade = next.clone();
+            if let (Some(u), Some(t)) = (e.upgrade.as_mut(), kept)
+                && u.target.is_empty()
+            {
+                u.target = t;
+            }
+            Self::fill_target(e);
+            Some(changed)
+        });
+        let Some(step_changed) = step_changed else {
+            return;
+        };
+        self.upgrade_moves.fetch_add(1, Ordering::Relaxed);
+        if step_changed {
+            match &next {
+                Some(u) => {
+                    tracing::info!(node, state = u.step.label(), to = %u.target, detail = %u.detail, "driver upgrade state");
+                    let c = u.condition();
+                    self.tell(NodeEvent {
+                        node: node.into(),
+                        kind: if u.step == Step::UpgradeFailed {
+                            "Warning"
+                        } else {
+                            "Normal"
+                        },
+                        reason: match u.step {
+                            Step::UpgradeFailed => "DriverUpgradeFailed",
+                            Step::UpgradeDone => "DriverUpgradeDone",
+                            _ => "DriverUpgrade",
+                        },
+                        message: c.message,
+                    });
+                }
+                None => tracing::info!(node, "no driver upgrade wanted any more"),
+            }
+        }
+        self.mark_dirty(node);
+        self.send_desired(node);
+        self.upgrade_changed.notify_one();
+    }
+
+    /// A state read back from the API by a new leader; one this replica
+    /// already holds wins. Returns whether it was taken.
+    pub fn recover_upgrade(&self, node: &str, up: NodeUpgrade) -> bool {
+        let taken = self.with(node, |e| {
+            if e.upgrade.is_some() {
+                return false;
+            }
+            e.upgrade = Some(up);
+            Self::fill_target(e);
+            true
+        });
+        // The label is in the API already: nothing to write. The node is
+        // written (and its agent told) once its agent reports.
+        taken
+    }
+}

@@ -1,0 +1,23 @@
+//! The controller's model: plain data and pure functions, no API calls and
+//! no tasks. What the rest of the controller shares lives here, so that the
+//! fleet store and the workers above it depend on it and never on each
+//! other:
+//!
+//! - [`node`]: a node's labels, conditions and taint, as they should be
+//!   (from its agent's report), as the API has them, as last written;
+//! - [`node_event`]: what becomes a Kubernetes Event about a node;
+//! - [`upgrade_state`], [`upgrade_policy`], [`upgrade_plan`]: the driver
+//!   rollout's per-node states, the ClusterPolicy's `upgradePolicy`, and the
+//!   pure decision of which node moves next;
+//! - [`policy_texts`]: the ClusterPolicy as each agent is sent it, with the
+//!   ConfigMaps it names inlined.
+//!
+//! A module here may use another one here (never in a circle:
+//! `controller/tests/layers.rs` checks it), and nothing above `model`.
+
+pub mod node;
+pub mod node_event;
+pub mod policy_texts;
+pub mod upgrade_plan;
+pub mod upgrade_policy;
+pub mod upgrade_state;
