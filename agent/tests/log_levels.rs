@@ -589,16 +589,35 @@ fn macro_messages(code: &str) -> Vec<(usize, String)> {
 /// (the agent, and the host and driver libraries it logs through) and
 /// gpu-controller's, each with what to do: a new one without its row fails
 /// here.
-/// The crates whose WARN and ERROR lines docs/operations.md lists.
+/// The crates whose WARN and ERROR lines docs/operations.md lists: these,
+/// and every crate under `crates/` (the agent's layers).
 const LOGGING_CRATES: [&str; 4] = ["agent", "hostlib", "kmod", "controller"];
+
+/// The `src` directories of [`LOGGING_CRATES`] and of every `crates/*`.
+fn logging_sources() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = LOGGING_CRATES
+        .into_iter()
+        .map(|k| repo().join(k).join("src"))
+        .collect();
+    if let Ok(entries) = fs::read_dir(repo().join("crates")) {
+        let mut more: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path().join("src"))
+            .filter(|p| p.is_dir())
+            .collect();
+        more.sort();
+        dirs.extend(more);
+    }
+    dirs
+}
 
 #[test]
 fn every_warn_and_error_line_is_in_the_operations_doc() {
     let doc = fs::read_to_string(repo().join("docs/operations.md")).unwrap();
     let mut found = 0;
     let mut missing = Vec::new();
-    for krate in LOGGING_CRATES {
-        for (file, line, msg) in warn_and_error_messages(&repo().join(krate).join("src")) {
+    for src in logging_sources() {
+        for (file, line, msg) in warn_and_error_messages(&src) {
             assert!(
                 !msg.is_empty(),
                 "{file}:{line}: a warn!/error! without a message"
@@ -617,9 +636,9 @@ fn every_warn_and_error_line_is_in_the_operations_doc() {
         missing.join("\n")
     );
     // And every line it lists is one the agent can write.
-    let messages: Vec<String> = LOGGING_CRATES
-        .into_iter()
-        .flat_map(|k| warn_and_error_messages(&repo().join(k).join("src")))
+    let messages: Vec<String> = logging_sources()
+        .iter()
+        .flat_map(|src| warn_and_error_messages(src))
         .map(|(_, _, m)| m)
         .collect();
     let table = &doc[doc.find("## WARN and ERROR lines").unwrap()..];
