@@ -6,7 +6,6 @@ pub mod backend;
 pub mod caps;
 pub mod cdi;
 pub mod driver;
-pub mod grpc;
 pub mod health;
 pub mod inventory;
 pub mod labels;
@@ -26,6 +25,9 @@ pub mod supervisor;
 pub(crate) mod test_support;
 pub mod uninstall;
 pub mod workload;
+
+/// The crates under `crates/`, under the module names they had in this crate.
+pub use gpu_grpc as grpc;
 
 pub use inventory::Inventory;
 pub use policy::Policy;

@@ -797,7 +797,7 @@ async fn dial(path: &Path) -> Result<Channel, tonic::transport::Error> {
     let path = path.to_path_buf();
     // The URI is required by the API but unused: the connector dials the socket.
     Endpoint::from_static("http://[::1]:50051")
-        .connect_timeout(crate::plugin::kubelet::DIAL_TIMEOUT)
+        .connect_timeout(gpu_grpc::DIAL_TIMEOUT)
         .connect_with_connector(tower::service_fn(move |_| {
             let path = path.clone();
             async move { UnixStream::connect(path).await.map(TokioIo::new) }
@@ -836,7 +836,7 @@ pub async fn runtime_facts(socket: &Path) -> Result<RuntimeFacts, String> {
         )
     })?;
     let mut rt = RuntimeServiceClient::new(channel);
-    let limit = crate::plugin::kubelet::DIAL_TIMEOUT;
+    let limit = gpu_grpc::DIAL_TIMEOUT;
     let version = tokio::time::timeout(limit, rt.version(cri::VersionRequest::default()))
         .await
         .map_err(|_| {

@@ -118,7 +118,7 @@ pub enum PodsError {
 pub async fn list(socket: &Path) -> Result<ListPodResourcesResponse, PodsError> {
     let path = socket.display().to_string();
     let call = async {
-        let channel = crate::plugin::kubelet::connect(socket)
+        let channel = gpu_grpc::connect(socket)
             .await
             .map_err(|source| PodsError::Dial {
                 path: path.clone(),

@@ -11,28 +11,13 @@ use gpu_agent_proto::deviceplugin::v1beta1::registration_server::{
     Registration, RegistrationServer,
 };
 use gpu_agent_proto::deviceplugin::v1beta1::{Empty, RegisterRequest, VERSION};
-use hyper_util::rt::TokioIo;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::{Notify, oneshot};
-use tonic::transport::{Channel, Endpoint, Server};
+use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-/// How long a dial or a registration may take.
-pub const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// A gRPC channel to the server listening on the Unix socket `path`.
-pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_path_buf();
-    // The URI is required by the API but unused: the connector dials the socket.
-    Endpoint::from_static("http://[::1]:50051")
-        .connect_timeout(DIAL_TIMEOUT)
-        .timeout(DIAL_TIMEOUT)
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move { UnixStream::connect(path).await.map(TokioIo::new) }
-        }))
-        .await
-}
+/// Dialing a socket is gpu-grpc's (metrics and the workload check dial too).
+pub use gpu_grpc::{DIAL_TIMEOUT, connect};
 
 /// Why a registration failed.
 #[derive(Debug, thiserror::Error)]
@@ -183,7 +168,7 @@ impl MockKubelet {
             let Ok(listener) = listener.await else {
                 return;
             };
-            let incoming = crate::grpc::incoming(listener);
+            let incoming = gpu_grpc::incoming(listener);
             let _ = Server::builder()
                 .add_service(svc)
                 .serve_with_incoming_shutdown(incoming, async {

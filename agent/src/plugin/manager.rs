@@ -703,7 +703,7 @@ impl Server {
     ) -> Server {
         let (cut, cut_rx) = watch::channel(false);
         let incoming =
-            crate::grpc::incoming(listener).map(move |c| c.map(|io| Cut::new(io, cut_rx.clone())));
+            gpu_grpc::incoming(listener).map(move |c| c.map(|io| Cut::new(io, cut_rx.clone())));
         let name = resource.clone();
         let path = socket.clone();
         let task = tokio::spawn(async move {
