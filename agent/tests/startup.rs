@@ -79,7 +79,20 @@ fn the_plugin_registers_before_the_rest_of_the_first_pass() {
         );
         std::thread::sleep(Duration::from_millis(50));
     };
-    let st = json(&run(at(host.path()).args(["status", "-o", "json"])).1);
+    // The state file is written when the pass is over, a moment after its
+    // last stage logged: `status` is read until it shows the pass (or 10 s).
+    let status = || json(&run(at(host.path()).args(["status", "-o", "json"])).1);
+    let settled = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        let st = status();
+        let pending = AFTER_REGISTRATION
+            .iter()
+            .any(|s| stage(&st, s.name())["detail"] == DEFERRED_DETAIL);
+        if !pending || Instant::now() > settled {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(sigterm(&mut child), Some(0), "{text}");
     let all = records(&text);
     let registered = position(&all, |r| {
