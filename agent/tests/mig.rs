@@ -291,8 +291,17 @@ fn a_layout_change_leaves_no_stale_resource_and_waits_for_processes() {
     let before = fs::read(&node.mig_state).unwrap();
     sighup(&agent);
     std::thread::sleep(Duration::from_millis(500));
+    // The reload's pass may still be running on a busy machine: `status`
+    // is read until its MIG stage is done again (at most 15 s).
+    let settled = Instant::now() + Duration::from_secs(15);
+    let st = loop {
+        let st = node.status(&pfile);
+        if stage(&st, "mig")["state"] == "done" || Instant::now() > settled {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     assert_eq!(fs::read(&node.mig_state).unwrap(), before);
-    let st = node.status(&pfile);
     assert_eq!(stage(&st, "mig")["state"], "done", "{st:#}");
     assert!(
         stage(&st, "mig")["detail"]
