@@ -141,31 +141,36 @@ impl Opening {
     }
 }
 
-impl GpuBackend for Arc<Opening> {
+/// The view's backend while NVML opens: the [`Opening`] it shares with the
+/// view (a local type, as the backend trait is the model's).
+#[derive(Debug)]
+struct SharedOpening(Arc<Opening>);
+
+impl GpuBackend for SharedOpening {
     fn sampler(&self) -> Result<Box<dyn crate::backend::Sampler>, BackendError> {
-        self.get().sampler()
+        self.0.get().sampler()
     }
     fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
-        self.get().mig_control()
+        self.0.get().mig_control()
     }
     fn name(&self) -> &'static str {
         "nvml"
     }
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
-        self.get().snapshot()
+        self.0.get().snapshot()
     }
     fn watch_health(&self, events: crate::backend::HealthSender) -> Result<(), BackendError> {
-        self.get().watch_health(events)
+        self.0.get().watch_health(events)
     }
     fn set_compute_mode(
         &self,
         uuid: &str,
         mode: crate::backend::ComputeMode,
     ) -> Result<(), BackendError> {
-        self.get().set_compute_mode(uuid, mode)
+        self.0.get().set_compute_mode(uuid, mode)
     }
     fn compute_mode(&self, uuid: &str) -> Result<crate::backend::ComputeMode, BackendError> {
-        self.get().compute_mode(uuid)
+        self.0.get().compute_mode(uuid)
     }
 }
 
@@ -194,7 +199,7 @@ impl NodeView {
         });
         NodeView {
             sys: host.clone(),
-            backend: Box::new(opening.clone()),
+            backend: Box::new(SharedOpening(opening.clone())),
             simulated: None,
             opening: Some(opening),
             _sandbox: None,

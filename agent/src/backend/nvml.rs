@@ -68,7 +68,7 @@ impl NvmlBackend {
                 NvmlError::DriverNotLoaded => BackendError::DriverNotLoaded(e.to_string()),
                 other => BackendError::Nvml {
                     call: "nvmlInit",
-                    source: other,
+                    source: other.into(),
                 },
             })?;
         tracing::debug!(lib = %lib.display(), "NVML initialised");
@@ -274,10 +274,10 @@ fn describe_device(
     index: u32,
 ) -> Result<(nvml_wrapper::Device<'_>, BackendGpu), BackendError> {
     let dev_err = |call: &'static str| {
-        move |source| BackendError::Device {
+        move |source: NvmlError| BackendError::Device {
             index,
             call,
-            source,
+            source: source.into(),
         }
     };
     let device = nvml
@@ -287,7 +287,7 @@ fn describe_device(
     let bus_id: PciAddress = pci.bus_id.parse().map_err(|_| BackendError::Device {
         index,
         call: "nvmlDeviceGetPciInfo",
-        source: NvmlError::Unknown,
+        source: NvmlError::Unknown.into(),
     })?;
     let memory = optional(device.memory_info()).map_err(dev_err("nvmlDeviceGetMemoryInfo"))?;
     let mig = optional(device.mig_mode())
@@ -500,7 +500,11 @@ impl GpuBackend for NvmlBackend {
     fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
         let err = |call| {
             let uuid = uuid.to_string();
-            move |source| BackendError::Gpu { uuid, call, source }
+            move |source: NvmlError| BackendError::Gpu {
+                uuid,
+                call,
+                source: source.into(),
+            }
         };
         let mut device = self
             .nvml
@@ -516,7 +520,11 @@ impl GpuBackend for NvmlBackend {
     fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
         let err = |call| {
             let uuid = uuid.to_string();
-            move |source| BackendError::Gpu { uuid, call, source }
+            move |source: NvmlError| BackendError::Gpu {
+                uuid,
+                call,
+                source: source.into(),
+            }
         };
         let device = self
             .nvml
@@ -535,7 +543,12 @@ impl GpuBackend for NvmlBackend {
 
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
         let nvml = &self.nvml;
-        let sys = |call: &'static str| move |source| BackendError::Nvml { call, source };
+        let sys = |call: &'static str| {
+            move |source: NvmlError| BackendError::Nvml {
+                call,
+                source: source.into(),
+            }
+        };
         let driver_version =
             optional(nvml.sys_driver_version()).map_err(sys("nvmlSystemGetDriverVersion"))?;
         let cuda_version = optional(nvml.sys_cuda_driver_version())
@@ -553,10 +566,9 @@ impl GpuBackend for NvmlBackend {
                 }
                 // One GPU gone (fallen off the bus): the others are still
                 // described, and health hears of it.
-                Err(BackendError::Device {
-                    source: NvmlError::GpuLost,
-                    ..
-                }) => {
+                Err(BackendError::Device { source, .. })
+                    if matches!(source.downcast_ref(), Some(NvmlError::GpuLost)) =>
+                {
                     tracing::error!(gpu = index, "NVML has lost this GPU");
                     lost.push(index);
                 }
@@ -574,7 +586,7 @@ impl GpuBackend for NvmlBackend {
                         return Err(BackendError::Device {
                             index: ib,
                             call: "nvmlDeviceGetHandleByIndex",
-                            source: e,
+                            source: e.into(),
                         });
                     }
                 };

@@ -247,7 +247,7 @@ impl Sampler for NvmlSampler {
         let nvml = self.nvml.clone();
         let count = nvml.device_count().map_err(|source| BackendError::Nvml {
             call: "nvmlDeviceGetCount",
-            source,
+            source: source.into(),
         })?;
         let mut gpus = Vec::with_capacity(count as usize);
         let mut seen = BTreeSet::new();
@@ -260,7 +260,7 @@ impl Sampler for NvmlSampler {
                     return Err(BackendError::Device {
                         index,
                         call: "sampling",
-                        source,
+                        source: source.into(),
                     });
                 }
             }

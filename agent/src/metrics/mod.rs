@@ -3,8 +3,9 @@
 //! scrape renders the last sample with the pods that hold each device and
 //! the agent's own series, and never waits on NVML.
 
-pub mod agent;
-pub mod fields;
 pub mod pods;
 pub mod render;
 pub mod server;
+
+/// The agent's own series and the field table are the model's.
+pub use gpu_model::{fields, series as agent};

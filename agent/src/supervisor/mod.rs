@@ -1816,11 +1816,30 @@ impl Supervisor {
             self.systemd.update(&self.st);
         }
         self.publish_report();
-        crate::metrics::agent::state(&self.st);
+        record_series(&self.st);
         if let Err(e) = self.file.sync(&mut self.st, &self.opts.host) {
             tracing::warn!(error = %e, "cannot write the state file; `gpu-agent status` will not see this agent");
         }
     }
+}
+
+/// Stage states, repairs and registrations into the agent's own series
+/// (`gpu_agent_…`), from the agent's state.
+fn record_series(st: &AgentState) {
+    crate::metrics::agent::set_status(
+        st.stages
+            .iter()
+            .map(|x| (x.stage.name().to_string(), x.state.label().to_string()))
+            .collect(),
+        st.stages
+            .iter()
+            .map(|x| (x.stage.name().to_string(), x.repairs))
+            .collect(),
+        st.plugin
+            .iter()
+            .map(|r| (r.resource.clone(), r.registrations))
+            .collect(),
+    );
 }
 
 /// The GPU Operator's validation directory, and the files gpu-agent keeps there.

@@ -6,8 +6,6 @@ use std::collections::BTreeMap;
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-use crate::state::AgentState;
-
 /// What the exporter shows about the agent itself.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct AgentSeries {
@@ -67,23 +65,16 @@ pub fn allocated(resource: &str) {
     with(|s| *s.allocations.entry(resource.to_string()).or_default() += 1);
 }
 
-/// Stage states, repairs and registrations, from the agent's state.
-pub fn state(st: &AgentState) {
+/// Stage states (stage → state label), repairs (stage → count) and
+/// registrations (resource → count), as the agent's state has them now.
+pub fn set_status(
+    stages: Vec<(String, String)>,
+    repairs: Vec<(String, u64)>,
+    registrations: Vec<(String, u64)>,
+) {
     with(|s| {
-        s.stages = st
-            .stages
-            .iter()
-            .map(|x| (x.stage.name().to_string(), x.state.label().to_string()))
-            .collect();
-        s.repairs = st
-            .stages
-            .iter()
-            .map(|x| (x.stage.name().to_string(), x.repairs))
-            .collect();
-        s.registrations = st
-            .plugin
-            .iter()
-            .map(|r| (r.resource.clone(), r.registrations))
-            .collect();
+        s.stages = stages;
+        s.repairs = repairs;
+        s.registrations = registrations;
     });
 }

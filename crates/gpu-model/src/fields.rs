@@ -416,12 +416,12 @@ mod tests {
 
     /// Each field's `# HELP` with no counters file is dcgm-exporter's: the
     /// third column of its line in upstream's counters files, unchanged
-    /// (`../shared/upstream/dcgm-exporter`, dcgm-exporter 4.5.3-4.8.2).
+    /// (`../shared/upstream/dcgm-exporter` beside the checkout, dcgm-exporter 4.5.3-4.8.2).
     #[test]
     fn built_in_help_is_dcgm_exporters() {
         let dir = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/upstream/dcgm-exporter"
+            "/../../../shared/upstream/dcgm-exporter"
         );
         // name -> help of its uncommented line, and of its commented line.
         let lines = |file: &str| {

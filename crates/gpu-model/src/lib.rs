@@ -1,0 +1,12 @@
+//! The model of a GPU node, at the bottom of gpu-agent's layers: what the
+//! node has (the inventory), what a GPU backend is and reports, MIG as NVML
+//! sees it, the DCGM fields the metrics export and the agent's own series.
+//! No I/O of its own; every other crate reads GPUs through it.
+
+pub mod backend;
+pub mod fields;
+pub mod inventory;
+pub mod mig;
+pub mod series;
+
+pub use inventory::Inventory;
