@@ -11,7 +11,6 @@
 
 pub mod kernel_log;
 pub mod kmsg;
-pub mod xid;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -31,7 +30,8 @@ pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 /// The same XID from NVML and from the kernel log within this window is one event.
 pub const SAME_EVENT_WINDOW: Duration = Duration::from_secs(5);
 
-pub use xid::Severity;
+/// The XID catalogue is the model's (kernel log, health and report read it).
+pub use gpu_model::xid::{self, Severity};
 
 /// `spec.health.on`: what each kind of event does.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

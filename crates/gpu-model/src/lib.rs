@@ -1,6 +1,7 @@
 //! The model of a GPU node, at the bottom of gpu-agent's layers: what the
 //! node has (the inventory), what a GPU backend is and reports, MIG as NVML
-//! sees it, the DCGM fields the metrics export and the agent's own series.
+//! sees it, the DCGM fields the metrics export, the agent's own series and
+//! the XID catalogue.
 //! No I/O of its own; every other crate reads GPUs through it.
 
 pub mod backend;
@@ -8,5 +9,6 @@ pub mod fields;
 pub mod inventory;
 pub mod mig;
 pub mod series;
+pub mod xid;
 
 pub use inventory::Inventory;
