@@ -210,7 +210,7 @@ fn mig_access_caps(sys: &HostRoot, inv: Option<&Inventory>) -> Result<Vec<u32>, 
     for g in &inv.gpus {
         let Some(minor) = g.minor else { continue };
         for m in &g.mig_devices {
-            if let Ok(pair) = crate::cdi::mig_access_minors(&minors, minor, m) {
+            if let Ok(pair) = gpu_model::cdi::mig_access_minors(&minors, minor, m) {
                 caps.extend(pair);
             }
         }

@@ -5,6 +5,8 @@ use std::fmt::Write;
 use crate::inventory::Inventory;
 use crate::plugin::manager::ResourceStatus;
 use crate::stages::StageStatus;
+/// An error and its causes in words (the model's: the report says errors too).
+pub use gpu_model::util::error_words;
 
 /// Left-aligned columns, two spaces apart; the last column is not padded.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
@@ -327,24 +329,6 @@ pub fn tasks(tasks: &[crate::supervisor::TaskStatus]) -> String {
         })
         .collect();
     table(&["TASK", "STATE", "RESTARTS", "LAST ERROR"], &rows)
-}
-
-/// An error and its causes, `: `-joined; a cause whose words the message
-/// already carries (`{path}: {source}` errors) is not said twice. A
-/// transport error's own message is only "transport error": its causes say
-/// what happened.
-pub fn error_words(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let words = c.to_string();
-        if !text.contains(&words) {
-            text.push_str(": ");
-            text.push_str(&words);
-        }
-        cause = c.source();
-    }
-    text
 }
 
 #[cfg(test)]

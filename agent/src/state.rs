@@ -16,7 +16,7 @@
 //! `status` runs as root, as the agent does; run by another user it cannot
 //! read the state and inspects the host instead, saying why.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::UNIX_EPOCH;
 
 use hostlib::{HostError, HostRoot};
 use serde::{Deserialize, Serialize};
@@ -25,6 +25,8 @@ use crate::health::GpuHealth;
 use crate::inventory::Inventory;
 use crate::plugin::manager::ResourceStatus;
 use crate::stages::StageStatus;
+/// Seconds since the epoch (the model's: the report stamps with it too).
+pub use gpu_model::util::now;
 
 /// Where the state file lives, as a host path.
 pub const STATE_FILE: &str = "/run/gpu-agent/state.json";
@@ -107,14 +109,6 @@ pub enum StateError {
     Host(#[from] HostError),
     #[error("{path}: not a gpu-agent state file: {message}")]
     Parse { path: String, message: String },
-}
-
-/// Seconds since the epoch.
-pub fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// Is the agent that wrote the state still there?

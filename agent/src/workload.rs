@@ -41,7 +41,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::cdi;
+use gpu_model::cdi;
 
 /// Where the checks' log directories go on the host (one per check,
 /// removed after it).

@@ -30,6 +30,8 @@ pub const DEFAULT_IGNORED_XIDS: &[u64] = &[13, 31, 43, 45, 68, 109];
 /// The same XID from NVML and from the kernel log within this window is one event.
 pub const SAME_EVENT_WINDOW: Duration = Duration::from_secs(5);
 
+/// What the device plugin sees of health, and the events the report sends.
+pub use gpu_model::health::{EventRecord, HealthView};
 /// The XID catalogue is the model's (kernel log, health and report read it).
 pub use gpu_model::xid::{self, Severity};
 
@@ -189,19 +191,6 @@ pub struct GpuHealth {
 /// The live health of every GPU.
 pub type HealthBoard = Arc<Mutex<Vec<GpuHealth>>>;
 
-/// What the device plugin needs: the unhealthy GPUs (UUID → why). A GPU
-/// not named is healthy.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HealthView {
-    pub unhealthy: BTreeMap<String, String>,
-}
-
-impl HealthView {
-    pub fn healthy(&self, uuid: &str) -> bool {
-        !self.unhealthy.contains_key(uuid)
-    }
-}
-
 /// Conditions NVML reports at a reconcile (not events): each holds until a
 /// later check no longer sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -263,22 +252,6 @@ pub struct HealthMonitor {
     changed: Arc<Notify>,
     /// Where events that were not ignored are told (the report upward).
     events: Option<tokio::sync::broadcast::Sender<EventRecord>>,
-}
-
-/// A health event that was not ignored, as the report to the controller
-/// tells it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EventRecord {
-    pub uuid: String,
-    pub xid: Option<u64>,
-    /// What happened, in words.
-    pub reason: String,
-    /// The XID catalogue's advice, if any.
-    pub advice: Option<String>,
-    /// Whether it made the GPU unhealthy (else it was only logged).
-    pub unhealthy: bool,
-    /// Unix milliseconds.
-    pub at_unix_ms: u64,
 }
 
 impl std::fmt::Debug for HealthMonitor {

@@ -11,10 +11,8 @@ use hostlib::HostRoot;
 
 use super::config::{DeviceIdStrategy, DeviceListStrategy};
 use super::resources::{PluginDevice, PluginSettings, Resource};
+pub use gpu_model::cdi::CDI_KIND;
 
-/// The CDI kind gpu-agent's specs use (as `nvidia-ctk cdi generate`'s default):
-/// devices `nvidia.com/gpu=<index>` and `nvidia.com/gpu=<UUID>`.
-pub const CDI_KIND: &str = "nvidia.com/gpu";
 /// Where the volume-mounts strategy lists devices inside the container.
 pub const VOLUME_MOUNT_DIR: &str = "/var/run/nvidia-container-devices";
 /// Control nodes passed with `passDeviceSpecs` when they exist.

@@ -7,6 +7,9 @@
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
+/// A config section as ClusterPolicy has it: the model's.
+pub use gpu_model::config::ConfigSource;
+
 /// A key of NVIDIA's config that gpu-agent accepts but does not act on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unacted {
@@ -976,42 +979,6 @@ impl Default for DevicePluginSpec {
 
 /// `spec.devicePlugin.config`: NVIDIA's device-plugin config.
 pub type DevicePluginConfig = ConfigSource<PluginConfig>;
-
-/// A config section as ClusterPolicy has it (`spec.devicePlugin.config`,
-/// `spec.migManager.config`): the ConfigMap's name and the entry used by
-/// default, plus the config itself, from a `file` or `inline`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(
-    deny_unknown_fields,
-    rename_all = "camelCase",
-    bound(deserialize = "T: Deserialize<'de>")
-)]
-pub struct ConfigSource<T> {
-    /// The ConfigMap name (in Kubernetes) holding the configs.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The entry used when the node's label does not name one (the
-    /// device-plugin config; the MIG layout).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub default: Option<String>,
-    /// A config file in NVIDIA's schema.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file: Option<std::path::PathBuf>,
-    /// The same config, inline.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inline: Option<T>,
-}
-
-impl<T> Default for ConfigSource<T> {
-    fn default() -> Self {
-        ConfigSource {
-            name: None,
-            default: None,
-            file: None,
-            inline: None,
-        }
-    }
-}
 
 /// `spec.mig`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
 use super::{ControllerLink, ReportConfig, changes, repairs};
-use crate::health::EventRecord;
+use gpu_model::health::EventRecord;
 
 /// The largest message either side takes.
 pub const MAX_MESSAGE: usize = 4 << 20;
@@ -100,7 +100,7 @@ pub async fn run(cfg: ReportConfig, mut inputs: Inputs) {
         }
         update(&inputs, |l| {
             if l.connected || l.last_error.as_deref() != Some(&error) {
-                l.since = crate::state::now();
+                l.since = gpu_model::util::now();
             }
             l.connected = false;
             l.last_error = Some(error.clone());
@@ -180,16 +180,16 @@ async fn stream_once(
         tls = tls.domain_name(name.clone());
     }
     let channel = Endpoint::from_shared(endpoint.clone())
-        .map_err(|e| bad(format!("not a URL: {}", crate::render::error_words(&e))))?
+        .map_err(|e| bad(format!("not a URL: {}", gpu_model::util::error_words(&e))))?
         .tls_config(tls)
-        .map_err(|e| bad(crate::render::error_words(&e)))?
+        .map_err(|e| bad(gpu_model::util::error_words(&e)))?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_keepalive(Some(Duration::from_secs(60)))
         .connect()
         .await
         .map_err(|e| ReportError::Connect {
             endpoint: endpoint.clone(),
-            message: crate::render::error_words(&e),
+            message: gpu_model::util::error_words(&e),
         })?;
     let mut client = ReportClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE)
@@ -251,7 +251,7 @@ async fn stream_once(
     tracing::info!(task = "report", endpoint = %endpoint, node = %cfg.node_name, "reporting to the controller");
     update(inputs, |l| {
         l.connected = true;
-        l.since = crate::state::now();
+        l.since = gpu_model::util::now();
         l.last_error = None;
         l.connects += 1;
         l.dropped_events = *dropped;

@@ -5,10 +5,14 @@
 //! No I/O of its own; every other crate reads GPUs through it.
 
 pub mod backend;
+pub mod cdi;
+pub mod config;
 pub mod fields;
+pub mod health;
 pub mod inventory;
 pub mod mig;
 pub mod series;
+pub mod util;
 pub mod xid;
 
 pub use inventory::Inventory;
