@@ -2,12 +2,10 @@
 //! GPU job. This library holds everything the `gpu-agent` binary runs; the
 //! binary is the CLI around it.
 
-pub mod backend;
 pub mod caps;
 pub mod cdi;
 pub mod driver;
 pub mod health;
-pub mod inventory;
 pub mod labels;
 pub mod logging;
 pub mod metrics;
@@ -17,17 +15,27 @@ pub mod policy;
 pub mod render;
 pub mod report;
 pub mod runtime;
-pub mod source;
 pub mod stages;
 pub mod state;
 pub mod supervisor;
-#[cfg(test)]
-pub(crate) mod test_support;
 pub mod uninstall;
 pub mod workload;
 
 /// The crates under `crates/`, under the module names they had in this crate.
+pub use gpu_backend as backend;
+pub use gpu_backend::source;
 pub use gpu_grpc as grpc;
+
+/// The one model of the node's GPUs (gpu-model's), and its discovery
+/// (gpu-backend's): from sysfs, `/proc` and a GPU backend, once; every front
+/// end reads it and none re-discovers.
+pub mod inventory {
+    pub use gpu_backend::discover::discover;
+    pub use gpu_model::inventory::*;
+}
+
+#[cfg(test)]
+pub(crate) use gpu_backend::test_support;
 
 pub use inventory::Inventory;
 pub use policy::Policy;

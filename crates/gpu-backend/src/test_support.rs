@@ -3,8 +3,8 @@
 use hostlib::HostRoot;
 use simnode::NodeDescription;
 
-use crate::backend::sim::SimulatedBackend;
-use crate::inventory::{self, Inventory};
+use crate::sim::SimulatedBackend;
+use gpu_model::inventory::Inventory;
 
 /// A built-in node written out under a temp dir, and its simulated backend.
 pub fn sim_node(name: &str) -> (tempfile::TempDir, HostRoot, SimulatedBackend) {
@@ -18,5 +18,5 @@ pub fn sim_node(name: &str) -> (tempfile::TempDir, HostRoot, SimulatedBackend) {
 /// The inventory of a built-in node.
 pub fn inventory_of(name: &str) -> Inventory {
     let (_dir, root, backend) = sim_node(name);
-    inventory::discover(&root, &backend)
+    crate::discover::discover(&root, &backend)
 }

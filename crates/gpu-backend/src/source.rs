@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use hostlib::HostRoot;
 use simnode::{DescError, NodeDescription};
 
-use crate::backend::nvml::{self, NvmlBackend};
-use crate::backend::sim::SimulatedBackend;
-use crate::backend::{BackendError, BackendSnapshot, GpuBackend};
+use crate::nvml::{self, NvmlBackend};
+use crate::sim::SimulatedBackend;
+use crate::{BackendError, BackendSnapshot, GpuBackend};
 
 /// Where libnvidia-ml usually is on a host, for a root other than `/`
 /// (in a DaemonSet the loader's own search cannot see the host's libraries).
@@ -147,10 +147,10 @@ impl Opening {
 struct SharedOpening(Arc<Opening>);
 
 impl GpuBackend for SharedOpening {
-    fn sampler(&self) -> Result<Box<dyn crate::backend::Sampler>, BackendError> {
+    fn sampler(&self) -> Result<Box<dyn crate::Sampler>, BackendError> {
         self.0.get().sampler()
     }
-    fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
+    fn mig_control(&self) -> Option<&dyn gpu_model::mig::MigControl> {
         self.0.get().mig_control()
     }
     fn name(&self) -> &'static str {
@@ -159,17 +159,13 @@ impl GpuBackend for SharedOpening {
     fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
         self.0.get().snapshot()
     }
-    fn watch_health(&self, events: crate::backend::HealthSender) -> Result<(), BackendError> {
+    fn watch_health(&self, events: crate::HealthSender) -> Result<(), BackendError> {
         self.0.get().watch_health(events)
     }
-    fn set_compute_mode(
-        &self,
-        uuid: &str,
-        mode: crate::backend::ComputeMode,
-    ) -> Result<(), BackendError> {
+    fn set_compute_mode(&self, uuid: &str, mode: crate::ComputeMode) -> Result<(), BackendError> {
         self.0.get().set_compute_mode(uuid, mode)
     }
-    fn compute_mode(&self, uuid: &str) -> Result<crate::backend::ComputeMode, BackendError> {
+    fn compute_mode(&self, uuid: &str) -> Result<crate::ComputeMode, BackendError> {
         self.0.get().compute_mode(uuid)
     }
 }

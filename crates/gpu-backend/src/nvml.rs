@@ -471,7 +471,7 @@ impl GpuBackend for NvmlBackend {
         "nvml"
     }
 
-    fn mig_control(&self) -> Option<&dyn crate::mig::MigControl> {
+    fn mig_control(&self) -> Option<&dyn gpu_model::mig::MigControl> {
         Some(self)
     }
 

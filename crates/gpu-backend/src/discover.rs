@@ -1,13 +1,13 @@
-//! The one model of the node's GPUs (gpu-model's), and its discovery: from
-//! sysfs, `/proc` and a GPU backend, once; every front end reads it and none
+//! Discovery: the model's inventory of the node's GPUs, read from sysfs,
+//! `/proc` and a GPU backend, once; every front end reads it and none
 //! re-discovers.
 
 use hostlib::pci;
 use hostlib::vgpu::VgpuState;
 use hostlib::{DriverState, HostRoot};
 
-use crate::backend::GpuBackend;
-pub use gpu_model::inventory::*;
+use crate::GpuBackend;
+use gpu_model::inventory::{Inventory, build};
 
 const DMI_PRODUCT_NAME: &str = "/sys/class/dmi/id/product_name";
 
@@ -71,9 +71,9 @@ fn read_vgpu(sys: &HostRoot, inv: &mut Inventory, unreadable: &mut Vec<hostlib::
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::sim::SimulatedBackend;
-    use crate::backend::{MigMode, PcieLevel};
+    use crate::sim::SimulatedBackend;
     use crate::test_support::inventory_of;
+    use crate::{MigMode, PcieLevel};
     use simnode::NodeDescription;
 
     #[test]

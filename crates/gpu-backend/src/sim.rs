@@ -195,8 +195,8 @@ impl GpuBackend for SimulatedBackend {
 }
 
 /// The GPM figures DCGM gives per GPU and per GPU instance, as ratios.
-fn gpm_values(g: &simnode::readings::Gpm) -> Vec<(crate::metrics::fields::Field, f64)> {
-    use crate::metrics::fields::Field as F;
+fn gpm_values(g: &simnode::readings::Gpm) -> Vec<(gpu_model::fields::Field, f64)> {
+    use gpu_model::fields::Field as F;
     vec![
         (F::ProfGrEngineActive, g.graphics_util_pct / 100.0),
         (F::ProfPipeTensorActive, g.tensor_util_pct / 100.0),
@@ -220,9 +220,9 @@ struct SimSampler {
 impl super::Sampler for SimSampler {
     fn sample(
         &mut self,
-        want: &crate::metrics::fields::FieldSet,
+        want: &gpu_model::fields::FieldSet,
     ) -> Result<super::Sample, BackendError> {
-        use crate::metrics::fields::Field as F;
+        use gpu_model::fields::Field as F;
         let secs = self.started.elapsed().as_secs_f64();
         let gpus = self
             .node

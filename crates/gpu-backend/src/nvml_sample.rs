@@ -23,7 +23,7 @@ use nvml_wrapper_sys::bindings::{nvmlFieldValue_t, nvmlGpmSample_t};
 
 use super::nvml::{NvmlBackend, optional, reading, remapped_rows};
 use super::{BackendError, GpuSample, MigSample, Sample, Sampler, mig_profile_name};
-use crate::metrics::fields::{Field, FieldSet};
+use gpu_model::fields::{Field, FieldSet};
 
 const MIB: f64 = 1024.0 * 1024.0;
 

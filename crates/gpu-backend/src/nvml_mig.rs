@@ -21,7 +21,7 @@ use nvml_wrapper_sys::bindings::{
 
 use super::mig_profile_name;
 use super::nvml::NvmlBackend;
-use crate::mig::{
+use gpu_model::mig::{
     CiProfile, ComputeInstance, ErrorKind, GiProfile, GpuInstance, MigControl, MigError, Mode,
     Placement,
 };
