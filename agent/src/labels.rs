@@ -57,9 +57,9 @@ use std::collections::BTreeMap;
 
 use crate::backend::{ComputeCapability, MigDevice};
 use crate::inventory::{Gpu, Inventory};
-use crate::plugin::config::{MigStrategy, SharingStrategy};
-use crate::plugin::resources::{self, GPU_RESOURCE, PluginSettings, Resource};
 use crate::policy::Policy;
+use gpu_resources::config::{MigStrategy, SharingStrategy};
+use gpu_resources::resources::{self, GPU_RESOURCE, PluginSettings, Resource};
 
 mod clique;
 mod vgpu;
@@ -76,7 +76,7 @@ pub type Labels = BTreeMap<String, String>;
 pub enum LabelsError {
     /// The device-plugin config (sharing) named by the policy is unusable.
     #[error(transparent)]
-    Settings(#[from] crate::plugin::SettingsError),
+    Settings(#[from] gpu_resources::SettingsError),
     /// GPUs are on the bus but the backend did not describe them.
     #[error(
         "{gpus} GPU(s) on the node, none can be labelled until {backend} describes them: {reason}"
@@ -176,7 +176,7 @@ pub fn node_labels_noted(
     inv: &Inventory,
     policy: &Policy,
 ) -> Result<(Labels, Vec<LabelWarning>), LabelsError> {
-    let settings = crate::plugin::settings(&policy.device_plugin, policy.mig.strategy)?;
+    let settings = gpu_resources::settings(&policy.device_plugin, policy.mig.strategy)?;
     if !inv.gpus.is_empty() && described(inv).next().is_none() {
         return Err(LabelsError::Undescribed {
             gpus: inv.gpus.len(),
@@ -813,7 +813,7 @@ mod tests {
     fn assert_labels_describe_the_plugins_resources(node: &str, p: &Policy) -> Labels {
         let inv = inventory_of(node);
         let l = node_labels(&inv, p).unwrap();
-        let settings = crate::plugin::settings(&p.device_plugin, p.mig.strategy).unwrap();
+        let settings = gpu_resources::settings(&p.device_plugin, p.mig.strategy).unwrap();
         for r in resources::build(&inv, &settings).unwrap() {
             let get = |k: &str| -> u32 {
                 let key = format!("{}.{k}", r.name);
@@ -908,7 +908,7 @@ mod tests {
             assert_eq!(l["nvidia.com/gpu.count"], "4");
             assert_eq!(l["nvidia.com/gpu.sharing-strategy"], "time-slicing");
             // The plugin advertises 4 replicas of each GPU under that name.
-            let settings = crate::plugin::settings(&p.device_plugin, p.mig.strategy).unwrap();
+            let settings = gpu_resources::settings(&p.device_plugin, p.mig.strategy).unwrap();
             let rs = resources::build(&inv, &settings).unwrap();
             assert_eq!(rs.len(), 1);
             assert_eq!(rs[0].name, advertised);
@@ -926,7 +926,7 @@ mod tests {
         assert_eq!(l["nvidia.com/gpu.product"], "Tesla-T4-SHARED");
         assert_eq!(l["nvidia.com/mps.capable"], "true");
         // The plugin agrees: 4 MPS replicas of each GPU as nvidia.com/gpu.
-        let settings = crate::plugin::settings(&p.device_plugin, p.mig.strategy).unwrap();
+        let settings = gpu_resources::settings(&p.device_plugin, p.mig.strategy).unwrap();
         let rs = resources::build(&inv, &settings).unwrap();
         assert_eq!((rs.len(), rs[0].devices.len(), rs[0].mps), (1, 16, true));
         // Renamed by default: no -SHARED, as GFD.

@@ -12,7 +12,7 @@ use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
 pub use crate::health::HealthSpec;
-pub use crate::plugin::config::{DevicePluginConfig, DevicePluginSpec, MigSpec, MigStrategy};
+pub use gpu_resources::config::{DevicePluginConfig, DevicePluginSpec, MigSpec, MigStrategy};
 
 /// A policy file: a ClusterPolicy-like object, or just its `spec`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -309,7 +309,7 @@ impl MigManagerSpec {
 
 /// `spec.migManager.config`: mig-parted's layouts.
 pub type MigManagerConfig =
-    crate::plugin::config::ConfigSource<crate::mig::config::MigPartedConfig>;
+    gpu_resources::config::ConfigSource<crate::mig::config::MigPartedConfig>;
 
 /// `{enabled: bool}`, default enabled.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,8 +11,8 @@ use super::config::{
     AllocationPolicy, DeviceIdStrategy, DeviceListStrategy, ReplicatedResource, SharingSpec,
     SharingStrategy,
 };
-use crate::backend::ComputeCapability;
-use crate::inventory::Inventory;
+use gpu_model::backend::ComputeCapability;
+use gpu_model::inventory::Inventory;
 
 /// The plain whole-GPU resource.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -291,12 +291,12 @@ pub fn partial_compute(inv: &Inventory, strategy: MigStrategy) -> Vec<(String, S
 
 /// Every device the MIG strategy advertises, by resource.
 fn base_devices(inv: &Inventory, strategy: MigStrategy) -> Result<Vec<Base>, ResourceError> {
-    let gpus: Vec<&crate::inventory::Gpu> = inv
+    let gpus: Vec<&gpu_model::inventory::Gpu> = inv
         .gpus
         .iter()
         .filter(|g| g.uuid.is_some() && g.index.is_some())
         .collect();
-    let mig_on = |g: &crate::inventory::Gpu| g.mig.is_some_and(|m| m.current);
+    let mig_on = |g: &gpu_model::inventory::Gpu| g.mig.is_some_and(|m| m.current);
     if strategy == MigStrategy::Single && gpus.iter().any(|g| mig_on(g)) {
         if let Some(g) = gpus.iter().find(|g| !mig_on(g)) {
             return Err(ResourceError::MigSingle(format!(
@@ -521,7 +521,7 @@ pub fn build(inv: &Inventory, settings: &PluginSettings) -> Result<Vec<Resource>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::config::PluginConfig;
+    use crate::config::PluginConfig;
     use crate::test_support::inventory_of;
 
     /// Replicas per GPU, by NVML index.
@@ -751,7 +751,7 @@ mod tests {
                 .to_string()
                 .contains("GPU 0 has MIG enabled but no MIG devices")
         );
-        inv.gpus[0].mig = Some(crate::backend::MigMode {
+        inv.gpus[0].mig = Some(gpu_model::backend::MigMode {
             current: false,
             pending: false,
         });
@@ -862,7 +862,7 @@ mod tests {
         // Mixed, one GPU out of MIG mode: MPS shares that one; the MIG
         // GPU's devices are their own resources, not shared.
         let mut inv = inventory_of("h100-mig-2");
-        inv.gpus[1].mig = Some(crate::backend::MigMode {
+        inv.gpus[1].mig = Some(gpu_model::backend::MigMode {
             current: false,
             pending: false,
         });
