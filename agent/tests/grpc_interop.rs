@@ -386,7 +386,7 @@ fn python_grpcio_kubelet_gets_every_answer_from_gpu_agent_run() {
     }
     let mut agent = at(host.path())
         .args(["--simulate", "h100-sxm-8", "--log-format", "json", "run"])
-        .env("GPU_AGENT_LOG", "info,gpu_agent::grpc=debug")
+        .env("GPU_AGENT_LOG", "info,gpu_grpc=debug")
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
