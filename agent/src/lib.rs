@@ -14,7 +14,6 @@ pub mod plugin;
 pub mod policy;
 pub mod render;
 pub mod report;
-pub mod runtime;
 pub mod stages;
 pub mod state;
 pub mod supervisor;
@@ -25,6 +24,7 @@ pub mod workload;
 pub use gpu_backend as backend;
 pub use gpu_backend::source;
 pub use gpu_grpc as grpc;
+pub use gpu_runtime as runtime;
 
 /// The one model of the node's GPUs (gpu-model's), and its discovery
 /// (gpu-backend's): from sysfs, `/proc` and a GPU backend, once; every front

@@ -400,7 +400,7 @@ fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Fail
                 })?),
                 None => None,
             };
-            let plan = runtime::plan(&host, &policy, version).map_err(map)?;
+            let plan = runtime::plan(&host, &policy.runtime_wanted(), version).map_err(map)?;
             for n in &plan.notes {
                 eprintln!("note: {n}");
             }

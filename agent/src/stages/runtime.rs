@@ -61,7 +61,7 @@ pub(super) fn runtime_stage(
         }
         _ => None,
     };
-    let plan = match runtime::plan(ctx.host, p, version) {
+    let plan = match runtime::plan(ctx.host, &p.runtime_wanted(), version) {
         Ok(plan) => plan,
         Err(e) => return (StageState::Failed, e.to_string()),
     };
@@ -125,7 +125,8 @@ pub(super) fn validate(
         }
         _ => None,
     };
-    let plan = crate::runtime::plan(ctx.host, p, version).map_err(|e| e.to_string())?;
+    let plan =
+        crate::runtime::plan(ctx.host, &p.runtime_wanted(), version).map_err(|e| e.to_string())?;
     if plan.changes.is_empty() {
         let want_cdi = p.cdi.enabled && plan.no_cdi.is_none();
         let cdi = if want_cdi { " and CDI" } else { "" };

@@ -19,13 +19,28 @@
 pub mod containerd;
 pub mod crio;
 pub mod docker;
+pub mod spec;
 
 use hostlib::HostRoot;
 use hostlib::Syscalls;
 use hostlib::command::{CommandError, CommandRunner};
 use hostlib::managed::{ManagedError, ManagedFiles, Restored};
 
-use crate::policy::{ContainerRuntime, Policy, ReloadMode};
+pub use spec::{ContainerRuntime, ReloadMode, ToolkitSpec};
+
+/// What the policy wants of the container runtime (the agent's
+/// `Policy::runtime_wanted`).
+#[derive(Clone, Copy, Debug)]
+pub struct Wanted<'a> {
+    /// `spec.operator.defaultRuntime`.
+    pub runtime: ContainerRuntime,
+    /// `spec.operator.runtimeClass`: the runtime name to add.
+    pub runtime_class: &'a str,
+    /// `spec.toolkit`.
+    pub toolkit: &'a ToolkitSpec,
+    /// `spec.cdi.enabled`: the runtime should inject CDI devices.
+    pub enable_cdi: bool,
+}
 
 /// One file's planned change.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,20 +145,20 @@ pub struct RuntimePlan {
 /// Plans the configuration of the policy's container runtime.
 pub fn plan(
     host: &HostRoot,
-    policy: &Policy,
+    want: &Wanted<'_>,
     containerd_version: Option<containerd::Version>,
 ) -> Result<RuntimePlan, RuntimeError> {
-    let runtime = policy.operator.default_runtime;
+    let runtime = want.runtime;
     match runtime {
         ContainerRuntime::Containerd => {
-            let c = &policy.toolkit.containerd;
+            let c = &want.toolkit.containerd;
             let version = containerd_version.or_else(|| containerd::host_version(host, &c.binary));
             let opts = containerd::Options {
                 config: c.config.clone(),
                 drop_in_dir: c.drop_in_dir.clone(),
-                runtime_name: policy.operator.runtime_class.clone(),
-                set_as_default: policy.toolkit.set_as_default,
-                enable_cdi: policy.cdi.enabled,
+                runtime_name: want.runtime_class.to_string(),
+                set_as_default: want.toolkit.set_as_default,
+                enable_cdi: want.enable_cdi,
                 binary_name: host_nvidia_runtime(host),
             };
             let mut p = match containerd::template_for(host, &c.config) {
@@ -165,9 +180,9 @@ pub fn plan(
             let opts = crio::Options {
                 drop_in: "/etc/crio/crio.conf.d/99-nvidia.conf".into(),
                 config: "/etc/crio/crio.conf".into(),
-                runtime_name: policy.operator.runtime_class.clone(),
+                runtime_name: want.runtime_class.to_string(),
                 runtime_path: host_nvidia_runtime(host),
-                set_as_default: policy.toolkit.set_as_default,
+                set_as_default: want.toolkit.set_as_default,
             };
             let changes = crio::plan(host, &opts)?;
             let mut notes = Vec::new();
@@ -185,10 +200,10 @@ pub fn plan(
         ContainerRuntime::Docker => {
             let opts = docker::Options {
                 config: "/etc/docker/daemon.json".into(),
-                runtime_name: policy.operator.runtime_class.clone(),
+                runtime_name: want.runtime_class.to_string(),
                 runtime_path: host_nvidia_runtime(host),
-                set_as_default: policy.toolkit.set_as_default,
-                enable_cdi: policy.cdi.enabled,
+                set_as_default: want.toolkit.set_as_default,
+                enable_cdi: want.enable_cdi,
             };
             Ok(RuntimePlan {
                 runtime,
