@@ -22,16 +22,18 @@
 //! one mount, not two.
 
 pub mod hook;
+pub mod spec;
+
 use hostlib::HostRoot;
 use serde::Serialize;
 
-use crate::inventory::Inventory;
 /// The spec format, the kind, and the MIG access minors are the model's
 /// (the device plugin, the driver stage and the workload check use them too).
 pub use gpu_model::cdi::{
     CDI_KIND, ContainerEdits, Device, DeviceNode, Hook, Mount, SPEC_VERSION, Spec,
     mig_access_minors,
 };
+use gpu_model::inventory::Inventory;
 
 /// The file gpu-agent writes in the spec directory.
 pub const SPEC_FILE: &str = "gpu-agent-nvidia.com-gpu.json";
@@ -313,12 +315,12 @@ pub fn apply(
     host: &HostRoot,
     sys: &dyn hostlib::Syscalls,
     g: &Generated,
-    cdi: &crate::policy::CdiSpec,
+    cdi: &crate::spec::CdiSpec,
     wait_for_lock: bool,
 ) -> Result<Vec<String>, CdiError> {
     let files = hostlib::managed::ManagedFiles::lock(host, sys, wait_for_lock)?;
     let mut changed = Vec::new();
-    if cdi.hook_path == crate::policy::INSTALLED_HOOK_PATH {
+    if cdi.hook_path == crate::spec::INSTALLED_HOOK_PATH {
         // The running program itself, through /proc/self/exe: its file may
         // have been replaced since it started (a package upgrade before the
         // restart), and a path would then name another build or nothing.
