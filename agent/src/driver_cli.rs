@@ -313,7 +313,7 @@ pub(crate) fn command(cli: &Cli, cmd: &DriverCommand) -> Result<ExitCode, Failur
             if let Some(d) = module_dir {
                 policy.driver.module_dir = Some(d.clone());
             }
-            let plan = driver::plan_load(&e.host, &policy, e.inv.as_ref(), &e.kernel, None)
+            let plan = driver::plan_load(&e.host, &policy.driver, e.inv.as_ref(), &e.kernel, None)
                 .map_err(map_driver)?;
             let out = driver::load(&e.host, &sys, &plan, policy.driver.on_param_mismatch)
                 .map_err(map_driver)?;
@@ -437,7 +437,7 @@ fn upgrade(e: &Env, sys: &dyn hostlib::Syscalls, name: &str) -> Result<ExitCode,
     let up = Upgrade {
         host: &e.host,
         sys,
-        policy: &e.policy,
+        driver: &e.policy.driver,
         inv: e.inv.as_ref(),
         kernel: &e.kernel,
         drain: &NothingAdvertised,

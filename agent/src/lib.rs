@@ -3,7 +3,6 @@
 //! binary is the CLI around it.
 
 pub mod caps;
-pub mod driver;
 pub mod health;
 pub mod labels;
 pub mod logging;
@@ -23,6 +22,7 @@ pub mod workload;
 pub use gpu_backend as backend;
 pub use gpu_backend::source;
 pub use gpu_cdi as cdi;
+pub use gpu_driver as driver;
 pub use gpu_grpc as grpc;
 pub use gpu_runtime as runtime;
 

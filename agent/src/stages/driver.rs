@@ -180,7 +180,7 @@ pub(super) fn driver_apply(
             let up = driver::Upgrade {
                 host: ctx.host,
                 sys: ctx.syscalls,
-                policy: ctx.policy,
+                driver: &ctx.policy.driver,
                 inv: Some(inv),
                 kernel: &kernel,
                 drain: ctx.drain.unwrap_or(&driver::NothingAdvertised),
@@ -205,7 +205,7 @@ pub(super) fn driver_apply(
             format!("driver {have} loaded"),
         );
     }
-    let plan = driver::plan_load(ctx.host, ctx.policy, Some(inv), &kernel, None)?;
+    let plan = driver::plan_load(ctx.host, &ctx.policy.driver, Some(inv), &kernel, None)?;
     if ctx.apply.is_none() {
         let todo: Vec<&str> = plan
             .specs

@@ -11,8 +11,11 @@ use kmod::bundle::{self, BundleError, Flavour};
 use kmod::devnodes::{self, NodeError};
 use kmod::modules::{self, Holder, LoadOutcome, ModuleError, ModuleSpec};
 
-use crate::inventory::Inventory;
-use crate::policy::{OnParamMismatch, Policy};
+pub mod spec;
+
+use gpu_model::inventory::Inventory;
+
+use crate::spec::{DriverSpec, OnParamMismatch};
 
 /// Errors of the driver stage and the `driver` commands.
 #[derive(Debug, thiserror::Error)]
@@ -68,11 +71,11 @@ pub fn running_kernel(sys: &HostRoot) -> Result<String, DriverError> {
 
 /// The module flavour to load, and why.
 pub fn choose_flavour(
-    policy: &Policy,
+    spec: &DriverSpec,
     inv: Option<&Inventory>,
     available: &[Flavour],
 ) -> Result<(Flavour, String), DriverError> {
-    let (flavour, why) = match policy.driver.use_open_kernel_modules {
+    let (flavour, why) = match spec.use_open_kernel_modules {
         Some(true) => (
             Flavour::Open,
             "spec.driver.useOpenKernelModules".to_string(),
@@ -136,13 +139,12 @@ pub struct LoadPlan {
 /// installed bundle `name` (default: `current`) for the running kernel.
 pub fn plan_load(
     host: &HostRoot,
-    policy: &Policy,
+    d: &DriverSpec,
     inv: Option<&Inventory>,
     kernel: &str,
     name: Option<&str>,
 ) -> Result<LoadPlan, DriverError> {
-    let d = &policy.driver;
-    let params = policy.module_params();
+    let params = d.module_params();
     if let (Some(dir), None) = (&d.module_dir, name) {
         return Ok(LoadPlan {
             specs: modules::plan(dir, d.drm, d.peermem, &params),
@@ -156,7 +158,7 @@ pub fn plan_load(
         None => bundle::current(host)?.ok_or(DriverError::NothingToLoad)?,
     };
     let manifest = bundle::read_installed(host, &name)?;
-    let (flavour, why) = choose_flavour(policy, inv, &manifest.flavours)?;
+    let (flavour, why) = choose_flavour(d, inv, &manifest.flavours)?;
     let dir = bundle::module_dir(&name, kernel, flavour);
     Ok(LoadPlan {
         specs: modules::plan(&dir, d.drm, d.peermem, &params),
@@ -468,7 +470,8 @@ pub fn wait_for_holders(host: &HostRoot, timeout: Duration) -> Result<(), Driver
 pub struct Upgrade<'a> {
     pub host: &'a HostRoot,
     pub sys: &'a dyn Syscalls,
-    pub policy: &'a Policy,
+    /// `spec.driver`.
+    pub driver: &'a DriverSpec,
     pub inv: Option<&'a Inventory>,
     pub kernel: &'a str,
     pub drain: &'a dyn Drain,
@@ -486,13 +489,8 @@ impl std::fmt::Debug for Upgrade<'_> {
 impl Upgrade<'_> {
     /// Loads bundle `name` (switched to current), makes the nodes, validates.
     fn bring_up(&self, name: &str) -> Result<String, DriverError> {
-        let plan = plan_load(self.host, self.policy, self.inv, self.kernel, Some(name))?;
-        load(
-            self.host,
-            self.sys,
-            &plan,
-            self.policy.driver.on_param_mismatch,
-        )?;
+        let plan = plan_load(self.host, self.driver, self.inv, self.kernel, Some(name))?;
+        load(self.host, self.sys, &plan, self.driver.on_param_mismatch)?;
         let nodes = plan_nodes(self.host, self.inv)?;
         devnodes::ensure(self.host, self.sys, &nodes)?;
         let want = plan.bundle.as_ref().map(|(_, v)| v.as_str());
@@ -511,7 +509,7 @@ impl Upgrade<'_> {
         tracing::info!(stage = "driver", to = %to, from = from.as_deref().unwrap_or("none"), drained = %drained, "upgrading the driver");
         wait_for_holders(
             self.host,
-            Duration::from_secs(self.policy.driver.upgrade_timeout_seconds),
+            Duration::from_secs(self.driver.upgrade_timeout_seconds),
         )?;
         modules::unload(self.host, self.sys, &all_modules())?;
         bundle::switch(self.host, to)?;
@@ -617,18 +615,18 @@ mod tests {
         // Without a controller nothing waits.
         assert!(!Rollout::default().gate(false).gated);
     }
-    use crate::backend::ComputeCapability;
-    use crate::test_support::sim_node;
+    use gpu_backend::test_support::sim_node;
+    use gpu_model::backend::ComputeCapability;
 
     fn inventory(node: &str) -> Inventory {
         let (_dir, sys, backend) = sim_node(node);
-        crate::inventory::discover(&sys, &backend)
+        gpu_backend::discover::discover(&sys, &backend)
     }
 
     #[test]
     fn flavour_follows_the_oldest_gpu_or_the_policy() {
         let both = [Flavour::Open, Flavour::Proprietary];
-        let policy = Policy::default();
+        let policy = DriverSpec::default();
         // T4 is Turing (7.5): open.
         let mut t4 = inventory("t4-4");
         let (f, why) = choose_flavour(&policy, Some(&t4), &both).unwrap();
@@ -649,8 +647,8 @@ mod tests {
         let (f, _) = choose_flavour(&policy, Some(&t4), &both).unwrap();
         assert_eq!(f, Flavour::Proprietary);
         // The policy decides when it says; a flavour the bundle lacks is refused.
-        let open =
-            Policy::from_yaml("spec:\n  driver: {useOpenKernelModules: true}\n", "p").unwrap();
+        let open = hostlib::strict::from_yaml::<DriverSpec>("{useOpenKernelModules: true}\n", "p")
+            .unwrap();
         assert_eq!(
             choose_flavour(&open, Some(&t4), &both).unwrap().0,
             Flavour::Open
