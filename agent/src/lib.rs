@@ -7,7 +7,6 @@ pub mod health;
 pub mod labels;
 pub mod logging;
 pub mod metrics;
-pub mod mig;
 pub mod plugin;
 pub mod policy;
 pub mod render;
@@ -24,6 +23,7 @@ pub use gpu_backend::source;
 pub use gpu_cdi as cdi;
 pub use gpu_driver as driver;
 pub use gpu_grpc as grpc;
+pub use gpu_mig as mig;
 pub use gpu_runtime as runtime;
 
 /// The one model of the node's GPUs (gpu-model's), and its discovery

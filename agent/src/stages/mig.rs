@@ -32,7 +32,7 @@ pub(super) fn mig_stage(ctx: &Context<'_>, inv: &Inventory) -> MigOutcome {
         status: st,
         changed: false,
     };
-    let (config, origin, layout) = match mig::selected(ctx.policy) {
+    let (config, origin, layout) = match mig::selected(&ctx.policy.mig_manager) {
         Err(e) => return done(StageState::Failed, e.to_string(), None),
         Ok(None) => {
             return done(

@@ -943,7 +943,8 @@ impl Supervisor {
         let plan = {
             let inv = self.st.inventory.as_ref()?;
             let control = self.opts.view.backend.mig_control()?;
-            let (config, origin, layout) = crate::mig::selected(&self.opts.policy).ok()??;
+            let (config, origin, layout) =
+                crate::mig::selected(&self.opts.policy.mig_manager).ok()??;
             crate::mig::plan(control, inv, &config, &origin, &layout).ok()?
         };
         if plan.is_noop() {

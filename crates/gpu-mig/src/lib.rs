@@ -11,8 +11,11 @@
 
 pub mod config;
 pub mod derive;
+pub mod spec;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+use gpu_backend::test_support;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -22,8 +25,8 @@ use hostlib::HostRoot;
 use hostlib::command::CommandRunner;
 use serde::{Deserialize, Serialize};
 
-use crate::inventory::{Gpu, Inventory};
 use config::{DeviceFilter, Devices, Entry, MigPartedConfig, ProfileKey};
+use gpu_model::inventory::{Gpu, Inventory};
 /// What MIG is to NVML (the [`MigControl`] trait the backends implement, its
 /// types) and the placement search are the model's.
 pub use gpu_model::mig::{
@@ -265,9 +268,8 @@ pub enum PlanError {
 /// The config and the layout the policy selects; `None` when no layout is
 /// selected (MIG is then left as it is).
 pub fn selected(
-    policy: &crate::policy::Policy,
+    m: &crate::spec::MigManagerSpec,
 ) -> Result<Option<(MigPartedConfig, String, String)>, PlanError> {
-    let m = &policy.mig_manager;
     let Some(layout) = m.selected_layout() else {
         return Ok(None);
     };
@@ -277,7 +279,7 @@ pub fn selected(
 
 /// The layouts: `spec.migManager.config.file`, `.inline`, else the built-in ones.
 pub fn load_config(
-    m: &crate::policy::MigManagerSpec,
+    m: &crate::spec::MigManagerSpec,
 ) -> Result<(MigPartedConfig, String), PlanError> {
     let c = m.config.as_ref();
     if let Some(path) = c.and_then(|c| c.file.as_ref()) {

@@ -120,7 +120,7 @@ pub fn entry(layout: &Generic, profiles: &[GiProfile]) -> Result<Entry, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mig::Placement;
+    use crate::Placement;
 
     fn profile(name: &str, slices: u32, memory_mib: u64, instances: u32) -> GiProfile {
         GiProfile {

@@ -167,7 +167,7 @@ struct Node {
 
 fn node(name: &str) -> Node {
     let (dir, host, backend) = sim_node(name);
-    let inv = crate::inventory::discover(&host, &backend);
+    let inv = gpu_backend::discover::discover(&host, &backend);
     let control = SimControl::new(name, &host);
     Node {
         _dir: dir,
@@ -435,7 +435,7 @@ fn indices_the_node_does_not_have_are_skipped_as_mig_parted_does() {
 fn operators_layouts() -> MigPartedConfig {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/upstream/gpu-operator/state-mig-manager_0400_configmap.yaml"
+        "/../../../shared/upstream/gpu-operator/state-mig-manager_0400_configmap.yaml"
     );
     let Ok(text) = std::fs::read_to_string(path) else {
         panic!("{path}: upstream's files are not there (CI has ../shared beside the checkout)");
