@@ -3,7 +3,6 @@
 //! binary is the CLI around it.
 
 pub mod caps;
-pub mod health;
 pub mod labels;
 pub mod logging;
 pub mod metrics;
@@ -23,6 +22,7 @@ pub use gpu_backend::source;
 pub use gpu_cdi as cdi;
 pub use gpu_driver as driver;
 pub use gpu_grpc as grpc;
+pub use gpu_health as health;
 pub use gpu_mig as mig;
 pub use gpu_runtime as runtime;
 

@@ -11,9 +11,9 @@ use std::path::Path;
 use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
-pub use crate::health::HealthSpec;
 pub use gpu_cdi::spec::{CdiSpec, INSTALLED_HOOK_PATH};
 pub use gpu_driver::spec::{DriverSpec, OnParamMismatch};
+pub use gpu_health::HealthSpec;
 pub use gpu_mig::spec::{MigManagerConfig, MigManagerSpec};
 pub use gpu_resources::config::{DevicePluginConfig, DevicePluginSpec, MigSpec, MigStrategy};
 pub use gpu_runtime::spec::{ContainerRuntime, ContainerdSpec, ReloadMode, ToolkitSpec};

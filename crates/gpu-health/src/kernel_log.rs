@@ -15,8 +15,8 @@ use hostlib::HostRoot;
 use tokio::sync::{mpsc, watch};
 
 use super::kmsg::{self, KernelXid, KmsgReader};
-use crate::backend::HealthEvent;
-use crate::inventory::Inventory;
+use gpu_model::backend::HealthEvent;
+use gpu_model::inventory::Inventory;
 
 /// The kernel timestamp (µs since boot) from which XIDs count: at start,
 /// now less the look-back; after each XID sent, just past it (a run that

@@ -12,6 +12,9 @@
 pub mod kernel_log;
 pub mod kmsg;
 
+#[cfg(test)]
+use gpu_backend::test_support;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -20,8 +23,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 
-use crate::backend::HealthEvent;
-use crate::inventory::Inventory;
+use gpu_model::backend::HealthEvent;
+use gpu_model::inventory::Inventory;
 
 /// XIDs NVIDIA's device plugin ignores by default (application errors and
 /// the like, not a sick GPU): 13, 31, 43, 45, 68, 109.
@@ -530,7 +533,7 @@ impl HealthMonitor {
         st.recent.insert(xid, (now, kernel));
         st.recent
             .retain(|_, (t, _)| now.saturating_duration_since(*t) <= SAME_EVENT_WINDOW);
-        crate::metrics::agent::xid(uuid, xid);
+        gpu_model::series::xid(uuid, xid);
         let advice = xid::describe(xid);
         let sev = self.policy.xid_severity(xid);
         let from = match source {
