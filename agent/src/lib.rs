@@ -5,7 +5,6 @@
 pub mod caps;
 pub mod labels;
 pub mod logging;
-pub mod metrics;
 pub mod plugin;
 pub mod policy;
 pub mod render;
@@ -23,6 +22,7 @@ pub use gpu_cdi as cdi;
 pub use gpu_driver as driver;
 pub use gpu_grpc as grpc;
 pub use gpu_health as health;
+pub use gpu_metrics as metrics;
 pub use gpu_mig as mig;
 pub use gpu_runtime as runtime;
 

@@ -6,6 +6,10 @@
 pub mod pods;
 pub mod render;
 pub mod server;
+pub mod spec;
+
+#[cfg(test)]
+use gpu_backend::test_support;
 
 /// The agent's own series and the field table are the model's.
 pub use gpu_model::{fields, series as agent};

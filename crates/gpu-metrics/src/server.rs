@@ -27,9 +27,9 @@ use tokio::sync::{Notify, watch};
 use super::fields::FieldSet;
 use super::pods::{self, PodMap};
 use super::render::{CONTENT_TYPE, Scrape, render};
-use crate::backend::{Sample, Sampler};
-use crate::inventory::Inventory;
-use crate::policy::{CountersConfig, DcgmExporterSpec};
+use crate::spec::{CountersConfig, DcgmExporterSpec};
+use gpu_model::backend::{Sample, Sampler};
+use gpu_model::inventory::Inventory;
 
 /// Sampling stops this long after the last scrape.
 pub const IDLE_AFTER: Duration = Duration::from_secs(300);
@@ -571,7 +571,7 @@ fn answer(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::GpuBackend;
+    use gpu_model::backend::GpuBackend;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn try_get(port: u16, request: &str) -> std::io::Result<String> {
@@ -615,7 +615,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn answers_get_on_its_paths_only_and_makes_room_by_closing_idle_connections() {
         let (_d, sys, backend) = crate::test_support::sim_node("a10g-1");
-        let inv = crate::inventory::discover(&sys, &backend);
+        let inv = gpu_backend::discover::discover(&sys, &backend);
         let spec = DcgmExporterSpec {
             listen: Some("127.0.0.1:0".into()),
             ..Default::default()

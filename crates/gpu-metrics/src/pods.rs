@@ -16,7 +16,7 @@ use gpu_agent_proto::podresources::v1::{
     pod_resources_lister_client::PodResourcesListerClient,
 };
 
-use crate::inventory::Inventory;
+use gpu_model::inventory::Inventory;
 
 /// The socket's host path.
 pub const POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -165,7 +165,7 @@ mod tests {
     #[test]
     fn replicas_renamed_resources_index_names_and_mig_devices_resolve() {
         let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
-        let inv = crate::inventory::discover(&sys, &backend);
+        let inv = gpu_backend::discover::discover(&sys, &backend);
         let gpu1 = inv.gpus[1].uuid.clone().unwrap();
         let mig0 = inv.gpus[0].mig_devices[2].clone();
         let list = ListPodResourcesResponse {

@@ -9,8 +9,8 @@ use prometheus::{Encoder, TextEncoder};
 use super::agent::AgentSeries;
 use super::fields::{FIELDS, Field, FieldSet, Kind};
 use super::pods::{PodMap, PodRef};
-use crate::backend::Sample;
-use crate::inventory::Inventory;
+use gpu_model::backend::Sample;
+use gpu_model::inventory::Inventory;
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -257,12 +257,12 @@ fn agent_families(a: &AgentSeries) -> Vec<MetricFamily> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::GpuBackend;
+    use gpu_model::backend::GpuBackend;
 
     #[test]
     fn a_type_the_counters_file_gives_is_the_type_exported() {
         let (_d, sys, backend) = crate::test_support::sim_node("t4-4");
-        let inv = crate::inventory::discover(&sys, &backend);
+        let inv = gpu_backend::discover::discover(&sys, &backend);
         let fields = FieldSet::parse(
             "DCGM_FI_DEV_GPU_TEMP, counter, t\nDCGM_FI_DEV_POWER_USAGE, gauge, p\nbad line\n",
             "c.csv",
@@ -291,7 +291,7 @@ mod tests {
     #[test]
     fn label_fields_ride_on_every_series_and_gpu_instances_have_their_gpm() {
         let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
-        let inv = crate::inventory::discover(&sys, &backend);
+        let inv = gpu_backend::discover::discover(&sys, &backend);
         let fields = FieldSet::parse(
             "DCGM_FI_DEV_GPU_TEMP, gauge, t\nDCGM_FI_PROF_SM_ACTIVE, gauge, s\n\
              DCGM_FI_PROF_PCIE_TX_BYTES, gauge, p\nDCGM_FI_DEV_VBIOS_VERSION, label, v\n\
@@ -362,7 +362,7 @@ mod tests {
     #[test]
     fn series_carry_dcgm_exporters_names_labels_and_pods() {
         let (_d, sys, backend) = crate::test_support::sim_node("h100-mig-2");
-        let inv = crate::inventory::discover(&sys, &backend);
+        let inv = gpu_backend::discover::discover(&sys, &backend);
         let fields = FieldSet::default();
         let sample = backend.sampler().unwrap().sample(&fields).unwrap();
         let gpu0 = inv.gpus[0].uuid.clone().unwrap();
