@@ -5,7 +5,6 @@
 pub mod caps;
 pub mod labels;
 pub mod logging;
-pub mod plugin;
 pub mod policy;
 pub mod render;
 pub mod report;
@@ -24,6 +23,7 @@ pub use gpu_grpc as grpc;
 pub use gpu_health as health;
 pub use gpu_metrics as metrics;
 pub use gpu_mig as mig;
+pub use gpu_plugin as plugin;
 pub use gpu_runtime as runtime;
 
 /// The one model of the node's GPUs (gpu-model's), and its discovery

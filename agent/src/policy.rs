@@ -542,6 +542,9 @@ fn remove_path(doc: &mut serde_yaml_ng::Value, path: &str) -> bool {
 }
 
 #[cfg(test)]
+mod settings_tests;
+
+#[cfg(test)]
 mod tests {
     #[test]
     fn a_cluster_policy_with_keys_gpu_agent_does_not_know_is_taken_naming_them() {

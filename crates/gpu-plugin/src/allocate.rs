@@ -253,7 +253,7 @@ pub fn container_response(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::{PluginSettings, build};
+    use crate::resources::{PluginSettings, build};
     use crate::test_support::inventory_of;
 
     fn gpu_resource() -> Resource {
@@ -430,7 +430,7 @@ mod tests {
 
     #[test]
     fn replicas_map_to_their_gpu_once_and_may_be_limited_to_one() {
-        let config = crate::plugin::config::PluginConfig::from_yaml(
+        let config = crate::config::PluginConfig::from_yaml(
             "version: v1\nsharing:\n  timeSlicing:\n    failRequestsGreaterThanOne: true\n    resources:\n    - {name: nvidia.com/gpu, replicas: 4}\n",
             "c",
         )
@@ -457,7 +457,7 @@ mod tests {
         yaml_resources: &str,
         strategies: Vec<DeviceListStrategy>,
     ) -> (Resource, PluginSettings) {
-        let config = crate::plugin::config::PluginConfig::from_yaml(
+        let config = crate::config::PluginConfig::from_yaml(
             &format!("version: v1\nsharing:\n  mps:\n{yaml_resources}"),
             "c",
         )

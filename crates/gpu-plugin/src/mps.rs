@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::resources::{PluginSettings, Resource};
-use crate::inventory::Inventory;
+use gpu_model::inventory::Inventory;
 
 /// The MPS control program on the host (the driver installs it here).
 pub const CONTROL_PROGRAM: &str = "/usr/bin/nvidia-cuda-mps-control";
@@ -219,8 +219,8 @@ pub fn plans(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::config::{MigStrategy, PluginConfig};
-    use crate::plugin::resources::build;
+    use crate::config::{MigStrategy, PluginConfig};
+    use crate::resources::build;
     use crate::test_support::inventory_of;
 
     fn settings(yaml: &str) -> PluginSettings {

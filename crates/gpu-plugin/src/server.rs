@@ -39,7 +39,7 @@ use tonic::{Request, Response, Status};
 use super::allocate;
 use super::preferred;
 use super::resources::{PluginSettings, Resource};
-use crate::inventory::Inventory;
+use gpu_model::inventory::Inventory;
 
 /// `ListAndWatch` streams one plugin server (one socket) serves at once;
 /// the next is refused with `ResourceExhausted`. The kubelet opens one per
@@ -339,7 +339,7 @@ impl DevicePlugin for PluginService {
                 Status::invalid_argument(e.to_string())
             })?;
             out.container_responses.push(resp);
-            crate::metrics::agent::allocated(&resource.name);
+            gpu_model::series::allocated(&resource.name);
         }
         tracing::info!(
             resource = %resource.name,
@@ -423,7 +423,7 @@ impl Stream for Counted {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::resources::build;
+    use crate::resources::build;
     use crate::test_support::inventory_of;
     use gpu_agent_proto::deviceplugin::v1beta1::ContainerAllocateRequest;
     use std::time::Duration;

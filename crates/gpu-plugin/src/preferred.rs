@@ -14,8 +14,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::config::AllocationPolicy;
 use super::resources::{PluginDevice, Resource};
-use crate::backend::PcieLevel;
-use crate::inventory::Inventory;
+use gpu_model::backend::PcieLevel;
+use gpu_model::inventory::Inventory;
 
 /// The most candidate sets scored exactly before falling back to greedy.
 pub const EXACT_LIMIT: u64 = 200_000;
@@ -279,8 +279,8 @@ fn replicas(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plugin::config::PluginConfig;
-    use crate::plugin::resources::{PluginSettings, build};
+    use crate::config::PluginConfig;
+    use crate::resources::{PluginSettings, build};
     use crate::test_support::inventory_of;
     use proptest::prelude::*;
 

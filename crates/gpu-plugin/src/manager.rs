@@ -42,8 +42,8 @@ use tonic::transport::server::Connected;
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
 use super::server::{ALLOCATE_WAIT, PluginService, Preparing};
-use crate::inventory::Inventory;
 use gpu_model::health::HealthView;
+use gpu_model::inventory::Inventory;
 
 /// The kubelet's socket name in its device-plugins directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
