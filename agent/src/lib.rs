@@ -12,7 +12,6 @@ pub mod stages;
 pub mod state;
 pub mod supervisor;
 pub mod uninstall;
-pub mod workload;
 
 /// The crates under `crates/`, under the module names they had in this crate.
 pub use gpu_backend as backend;
@@ -25,6 +24,7 @@ pub use gpu_metrics as metrics;
 pub use gpu_mig as mig;
 pub use gpu_plugin as plugin;
 pub use gpu_runtime as runtime;
+pub use gpu_workload as workload;
 
 /// The one model of the node's GPUs (gpu-model's), and its discovery
 /// (gpu-backend's): from sysfs, `/proc` and a GPU backend, once; every front
