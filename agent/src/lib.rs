@@ -7,7 +7,6 @@ pub mod labels;
 pub mod logging;
 pub mod policy;
 pub mod render;
-pub mod report;
 pub mod stages;
 pub mod state;
 pub mod supervisor;
@@ -23,6 +22,7 @@ pub use gpu_health as health;
 pub use gpu_metrics as metrics;
 pub use gpu_mig as mig;
 pub use gpu_plugin as plugin;
+pub use gpu_report as report;
 pub use gpu_runtime as runtime;
 pub use gpu_workload as workload;
 

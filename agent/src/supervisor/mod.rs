@@ -14,6 +14,7 @@
 mod mps;
 pub mod notify;
 mod policy_watch;
+mod report;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -1589,7 +1590,7 @@ impl Supervisor {
         if let Some(l) = labels {
             self.report_labels = l;
         }
-        crate::report::node_report(&self.st, &self.report_labels)
+        report::node_report(&self.st, &self.report_labels)
     }
 
     /// Hands the report task the node as it is now, if that changed; and
