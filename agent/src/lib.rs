@@ -3,7 +3,6 @@
 //! binary is the CLI around it.
 
 pub mod caps;
-pub mod labels;
 pub mod logging;
 pub mod policy;
 pub mod render;
@@ -19,6 +18,7 @@ pub use gpu_cdi as cdi;
 pub use gpu_driver as driver;
 pub use gpu_grpc as grpc;
 pub use gpu_health as health;
+pub use gpu_labels as labels;
 pub use gpu_metrics as metrics;
 pub use gpu_mig as mig;
 pub use gpu_plugin as plugin;

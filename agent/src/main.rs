@@ -367,7 +367,8 @@ fn labels(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let policy = load_policy(cli.policy.as_deref())?;
     let view = node_view(cli, &host)?;
     let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
-    let (labels, warnings) = gpu_agent::labels::node_labels_noted(&inv, &policy)?;
+    let (labels, warnings) =
+        gpu_agent::labels::node_labels_noted(&inv, &policy.device_plugin, policy.mig.strategy)?;
     for w in &warnings {
         eprintln!("warning: {w}");
     }

@@ -435,7 +435,7 @@ fn labels_of_a_simulated_node_are_its_golden_file() {
     assert_eq!(code, 0, "{err}");
     let golden = fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/golden/labels/h100-sxm-8.txt"
+        "/../crates/gpu-labels/tests/golden/labels/h100-sxm-8.txt"
     ))
     .unwrap();
     assert_eq!(out, golden);
@@ -468,7 +468,7 @@ fn labels_of_a_partly_shared_node_describe_each_resource() {
     assert_eq!(code, 0, "{err}");
     let golden = fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/golden/labels/mps-gpus-0-1.txt"
+        "/../crates/gpu-labels/tests/golden/labels/mps-gpus-0-1.txt"
     ))
     .unwrap();
     assert_eq!(out, golden);

@@ -203,7 +203,7 @@ fn mig_devices_same_through_nvml_and_simulation() {
     assert_eq!(code, 0, "{err}");
     let golden = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/golden/labels/mig-mixed.txt"
+        "/../crates/gpu-labels/tests/golden/labels/mig-mixed.txt"
     ))
     .unwrap();
     assert_eq!(out, golden);

@@ -28,7 +28,8 @@ fn current(host: &HostRoot, path: &str) -> Result<Option<Vec<u8>>, HostError> {
 
 /// What the file should hold, and how many labels that is.
 fn wanted(ctx: &Context<'_>, inv: &Inventory) -> Result<(Labels, String), LabelsError> {
-    let (labels, warnings) = crate::labels::node_labels_noted(inv, ctx.policy)?;
+    let (labels, warnings) =
+        crate::labels::node_labels_noted(inv, &ctx.policy.device_plugin, ctx.policy.mig.strategy)?;
     let text = crate::labels::render(&labels);
     tell(ctx, &warnings);
     Ok((labels, text))
@@ -203,7 +204,10 @@ mod tests {
     fn writes_once_then_leaves_an_unchanged_file_alone() {
         let f = Fixture::new("h100-sxm-8");
         let inv = f.inventory();
-        let want = crate::labels::render(&crate::labels::node_labels(&inv, &f.policy).unwrap());
+        let want = crate::labels::render(
+            &crate::labels::node_labels(&inv, &f.policy.device_plugin, f.policy.mig.strategy)
+                .unwrap(),
+        );
         let n = want.lines().count();
         assert_eq!(n, 27);
 

@@ -1582,9 +1582,12 @@ impl Supervisor {
     /// The node as the report tells it now.
     fn node_report(&mut self) -> gpu_agent_proto::report::v1::NodeReport {
         let labels = match &self.st.inventory {
-            Some(inv) if self.opts.policy.gfd.enabled => {
-                crate::labels::node_labels(inv, &self.opts.policy).ok()
-            }
+            Some(inv) if self.opts.policy.gfd.enabled => crate::labels::node_labels(
+                inv,
+                &self.opts.policy.device_plugin,
+                self.opts.policy.mig.strategy,
+            )
+            .ok(),
             _ => Some(Default::default()),
         };
         if let Some(l) = labels {

@@ -27,7 +27,7 @@
 use hostlib::vgpu::VgpuState;
 
 use super::Labels;
-use crate::inventory::Gpu;
+use gpu_model::inventory::Gpu;
 
 /// Puts the `nvidia.com/vgpu.*` labels of `gpus` into `out`.
 pub(super) fn labels(gpus: &[Gpu], out: &mut Labels) {
@@ -64,9 +64,9 @@ pub(super) fn labels(gpus: &[Gpu], out: &mut Labels) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::labels::node_labels;
-    use crate::policy::Policy;
+    use crate::node_labels;
     use crate::test_support::inventory_of;
+    use gpu_resources::config::DevicePluginSpec;
 
     fn guest(version: Option<&str>, branch: Option<&str>) -> Option<VgpuState> {
         Some(VgpuState::Guest {
@@ -85,7 +85,7 @@ mod tests {
             "{:?}",
             inv.gpus.iter().map(|g| &g.vgpu).collect::<Vec<_>>()
         );
-        let l = node_labels(&inv, &Policy::default()).unwrap();
+        let l = node_labels(&inv, &DevicePluginSpec::default(), None).unwrap();
         assert_eq!(l["nvidia.com/vgpu.present"], "false");
         assert!(!l.contains_key("nvidia.com/vgpu.host-driver-version"));
     }
@@ -102,10 +102,10 @@ mod tests {
         let desc = simnode::NodeDescription::from_yaml(&text, "vgpu node").unwrap();
         desc.materialize(dir.path()).unwrap();
         let root = hostlib::HostRoot::new(dir.path()).unwrap();
-        let backend = crate::backend::sim::SimulatedBackend::new(desc);
-        let inv = crate::inventory::discover(&root, &backend);
+        let backend = gpu_backend::sim::SimulatedBackend::new(desc);
+        let inv = gpu_backend::discover::discover(&root, &backend);
         assert_eq!(inv.gpus[0].vgpu, guest(Some("550.54.16"), Some("r550_00")));
-        let l = node_labels(&inv, &Policy::default()).unwrap();
+        let l = node_labels(&inv, &DevicePluginSpec::default(), None).unwrap();
         assert_eq!(l["nvidia.com/vgpu.present"], "true");
         assert_eq!(l["nvidia.com/vgpu.host-driver-version"], "550.54.16");
         assert_eq!(l["nvidia.com/vgpu.host-driver-branch"], "r550_00");
@@ -115,7 +115,7 @@ mod tests {
     #[test]
     fn unknown_is_not_false_and_the_last_vgpu_names_the_host() {
         let mut inv = inventory_of("t4-4");
-        let set = |inv: &mut crate::inventory::Inventory, states: [Option<VgpuState>; 4]| {
+        let set = |inv: &mut gpu_model::inventory::Inventory, states: [Option<VgpuState>; 4]| {
             for (g, s) in inv.gpus.iter_mut().zip(states) {
                 g.vgpu = s;
             }

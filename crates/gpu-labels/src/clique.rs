@@ -15,8 +15,8 @@
 use std::collections::BTreeSet;
 
 use super::Labels;
-use crate::backend::GpuFabric;
-use crate::inventory::Gpu;
+use gpu_model::backend::GpuFabric;
+use gpu_model::inventory::Gpu;
 
 /// Puts `nvidia.com/gpu.clique` into `out` when the attached GPUs agree.
 pub(super) fn labels(gpus: &[&Gpu], out: &mut Labels) {
@@ -32,9 +32,9 @@ pub(super) fn labels(gpus: &[&Gpu], out: &mut Labels) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::FabricState;
-    use crate::labels::node_labels;
-    use crate::policy::Policy;
+    use crate::node_labels;
+    use gpu_model::backend::FabricState;
+    use gpu_resources::config::DevicePluginSpec;
 
     const CLUSTER: &str = "5f8c2d1e-7a3b-4c9d-8e6f-0a1b2c3d4e5f";
 
@@ -48,10 +48,10 @@ mod tests {
     }
 
     /// The GB200-like fixture node: four fabric-attached GPUs of one clique.
-    fn gb200() -> crate::inventory::Inventory {
+    fn gb200() -> gpu_model::inventory::Inventory {
         let path = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../tests/fixtures/nodes/gb200-nvl-4.yaml"
+            "/../../tests/fixtures/nodes/gb200-nvl-4.yaml"
         );
         crate::test_support::inventory_of(path)
     }
@@ -60,7 +60,7 @@ mod tests {
     fn fabric_attached_gpus_name_their_clique() {
         let inv = gb200();
         assert!(inv.gpus.iter().all(|g| g.fabric.is_some()));
-        let l = node_labels(&inv, &Policy::default()).unwrap();
+        let l = node_labels(&inv, &DevicePluginSpec::default(), None).unwrap();
         assert_eq!(l["nvidia.com/gpu.clique"], format!("{CLUSTER}.32766"));
         assert!(inv.warnings.is_empty(), "{:?}", inv.warnings);
     }
@@ -70,7 +70,7 @@ mod tests {
         for node in ["h100-sxm-8", "t4-4", "a10g-1"] {
             let inv = crate::test_support::inventory_of(node);
             assert!(inv.gpus.iter().all(|g| g.fabric.is_none()), "{node}");
-            let l = node_labels(&inv, &Policy::default()).unwrap();
+            let l = node_labels(&inv, &DevicePluginSpec::default(), None).unwrap();
             assert!(!l.contains_key("nvidia.com/gpu.clique"), "{node}");
         }
     }
@@ -81,12 +81,12 @@ mod tests {
     fn only_completed_registrations_count_and_disagreement_gives_none() {
         let mut inv = gb200();
         let zero = "00000000-0000-0000-0000-000000000000";
-        let set = |inv: &mut crate::inventory::Inventory, f: [Option<GpuFabric>; 4]| {
+        let set = |inv: &mut gpu_model::inventory::Inventory, f: [Option<GpuFabric>; 4]| {
             for (g, f) in inv.gpus.iter_mut().zip(f) {
                 g.fabric = f;
             }
         };
-        let clique = |inv: &crate::inventory::Inventory| {
+        let clique = |inv: &gpu_model::inventory::Inventory| {
             let gpus: Vec<&Gpu> = inv.gpus.iter().collect();
             let mut l = Labels::new();
             labels(&gpus, &mut l);
@@ -129,7 +129,7 @@ mod tests {
                 ],
             );
             assert_eq!(clique(&inv), None);
-            let w = crate::inventory::clique_disagreement(&inv.gpus).unwrap();
+            let w = gpu_model::inventory::clique_disagreement(&inv.gpus).unwrap();
             assert!(
                 w.contains(&format!("{CLUSTER}.7")) && w.contains("no nvidia.com/gpu.clique"),
                 "{w}"

@@ -55,14 +55,16 @@
 
 use std::collections::BTreeMap;
 
-use crate::backend::{ComputeCapability, MigDevice};
-use crate::inventory::{Gpu, Inventory};
-use crate::policy::Policy;
-use gpu_resources::config::{MigStrategy, SharingStrategy};
+use gpu_model::backend::{ComputeCapability, MigDevice};
+use gpu_model::inventory::{Gpu, Inventory};
+use gpu_resources::config::{DevicePluginSpec, MigStrategy, SharingStrategy};
 use gpu_resources::resources::{self, GPU_RESOURCE, PluginSettings, Resource};
 
 mod clique;
 mod vgpu;
+
+#[cfg(test)]
+use gpu_backend::test_support;
 
 /// NFD's local feature file GFD writes (GFD's `--output-file` default), a
 /// host path.
@@ -165,18 +167,23 @@ impl std::fmt::Display for LabelWarning {
     }
 }
 
-/// The labels for this node under this policy (its MIG strategy and the
-/// device plugin's sharing config).
-pub fn node_labels(inv: &Inventory, policy: &Policy) -> Result<Labels, LabelsError> {
-    node_labels_noted(inv, policy).map(|(labels, _)| labels)
+/// The labels for this node under the policy's `spec.devicePlugin` (the
+/// device plugin's sharing config) and `spec.mig.strategy`.
+pub fn node_labels(
+    inv: &Inventory,
+    device_plugin: &DevicePluginSpec,
+    mig_strategy: Option<MigStrategy>,
+) -> Result<Labels, LabelsError> {
+    node_labels_noted(inv, device_plugin, mig_strategy).map(|(labels, _)| labels)
 }
 
 /// [`node_labels`], with what the labels could not say ([`LabelWarning`]).
 pub fn node_labels_noted(
     inv: &Inventory,
-    policy: &Policy,
+    device_plugin: &DevicePluginSpec,
+    mig_strategy: Option<MigStrategy>,
 ) -> Result<(Labels, Vec<LabelWarning>), LabelsError> {
-    let settings = gpu_resources::settings(&policy.device_plugin, policy.mig.strategy)?;
+    let settings = gpu_resources::settings(device_plugin, mig_strategy)?;
     if !inv.gpus.is_empty() && described(inv).next().is_none() {
         return Err(LabelsError::Undescribed {
             gpus: inv.gpus.len(),
@@ -759,8 +766,32 @@ mod tests {
 
     const GOLDEN_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/labels");
 
-    fn policy(yaml: &str) -> Policy {
-        Policy::from_yaml(yaml, "test policy").unwrap()
+    /// The policy's sections the labels read (`spec.devicePlugin`,
+    /// `spec.mig`), from a policy's YAML.
+    #[derive(Debug, Default, serde::Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub(crate) struct Sections {
+        #[serde(default)]
+        pub(crate) device_plugin: DevicePluginSpec,
+        #[serde(default)]
+        pub(crate) mig: gpu_resources::config::MigSpec,
+    }
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Doc {
+        spec: Sections,
+    }
+
+    /// [`super::node_labels`] under a policy's sections.
+    fn node_labels(inv: &Inventory, p: &Sections) -> Result<Labels, LabelsError> {
+        super::node_labels(inv, &p.device_plugin, p.mig.strategy)
+    }
+
+    fn policy(yaml: &str) -> Sections {
+        hostlib::strict::from_yaml::<Doc>(yaml, "test policy")
+            .unwrap()
+            .spec
     }
 
     const TIME_SLICING_4: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          timeSlicing:\n            resources:\n            - {name: nvidia.com/gpu, replicas: 4}\n";
@@ -772,7 +803,7 @@ mod tests {
     const MPS_GPUS_0_1: &str = "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          mps:\n            resources:\n            - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.mps}\n";
 
     /// A policy with `sharing.<kind>` holding `entries` (YAML flow maps).
-    fn sharing(kind: &str, entries: &[&str]) -> Policy {
+    fn sharing(kind: &str, entries: &[&str]) -> Sections {
         let mut y = format!(
             "spec:\n  devicePlugin:\n    config:\n      inline:\n        version: v1\n        sharing:\n          {kind}:\n            resources:\n"
         );
@@ -783,19 +814,23 @@ mod tests {
     }
 
     /// (golden file, node, policy).
-    fn cases() -> Vec<(&'static str, String, Policy)> {
+    fn cases() -> Vec<(&'static str, String, Sections)> {
         let single_node = format!("{GOLDEN_DIR}/h100-mig-single-2.yaml");
         vec![
-            ("h100-sxm-8", "h100-sxm-8".into(), Policy::default()),
-            ("a10g-1", "a10g-1".into(), Policy::default()),
-            ("t4-4", "t4-4".into(), Policy::default()),
-            ("mig-single", single_node, Policy::default()),
+            ("h100-sxm-8", "h100-sxm-8".into(), Sections::default()),
+            ("a10g-1", "a10g-1".into(), Sections::default()),
+            ("t4-4", "t4-4".into(), Sections::default()),
+            ("mig-single", single_node, Sections::default()),
             (
                 "mig-mixed",
                 "h100-mig-2".into(),
                 policy("spec:\n  mig:\n    strategy: mixed\n"),
             ),
-            ("mig-single-invalid", "h100-mig-2".into(), Policy::default()),
+            (
+                "mig-single-invalid",
+                "h100-mig-2".into(),
+                Sections::default(),
+            ),
             ("time-slicing-shared", "t4-4".into(), policy(TIME_SLICING_4)),
             (
                 "time-slicing-renamed",
@@ -810,7 +845,7 @@ mod tests {
     /// Every resource the device plugin advertises has labels under its
     /// name that agree with it: `count` GPUs (or MIG devices) of `replicas`
     /// devices each.
-    fn assert_labels_describe_the_plugins_resources(node: &str, p: &Policy) -> Labels {
+    fn assert_labels_describe_the_plugins_resources(node: &str, p: &Sections) -> Labels {
         let inv = inventory_of(node);
         let l = node_labels(&inv, p).unwrap();
         let settings = gpu_resources::settings(&p.device_plugin, p.mig.strategy).unwrap();
@@ -835,7 +870,7 @@ mod tests {
         l
     }
 
-    fn labels_of(node: &str, p: &Policy) -> Labels {
+    fn labels_of(node: &str, p: &Sections) -> Labels {
         node_labels(&inventory_of(node), p).unwrap()
     }
 
@@ -864,7 +899,7 @@ mod tests {
 
     #[test]
     fn whole_gpus_as_gfd_labels_them() {
-        let l = labels_of("h100-sxm-8", &Policy::default());
+        let l = labels_of("h100-sxm-8", &Sections::default());
         let get = |k: &str| l.get(&format!("nvidia.com/{k}")).map(String::as_str);
         assert_eq!(get("gpu.product"), Some("NVIDIA-H100-80GB-HBM3"));
         assert_eq!(get("gpu.count"), Some("8"));
@@ -1161,7 +1196,7 @@ mod tests {
     fn mig_single_mixed_and_invalid() {
         let single = labels_of(
             &format!("{GOLDEN_DIR}/h100-mig-single-2.yaml"),
-            &Policy::default(),
+            &Sections::default(),
         );
         assert_eq!(
             single["nvidia.com/gpu.product"],
@@ -1171,7 +1206,7 @@ mod tests {
         assert_eq!(single["nvidia.com/gpu.memory"], "9856");
         assert_eq!(single["nvidia.com/gpu.engines.decoder"], "1");
         assert_eq!(single["nvidia.com/gpu.family"], "hopper");
-        let invalid = labels_of("h100-mig-2", &Policy::default());
+        let invalid = labels_of("h100-mig-2", &Sections::default());
         assert_eq!(
             invalid["nvidia.com/gpu.product"],
             "NVIDIA-H100-80GB-HBM3-MIG-INVALID"
@@ -1199,7 +1234,7 @@ mod tests {
 
     #[test]
     fn no_gpu_no_labels() {
-        assert!(labels_of("no-gpu", &Policy::default()).is_empty());
+        assert!(labels_of("no-gpu", &Sections::default()).is_empty());
         assert_eq!(render(&Labels::new()), "");
     }
 
