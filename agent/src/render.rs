@@ -316,7 +316,7 @@ pub fn health(
 }
 
 /// The supervised tasks.
-pub fn tasks(tasks: &[crate::supervisor::TaskStatus]) -> String {
+pub fn tasks(tasks: &[crate::state::TaskStatus]) -> String {
     let rows: Vec<Vec<String>> = tasks
         .iter()
         .map(|t| {

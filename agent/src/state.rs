@@ -71,7 +71,7 @@ pub struct AgentState {
     pub health: Vec<GpuHealth>,
     /// The supervised tasks (device plugin, health, kernel log).
     #[serde(default)]
-    pub tasks: Vec<crate::supervisor::TaskStatus>,
+    pub tasks: Vec<TaskStatus>,
     /// Every enabled stage validated (READY for systemd and probes).
     #[serde(default)]
     pub ready: bool,
@@ -109,6 +109,21 @@ pub enum StateError {
     Host(#[from] HostError),
     #[error("{path}: not a gpu-agent state file: {message}")]
     Parse { path: String, message: String },
+}
+
+/// One supervised task, for `status`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskStatus {
+    pub name: String,
+    pub running: bool,
+    /// Times it was started again after failing.
+    pub restarts: u32,
+    /// Why it last stopped, if it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Unix seconds of the next start, while waiting to restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_at: Option<u64>,
 }
 
 /// Is the agent that wrote the state still there?

@@ -22,7 +22,7 @@ fn status(layout: &str, state: MigConfigState, detail: &str) -> Option<MigStatus
         layout: layout.to_string(),
         state,
         detail: detail.to_string(),
-        since: crate::state::now(),
+        since: gpu_model::util::now(),
     })
 }
 

@@ -565,7 +565,7 @@ fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> 
                 layout: layout.to_string(),
                 state: crate::mig::MigConfigState::Pending,
                 detail: gated.1.clone(),
-                since: crate::state::now(),
+                since: gpu_model::util::now(),
             });
         }
         gated

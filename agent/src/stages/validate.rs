@@ -33,7 +33,7 @@ pub(super) fn validate_stage(
     stages: &mut [StageStatus],
 ) -> (StageState, String) {
     let started = std::time::Instant::now();
-    let now = crate::state::now();
+    let now = gpu_model::util::now();
     let mut checked = Vec::new();
     let mut failed = Vec::new();
     for st in stages.iter_mut() {
@@ -81,7 +81,7 @@ pub(super) fn validate_stage(
 /// Checks again those of `stages` named in `which` that are done, as the
 /// validate stage would (the reconcile bench times every check this way).
 pub fn revalidate(ctx: &Context<'_>, inv: &Inventory, stages: &mut [StageStatus], which: &[Stage]) {
-    let now = crate::state::now();
+    let now = gpu_model::util::now();
     for st in stages.iter_mut().filter(|s| which.contains(&s.stage)) {
         if let Some(r) = check(ctx, inv, st) {
             let (ok, detail) = match r {
@@ -117,7 +117,7 @@ pub(super) fn validate_late(ctx: &Context<'_>, inv: &Inventory, st: &mut StageSt
         st.validation = Some(Validation {
             ok,
             detail,
-            since: crate::state::now(),
+            since: gpu_model::util::now(),
         });
     }
 }
@@ -180,7 +180,7 @@ pub fn plugin_validation(board: &[ResourceStatus]) -> Validation {
                 board.len()
             )
         },
-        since: crate::state::now(),
+        since: gpu_model::util::now(),
     }
 }
 

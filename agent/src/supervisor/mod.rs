@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hostlib::HostRoot;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 use tokio::time::Instant;
 
@@ -82,20 +81,8 @@ pub enum SupervisorError {
     Signals(#[source] std::io::Error),
 }
 
-/// One supervised task, for `status`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TaskStatus {
-    pub name: String,
-    pub running: bool,
-    /// Times it was started again after failing.
-    pub restarts: u32,
-    /// Why it last stopped, if it failed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_error: Option<String>,
-    /// Unix seconds of the next start, while waiting to restart.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restart_at: Option<u64>,
-}
+/// One supervised task, for `status` (the state file's type).
+pub use crate::state::TaskStatus;
 
 /// The host-files lock for a pass, waited for while another process holds
 /// it (its pid and what it does are logged). `None` when it cannot be
