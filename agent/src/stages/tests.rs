@@ -1,4 +1,5 @@
 use super::*;
+use crate::caps::Capability;
 use crate::test_support::sim_node;
 
 fn pass(policy: &Policy, caps: &HeldCaps) -> Pass {
