@@ -1,7 +1,8 @@
 //! The `cdi` stage: the CDI spec (`nvidia.com/gpu`) for every GPU, MIG
 //! device and `all`, written when it differs from what is on the host.
 
-use super::{Context, StageState, undescribed};
+use super::context::{Context, undescribed};
+use super::status::StageState;
 use crate::inventory::Inventory;
 
 /// Generates the CDI spec from the inventory (driver files looked up where

@@ -1,7 +1,8 @@
 //! The `devnodes` stage: `/dev/nvidia*`, `/dev/nvidia-caps/*` and the
 //! `/dev/char` links, made when missing or wrong.
 
-use super::{Context, StageState};
+use super::context::Context;
+use super::status::StageState;
 use crate::inventory::Inventory;
 
 /// `/dev/nvidia*` and `/dev/char` links for the loaded driver (also in the

@@ -39,18 +39,18 @@ pub(super) fn discover_detail(inv: &Inventory) -> String {
 /// read is a warning naming it, and the stages that need what it holds say
 /// so themselves.
 pub(super) fn discover_stage(
-    ctx: &super::Context<'_>,
-) -> ((super::StageState, String), Option<Inventory>) {
+    ctx: &super::context::Context<'_>,
+) -> ((super::status::StageState, String), Option<Inventory>) {
     let inv = crate::inventory::discover(ctx.sys, ctx.backend);
     let detail = discover_detail(&inv);
     log_discovery(ctx.logged, &inv);
-    ((super::StageState::Done, detail), Some(inv))
+    ((super::status::StageState::Done, detail), Some(inv))
 }
 
 /// Logs discovery's warnings and the GPUs found: with the running agent's
 /// memory only what is new since its last pass (and the GPUs no longer
 /// found), without it everything.
-fn log_discovery(logged: Option<&super::LogMemory>, inv: &Inventory) {
+fn log_discovery(logged: Option<&super::context::LogMemory>, inv: &Inventory) {
     let warnings: Vec<&String> = match logged {
         Some(m) => m.new_warnings(&inv.warnings),
         None => inv.warnings.iter().collect(),
@@ -58,11 +58,11 @@ fn log_discovery(logged: Option<&super::LogMemory>, inv: &Inventory) {
     for w in warnings {
         tracing::warn!(stage = "discover", "{w}");
     }
-    let now: std::collections::BTreeMap<String, super::GpuSaid> = inv
+    let now: std::collections::BTreeMap<String, super::context::GpuSaid> = inv
         .gpus
         .iter()
         .map(|g| {
-            let said = super::GpuSaid {
+            let said = super::context::GpuSaid {
                 id: g.id(),
                 model: g.model.clone().unwrap_or_else(|| "unknown".into()),
             };

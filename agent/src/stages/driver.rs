@@ -1,7 +1,8 @@
 //! The `driver` stage: the host's driver recorded, or gpu-agent's bundle
 //! installed and its modules loaded (an upgrade when the version differs).
 
-use super::{Context, StageState};
+use super::context::Context;
+use super::status::StageState;
 use crate::inventory::Inventory;
 
 /// The driver: the host's (`spec.driver.enabled: false`: recorded, no

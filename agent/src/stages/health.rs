@@ -1,7 +1,9 @@
 //! The `health` stage: what the health monitor watches, and its live
 //! verdict for `status`.
 
-use super::{Stage, StageState, StageStatus, undescribed};
+use super::context::undescribed;
+use super::stage::Stage;
+use super::status::{StageState, StageStatus};
 use crate::health::GpuHealth;
 use crate::inventory::Inventory;
 use crate::policy::Policy;

@@ -6,7 +6,8 @@ use std::io::Read;
 
 use hostlib::{HostError, HostRoot};
 
-use super::{Context, StageState};
+use super::context::Context;
+use super::status::StageState;
 use crate::inventory::Inventory;
 use crate::labels::{FEATURES_FILE, LabelWarning, Labels, LabelsError};
 

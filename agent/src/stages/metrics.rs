@@ -2,7 +2,7 @@
 //! interval), checked against the policy; the running agent's exporter task
 //! (`metrics::server`) then reports that it serves.
 
-use super::StageState;
+use super::status::StageState;
 use crate::inventory::Inventory;
 use crate::metrics::server::ExporterConfig;
 use crate::policy::Policy;
@@ -16,7 +16,10 @@ pub(super) fn metrics_plan(inv: &Inventory, policy: &Policy) -> (StageState, Str
             .iter()
             .any(|g| g.uuid.is_some() && g.index.is_some())
     {
-        return (StageState::Waiting, super::undescribed(inv, "sampled"));
+        return (
+            StageState::Waiting,
+            super::context::undescribed(inv, "sampled"),
+        );
     }
     match ExporterConfig::from_spec(&policy.dcgm_exporter) {
         Err(e) => (StageState::Failed, e.to_string()),

@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use super::{Context, StageState};
+use super::context::Context;
+use super::status::StageState;
 use crate::inventory::Inventory;
 use crate::mig::{self, Applied, ApplyEnv, MigConfigState, MigStatus};
 

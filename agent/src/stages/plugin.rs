@@ -1,7 +1,8 @@
 //! The `plugin` stage: the resources the device plugin advertises, and
 //! the running plugins' registration for `status`.
 
-use super::{Stage, StageState, StageStatus};
+use super::stage::Stage;
+use super::status::{StageState, StageStatus};
 use crate::plugin::manager::ResourceStatus;
 use crate::policy::Policy;
 
@@ -44,10 +45,10 @@ pub fn apply_plugin_status(stages: &mut [StageStatus], board: &[ResourceStatus])
 /// What the device plugin will advertise (`ready`: a running agent serves
 /// it); `no_cdi`: why the runtime will not inject CDI devices, if it will not.
 pub(super) fn plugin_stage(
-    ctx: &super::Context<'_>,
+    ctx: &super::context::Context<'_>,
     inv: &crate::inventory::Inventory,
     no_cdi: Option<&str>,
-) -> ((StageState, String), Option<super::PluginPlan>) {
+) -> ((StageState, String), Option<super::status::PluginPlan>) {
     let settings = match crate::plugin::settings(&ctx.policy.device_plugin, ctx.policy.mig.strategy)
     {
         Ok(s) => s,
@@ -65,12 +66,15 @@ pub(super) fn plugin_stage(
     }
     match crate::plugin::resources::build(inv, &settings) {
         Ok(resources) if resources.is_empty() && !inv.gpus.is_empty() => (
-            (StageState::Waiting, super::undescribed(inv, "advertised")),
+            (
+                StageState::Waiting,
+                super::context::undescribed(inv, "advertised"),
+            ),
             None,
         ),
         Ok(resources) => {
             let cdi_names = settings.hands_out_cdi_names();
-            let plan = super::PluginPlan {
+            let plan = super::status::PluginPlan {
                 settings,
                 resources,
             };

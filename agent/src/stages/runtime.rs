@@ -1,7 +1,8 @@
 //! The `runtime` stage: containerd / CRI-O / Docker configured for the
 //! `nvidia` runtime and CDI; reloaded only when a file changed.
 
-use super::{Context, StageState};
+use super::context::Context;
+use super::status::StageState;
 use crate::policy::ContainerRuntime;
 use crate::runtime;
 

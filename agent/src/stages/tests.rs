@@ -1,6 +1,11 @@
+use super::pass::gate;
 use super::*;
+use crate::backend::GpuBackend;
 use crate::caps::Capability;
+use crate::caps::HeldCaps;
+use crate::policy::Policy;
 use crate::test_support::sim_node;
+use hostlib::HostRoot;
 
 fn pass(policy: &Policy, caps: &HeldCaps) -> Pass {
     let (_dir, sys, backend) = sim_node("h100-sxm-8");

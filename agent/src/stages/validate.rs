@@ -19,7 +19,9 @@
 //! - labels (right after it runs, being later in the order): NFD's feature
 //!   file holds exactly the node's labels.
 
-use super::{Context, Stage, StageState, StageStatus, Validation};
+use super::context::Context;
+use super::stage::Stage;
+use super::status::{StageState, StageStatus, Validation};
 use crate::inventory::Inventory;
 use crate::plugin::manager::ResourceStatus;
 use crate::policy::Policy;
