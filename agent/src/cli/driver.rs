@@ -12,7 +12,8 @@ use hostlib::managed::{HostFilesLock, ManagedError};
 use kmod::bundle::{self, BundleError, Progress};
 use kmod::modules::{self, LoadOutcome};
 
-use super::{Cli, Failure, bad_input, host_root, load_policy, node_view};
+use super::{Failure, bad_input, host_root, load_policy, node_view};
+use crate::Cli;
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum DriverCommand {

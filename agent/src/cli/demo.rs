@@ -14,7 +14,7 @@ use gpu_agent::state::{self, AgentState};
 use hostlib::HostRoot;
 use simnode::NodeDescription;
 
-use crate::{StatusReport, status_text};
+use super::status::{StatusReport, status_text};
 use gpu_agent::supervisor::{RunningHealth, RunningPlugin};
 
 pub fn run(node: &str, keep: bool, out: &mut dyn Write) -> anyhow::Result<()> {
