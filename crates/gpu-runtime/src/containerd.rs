@@ -25,7 +25,8 @@ use std::fmt;
 use hostlib::HostRoot;
 use toml_edit::{DocumentMut, Item, Table, value};
 
-use super::{FileChange, RuntimeError};
+use crate::change::FileChange;
+use crate::error::RuntimeError;
 
 /// containerd's version, `1.6.20`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

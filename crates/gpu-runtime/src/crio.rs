@@ -8,7 +8,8 @@
 use hostlib::HostRoot;
 use toml_edit::{DocumentMut, Item, Table, value};
 
-use super::{FileChange, RuntimeError};
+use crate::change::FileChange;
+use crate::error::RuntimeError;
 
 /// What to configure.
 #[derive(Clone, Debug, PartialEq, Eq)]

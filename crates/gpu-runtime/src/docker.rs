@@ -6,7 +6,8 @@
 use hostlib::HostRoot;
 use serde_json::{Map, Value, json};
 
-use super::{FileChange, RuntimeError};
+use crate::change::FileChange;
+use crate::error::RuntimeError;
 
 /// What to configure.
 #[derive(Clone, Debug, PartialEq, Eq)]

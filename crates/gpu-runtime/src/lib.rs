@@ -16,16 +16,20 @@
 //! - Docker reloads `runtimes` and `features` from daemon.json on SIGHUP
 //!   (`signal`), or restarts (`systemctl restart docker`).
 
+pub mod change;
 pub mod containerd;
 pub mod crio;
 pub mod docker;
+pub mod error;
 pub mod spec;
 
 use hostlib::HostRoot;
 use hostlib::Syscalls;
-use hostlib::command::{CommandError, CommandRunner};
-use hostlib::managed::{ManagedError, ManagedFiles, Restored};
+use hostlib::command::CommandRunner;
+use hostlib::managed::{ManagedFiles, Restored};
 
+pub use change::FileChange;
+pub use error::RuntimeError;
 pub use spec::{ContainerRuntime, ReloadMode, ToolkitSpec};
 
 /// What the policy wants of the container runtime (the agent's
@@ -40,80 +44,6 @@ pub struct Wanted<'a> {
     pub toolkit: &'a ToolkitSpec,
     /// `spec.cdi.enabled`: the runtime should inject CDI devices.
     pub enable_cdi: bool,
-}
-
-/// One file's planned change.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FileChange {
-    /// Host path.
-    pub path: String,
-    /// `None`: the file does not exist yet.
-    pub before: Option<String>,
-    pub after: String,
-}
-
-impl FileChange {
-    pub fn new(path: &str, before: Option<String>, after: String) -> Self {
-        FileChange {
-            path: path.to_string(),
-            before,
-            after,
-        }
-    }
-
-    pub fn changes_anything(&self) -> bool {
-        self.before.as_deref() != Some(self.after.as_str())
-    }
-
-    /// A unified diff (`--- a/<path>` / `+++ b/<path>`).
-    pub fn diff(&self) -> String {
-        let before = self.before.as_deref().unwrap_or("");
-        let old = if self.before.is_some() {
-            format!("a{}", self.path)
-        } else {
-            "/dev/null".to_string()
-        };
-        similar::TextDiff::from_lines(before, &self.after)
-            .unified_diff()
-            .context_radius(3)
-            .header(&old, &format!("b{}", self.path))
-            .to_string()
-    }
-}
-
-/// Errors configuring a runtime. Each names the file (and line) or says
-/// plainly what is missing on the host.
-#[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    #[error(transparent)]
-    Host(hostlib::HostError),
-    #[error("{path}:{line}:{column}: not valid TOML: {message}")]
-    Parse {
-        path: String,
-        line: usize,
-        column: usize,
-        message: String,
-    },
-    #[error("{path}:{line}:{column}: {key}: {message}")]
-    Invalid {
-        path: String,
-        line: usize,
-        column: usize,
-        key: String,
-        message: String,
-    },
-    #[error("{0}")]
-    NoInjection(String),
-    #[error(transparent)]
-    Managed(#[from] ManagedError),
-    #[error("reloading {runtime}: {source}")]
-    Reload {
-        runtime: String,
-        #[source]
-        source: CommandError,
-    },
-    #[error("{0}")]
-    ReloadMode(String),
 }
 
 /// Where the host's NVIDIA container runtime may be.
