@@ -12,14 +12,13 @@
 //! than "not supported") fails GFD's whole relabel; gpu-agent logs it and
 //! counts that GPU as not attached.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
-use super::Labels;
 use gpu_model::backend::GpuFabric;
 use gpu_model::inventory::Gpu;
 
 /// Puts `nvidia.com/gpu.clique` into `out` when the attached GPUs agree.
-pub(super) fn labels(gpus: &[&Gpu], out: &mut Labels) {
+pub(super) fn labels(gpus: &[&Gpu], out: &mut BTreeMap<String, String>) {
     let cliques: BTreeSet<String> = gpus
         .iter()
         .filter_map(|g| g.fabric.as_ref().and_then(GpuFabric::clique))
@@ -88,7 +87,7 @@ mod tests {
         };
         let clique = |inv: &gpu_model::inventory::Inventory| {
             let gpus: Vec<&Gpu> = inv.gpus.iter().collect();
-            let mut l = Labels::new();
+            let mut l = BTreeMap::new();
             labels(&gpus, &mut l);
             l.get("nvidia.com/gpu.clique").cloned()
         };

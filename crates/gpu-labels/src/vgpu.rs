@@ -24,13 +24,14 @@
 //! - GFD reads every NVIDIA PCI function (audio, NVSwitch); gpu-agent reads
 //!   the GPUs', the only functions a vGPU is.
 
+use std::collections::BTreeMap;
+
 use hostlib::vgpu::VgpuState;
 
-use super::Labels;
 use gpu_model::inventory::Gpu;
 
 /// Puts the `nvidia.com/vgpu.*` labels of `gpus` into `out`.
-pub(super) fn labels(gpus: &[Gpu], out: &mut Labels) {
+pub(super) fn labels(gpus: &[Gpu], out: &mut BTreeMap<String, String>) {
     let mut present = Some(false);
     let mut host = (None, None);
     for g in gpus {
@@ -123,7 +124,7 @@ mod tests {
         let phys = || Some(VgpuState::Physical);
         // One GPU's configuration space unreadable: unknown, no label.
         set(&mut inv, [phys(), None, phys(), phys()]);
-        let mut l = Labels::new();
+        let mut l = BTreeMap::new();
         labels(&inv.gpus, &mut l);
         assert!(l.is_empty(), "{l:?}");
         // A vGPU beside it: present, whatever the unknown one is.
@@ -136,7 +137,7 @@ mod tests {
                 guest(None, None),
             ],
         );
-        let mut l = Labels::new();
+        let mut l = BTreeMap::new();
         labels(&inv.gpus, &mut l);
         assert_eq!(l["nvidia.com/vgpu.present"], "true");
         assert_eq!(l["nvidia.com/vgpu.host-driver-version"], "550.54.16");
@@ -146,7 +147,7 @@ mod tests {
             &mut inv,
             [guest(None, Some("r550_00")), phys(), phys(), phys()],
         );
-        let mut l = Labels::new();
+        let mut l = BTreeMap::new();
         labels(&inv.gpus, &mut l);
         assert_eq!(l.len(), 1, "{l:?}");
         assert_eq!(l["nvidia.com/vgpu.present"], "true");
