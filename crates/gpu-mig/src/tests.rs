@@ -1,12 +1,16 @@
 //! The planner and applier against simnode's MIG state machine (the same
 //! one the fake libnvidia-ml serves), through an in-memory [`MigControl`].
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use gpu_model::inventory::Inventory;
+use hostlib::HostRoot;
 use hostlib::command::RecordingRunner;
 use simnode::mig::state::{GpuMig, MigError as SimError};
 
 use super::*;
+use crate::config::MigPartedConfig;
 use crate::test_support::sim_node;
 
 /// simnode's MIG state behind the [`MigControl`] trait. A GPU reset is
