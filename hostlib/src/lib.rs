@@ -15,6 +15,7 @@ pub mod procfiles;
 pub mod root;
 pub mod strict;
 pub mod syscalls;
+pub mod unreadable;
 pub mod vgpu;
 
 pub use driver::{DriverFlavour, DriverState, LoadedModule, Unreadable};

@@ -257,7 +257,7 @@ fn read_function(
 
 impl PciError {
     /// The file this error is about, and what went wrong with it.
-    pub fn unreadable(&self) -> crate::driver::Unreadable {
+    pub fn unreadable(&self) -> crate::unreadable::Unreadable {
         let (path, message) = match self {
             PciError::List(e) | PciError::Read(e) => match e {
                 HostError::Io { path, source } => (path.clone(), source.to_string()),
@@ -275,7 +275,7 @@ impl PciError {
                 ),
             ),
         };
-        crate::driver::Unreadable {
+        crate::unreadable::Unreadable {
             path,
             line: None,
             message,
