@@ -2,7 +2,19 @@
 //! sandbox and the container, waiting for the container to exit, reading its
 //! log, and the cleanup.
 
-use super::*;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use gpu_agent_proto::cri::v1 as cri;
+use gpu_agent_proto::cri::v1::runtime_service_client::RuntimeServiceClient;
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::check::{
+    CLEANUP_GRACE, LABEL, LABEL_VALUE, LINE_PREFIX, POD_NAMESPACE, POLL_FIRST, POLL_MAX, SCRIPT,
+    WorkloadCheck, WorkloadError,
+};
 
 /// What a finished container gave.
 pub(super) struct Ran {

@@ -1,4 +1,6 @@
 use super::*;
+use gpu_model::cdi;
+use hostlib::HostRoot;
 
 fn facts(name: &str, version: &str, cdi: Option<bool>) -> RuntimeFacts {
     RuntimeFacts {
