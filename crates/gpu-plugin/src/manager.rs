@@ -23,21 +23,16 @@
 //! "plugin server for <socket> stopped", with how and how long it took.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hostlib::HostRoot;
 use inotify::{EventMask, Inotify, WatchMask};
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{Notify, mpsc, watch};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tokio_stream::StreamExt;
-use tonic::transport::server::Connected;
 
 use super::kubelet;
 use super::resources::{PluginSettings, Resource};
@@ -48,6 +43,7 @@ use gpu_model::inventory::Inventory;
 mod serving;
 
 use serving::Server;
+pub use serving::{CUT_GRACE, STOP_GRACE};
 
 /// The kubelet's socket name in its device-plugins directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
@@ -56,13 +52,6 @@ pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
 const FIRST_RETRY: Duration = Duration::from_millis(2);
 const MAX_RETRY: Duration = Duration::from_secs(30);
-/// How long a stopped plugin server's clients have to read the end of
-/// their streams and let their calls finish; then its connections are cut.
-pub const STOP_GRACE: Duration = Duration::from_secs(2);
-/// How long after the cut the server's task may still take; then it is
-/// aborted. A stop takes at most `STOP_GRACE + CUT_GRACE`.
-pub const CUT_GRACE: Duration = Duration::from_secs(1);
-
 /// What `status` shows of one resource.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResourceStatus {

@@ -2,7 +2,26 @@
 //! to drain, then to cut its connections ([`Cut`]: reads see EOF, writes
 //! fail), then aborted.
 
-use super::*;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::StreamExt;
+use tonic::transport::server::Connected;
+
+use crate::server::PluginService;
+
+/// How long a stopped plugin server's clients have to read the end of
+/// their streams and let their calls finish; then its connections are cut.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long after the cut the server's task may still take; then it is
+/// aborted. A stop takes at most `STOP_GRACE + CUT_GRACE`.
+pub const CUT_GRACE: Duration = Duration::from_secs(1);
 
 /// One plugin server (one socket) and what stops it.
 pub(super) struct Server {
