@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use hostlib::HostError;
 
-use super::{MANIFEST, MAX_EXPANSION};
+use super::limits::MAX_EXPANSION;
+use super::paths::MANIFEST;
 
 /// Errors; each names the bundle, the entry or the installed directory.
 #[derive(Debug, thiserror::Error)]

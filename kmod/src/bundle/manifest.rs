@@ -7,10 +7,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::BundleError;
+pub use super::paths::MANIFEST;
 use super::paths::relative;
-
-/// The manifest's name inside a bundle; it must be the first entry.
-pub const MANIFEST: &str = "gpu-agent-bundle.json";
 
 /// The manifest's format version this code reads.
 pub const FORMAT: u32 = 1;

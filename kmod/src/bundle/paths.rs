@@ -1,7 +1,10 @@
-//! Entry paths as a bundle gives them: plain relative paths only, `.`
+//! Entry paths as a bundle gives them (the manifest first): plain relative paths only, `.`
 //! components dropped, symbolic links that stay inside the tree.
 
 use std::path::{Component, Path};
+
+/// The manifest's name inside a bundle; it must be the first entry.
+pub const MANIFEST: &str = "gpu-agent-bundle.json";
 
 /// `Ok(())` when `p` is a plain relative path with no `..`, else why not.
 pub(super) fn relative(p: &Path) -> Result<(), String> {
