@@ -6,7 +6,7 @@ use hostlib::command::CommandRunner;
 
 use crate::layout::{WantedGi, layout_of};
 use crate::planner::{GpuPlan, Plan};
-use crate::{ErrorKind, GiProfile, MigControl, MigError, Placement, place};
+use gpu_model::mig::{ErrorKind, GiProfile, MigControl, MigError, Placement, place};
 
 /// How an apply ended.
 #[derive(Debug, Clone, PartialEq, Eq)]

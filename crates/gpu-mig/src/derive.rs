@@ -16,8 +16,8 @@
 
 use std::collections::BTreeMap;
 
-use super::GiProfile;
 use super::config::{Devices, Entry, ProfileKey};
+use gpu_model::mig::GiProfile;
 
 /// A layout name the built-in layouts give every MIG-capable GPU.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -120,7 +120,7 @@ pub fn entry(layout: &Generic, profiles: &[GiProfile]) -> Result<Entry, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Placement;
+    use gpu_model::mig::Placement;
 
     fn profile(name: &str, slices: u32, memory_mib: u64, instances: u32) -> GiProfile {
         GiProfile {

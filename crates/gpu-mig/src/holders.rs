@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use hostlib::HostRoot;
 
-use crate::MigControl;
 use crate::planner::Plan;
+use gpu_model::mig::MigControl;
 
 /// A process that holds a GPU that is about to change.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{GiProfile, GpuInstance, MigControl, MigError, Placement, place};
+use gpu_model::mig::{GiProfile, GpuInstance, MigControl, MigError, Placement, place};
 
 /// One wanted GPU instance: its profile and the slices of each compute
 /// instance in it (one full-size compute instance for a plain profile).

@@ -9,7 +9,7 @@ use gpu_model::inventory::{Gpu, Inventory};
 use crate::config::{self, DeviceFilter, Devices, Entry, MigPartedConfig, ProfileKey};
 use crate::derive;
 use crate::layout::{GpuLayout, WantedGi, fits, layout_of};
-use crate::{GiProfile, GpuInstance, MigControl, MigError, Mode};
+use gpu_model::mig::{GiProfile, GpuInstance, MigControl, MigError, Mode};
 
 /// What one GPU is and should be.
 #[derive(Clone, Debug)]
