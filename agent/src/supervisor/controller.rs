@@ -7,8 +7,9 @@ use std::sync::Arc;
 use hostlib::HostRoot;
 use tokio::sync::{mpsc, watch};
 
+use super::core::Supervisor;
+use super::report;
 use super::tasks::REPORT;
-use super::{Supervisor, report};
 use crate::policy::Policy;
 use crate::state;
 

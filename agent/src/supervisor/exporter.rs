@@ -4,7 +4,7 @@
 
 use tokio::sync::watch;
 
-use super::Supervisor;
+use super::core::Supervisor;
 use super::readiness::keep_since;
 use super::tasks::METRICS;
 use crate::metrics::server::{ExporterConfig, PodLabels};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Supervisor;
+use super::core::Supervisor;
 use super::reconcile::keep_mig_since;
 use crate::plugin::resources::Resource;
 use crate::state;

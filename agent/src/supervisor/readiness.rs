@@ -4,7 +4,7 @@
 
 use hostlib::HostRoot;
 
-use super::Supervisor;
+use super::core::Supervisor;
 use crate::stages::{self, Stage, StageState, Validation};
 use crate::state::{AgentState, TaskStatus};
 

@@ -9,7 +9,7 @@ use hostlib::HostRoot;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::Supervisor;
+use super::core::Supervisor;
 use super::readiness::keep_since;
 use super::tasks::KERNEL_LOG;
 use crate::inventory::Inventory;

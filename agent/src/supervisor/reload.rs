@@ -2,7 +2,7 @@
 //! cluster's), the device-plugin keys it does not act on named, and the GPUs
 //! withdrawn first when it asks for another driver.
 
-use super::Supervisor;
+use super::core::Supervisor;
 use crate::policy::Policy;
 
 impl Supervisor {

@@ -2,57 +2,26 @@
 //! (capabilities, the agent lock, the first pass) and the loop that serves
 //! until SIGTERM/SIGINT, then stops every task.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hostlib::HostRoot;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::controller::remembered_cluster_policy;
+use super::core::Supervisor;
+use super::options::{Options, SupervisorError};
 use super::readiness::{PLUGIN_READY, validation_file};
 use super::reload::log_unacted;
 use super::tasks::{METRICS, REPORT};
-use super::{Supervisor, mps, policy_watch};
-use crate::caps::HeldCaps;
+use super::{mps, policy_watch};
 use crate::policy::Policy;
-use crate::source::NodeView;
 use crate::stages::{self, Stage, StageState};
 use crate::state;
 
 /// Policy file events within this time are one change (an editor writes a
 /// file in several steps; a ConfigMap update is several renames).
 const POLICY_SETTLE: Duration = Duration::from_millis(150);
-
-/// What `gpu-agent run` was asked for.
-#[derive(Debug)]
-pub struct Options {
-    pub host: HostRoot,
-    /// The policy file (in this process's filesystem: a ConfigMap volume in
-    /// a DaemonSet), read again when it changes; `None`: the defaults.
-    pub policy_path: Option<PathBuf>,
-    pub policy: Policy,
-    pub view: NodeView,
-    pub caps: HeldCaps,
-    /// Stamp the state file every this many seconds (0: never).
-    pub heartbeat: u64,
-    /// Run the stages once and exit.
-    pub once: bool,
-    /// Report to the cluster controller (`None`: the agent works alone).
-    pub report: Option<crate::report::ReportConfig>,
-}
-
-/// The agent could not run.
-#[derive(Debug, thiserror::Error)]
-pub enum SupervisorError {
-    #[error(transparent)]
-    Lock(#[from] state::LockError),
-    #[error("cannot start the async runtime: {0}")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot handle signals: {0}")]
-    Signals(#[source] std::io::Error),
-}
 
 /// Runs the agent until SIGTERM/SIGINT (or one pass with `once`). Returns
 /// whether no stage failed (the last pass).

@@ -1,7 +1,7 @@
 //! `spec.validator.workload`: a short-lived container with one GPU, run
 //! through the node's CRI runtime once the runtime and CDI validated.
 
-use super::Supervisor;
+use super::core::Supervisor;
 use super::readiness::keep_since;
 use crate::stages::{Stage, Validation};
 use crate::state;
