@@ -10,7 +10,7 @@
 //! it is NVIDIA's vGPU capability: `VF`, then the host driver record
 //! (type 0, 22 bytes: version and branch, 10 NUL-padded bytes each).
 
-use crate::GpuDesc;
+use crate::desc::GpuDesc;
 
 /// The header's length.
 pub const HEADER_LEN: usize = 256;

@@ -14,7 +14,7 @@
 //! GPU to GPU (by the last digit of the UUID), so a test tells one GPU's and
 //! one counter's figure from another's.
 
-use crate::{GpuDesc, NodeDescription};
+use crate::desc::{GpuDesc, NodeDescription};
 
 /// SM clock when the description does not say (MHz).
 pub const DEFAULT_SM_CLOCK_MHZ: u32 = 1980;

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::{CiProfile, GiProfile, GpuMigFacts, facts_for, fallback};
-use crate::{GpuDesc, MigDeviceDesc, MigEngines, NodeDescription};
+use crate::desc::{GpuDesc, MigDeviceDesc, MigEngines, NodeDescription};
 
 /// GPU-instance IDs a GPU can have (`/proc/driver/nvidia-caps/mig-minors`
 /// lists `gi0` to `gi14`).
