@@ -16,6 +16,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
+use layering::{Tok, module_of, path_tail, paths, rs_files, strip, test_lines, tokens};
+
 struct Layer {
     name: &'static str,
     /// The units in it: a top-level module (`fleet`), a module of the
@@ -103,215 +105,9 @@ fn layer_of(unit: &str) -> Option<&'static Layer> {
 }
 
 // ---------------------------------------------------------------------------
-// Reading Rust, as far as module paths go.
-
-/// The source with comments, strings and character literals blanked
-/// (newlines kept, so offsets still give lines).
-fn strip(src: &str) -> String {
-    let c: Vec<char> = src.chars().collect();
-    let mut out = c.clone();
-    let blank = |out: &mut Vec<char>, a: usize, b: usize| {
-        for ch in out.iter_mut().take(b.min(c.len())).skip(a) {
-            if *ch != '\n' {
-                *ch = ' ';
-            }
-        }
-    };
-    let ident = |ch: char| ch.is_alphanumeric() || ch == '_';
-    let mut i = 0;
-    while i < c.len() {
-        let at = |k: usize| c.get(k).copied().unwrap_or('\0');
-        if at(i) == '/' && at(i + 1) == '/' {
-            let mut j = i;
-            while j < c.len() && c[j] != '\n' {
-                j += 1;
-            }
-            blank(&mut out, i, j);
-            i = j;
-        } else if at(i) == '/' && at(i + 1) == '*' {
-            let (mut depth, mut j) = (1, i + 2);
-            while j < c.len() && depth > 0 {
-                if at(j) == '/' && at(j + 1) == '*' {
-                    depth += 1;
-                    j += 2;
-                } else if at(j) == '*' && at(j + 1) == '/' {
-                    depth -= 1;
-                    j += 2;
-                } else {
-                    j += 1;
-                }
-            }
-            blank(&mut out, i, j);
-            i = j;
-        } else if (at(i) == 'r' || (at(i) == 'b' && at(i + 1) == 'r'))
-            && (i == 0 || !ident(c[i - 1]))
-            && {
-                let mut k = i + if at(i) == 'b' { 2 } else { 1 };
-                while at(k) == '#' {
-                    k += 1;
-                }
-                at(k) == '"'
-            }
-        {
-            // A raw string: r"…", r#"…"#, br"…".
-            let mut k = i + if at(i) == 'b' { 2 } else { 1 };
-            let mut hashes = 0;
-            while at(k) == '#' {
-                hashes += 1;
-                k += 1;
-            }
-            let mut j = k + 1;
-            loop {
-                if j >= c.len() {
-                    break;
-                }
-                if c[j] == '"' && (0..hashes).all(|h| at(j + 1 + h) == '#') {
-                    j += 1 + hashes;
-                    break;
-                }
-                j += 1;
-            }
-            blank(&mut out, i, j);
-            i = j;
-        } else if at(i) == '"' {
-            let mut j = i + 1;
-            while j < c.len() && c[j] != '"' {
-                j += if c[j] == '\\' { 2 } else { 1 };
-            }
-            blank(&mut out, i, j + 1);
-            i = j + 1;
-        } else if at(i) == '\'' {
-            // A character literal ('a', '\n', '\u{1F600}'), or a lifetime.
-            if at(i + 1) == '\\' {
-                let mut j = i + 2;
-                while j < c.len() && c[j] != '\'' {
-                    j += 1;
-                }
-                blank(&mut out, i, j + 1);
-                i = j + 1;
-            } else if at(i + 2) == '\'' {
-                blank(&mut out, i, i + 3);
-                i += 3;
-            } else {
-                i += 1;
-            }
-        } else {
-            i += 1;
-        }
-    }
-    out.into_iter().collect()
-}
-
-#[derive(Clone, Debug, PartialEq)]
-enum Tok {
-    Ident(String),
-    Path, // ::
-    Punct(char),
-}
-
-/// Tokens with the line each is on.
-fn tokens(code: &str) -> Vec<(Tok, usize)> {
-    let c: Vec<char> = code.chars().collect();
-    let (mut out, mut i, mut line) = (Vec::new(), 0, 1);
-    while i < c.len() {
-        let ch = c[i];
-        if ch == '\n' {
-            line += 1;
-            i += 1;
-        } else if ch.is_whitespace() {
-            i += 1;
-        } else if ch.is_alphabetic() || ch == '_' {
-            let mut j = i;
-            while j < c.len() && (c[j].is_alphanumeric() || c[j] == '_') {
-                j += 1;
-            }
-            out.push((Tok::Ident(c[i..j].iter().collect()), line));
-            i = j;
-        } else if ch.is_ascii_digit() {
-            while i < c.len() && (c[i].is_alphanumeric() || c[i] == '_') {
-                i += 1;
-            }
-        } else if ch == ':' && c.get(i + 1) == Some(&':') {
-            out.push((Tok::Path, line));
-            i += 2;
-        } else {
-            out.push((Tok::Punct(ch), line));
-            i += 1;
-        }
-    }
-    out
-}
-
-fn is_ident(t: Option<&(Tok, usize)>, word: &str) -> bool {
-    matches!(t, Some((Tok::Ident(w), _)) if w == word)
-}
-
-/// The module paths a path starting at `toks[i]` (after its base) names:
-/// its segments, or each branch of a `{…}` group, recursively. Returns the
-/// paths and the index after the path.
-fn path_tail(toks: &[(Tok, usize)], mut i: usize, base: Vec<String>) -> (Vec<Vec<String>>, usize) {
-    let mut path = base;
-    loop {
-        if toks.get(i).map(|t| &t.0) != Some(&Tok::Path) {
-            return (vec![path], i);
-        }
-        match toks.get(i + 1).map(|t| &t.0) {
-            Some(Tok::Ident(w)) if w == "super" => {
-                path.pop();
-                i += 2;
-            }
-            Some(Tok::Ident(w)) if w == "self" => i += 2,
-            Some(Tok::Ident(w)) => {
-                path.push(w.clone());
-                i += 2;
-            }
-            Some(Tok::Punct('{')) => {
-                let mut all = Vec::new();
-                i += 2;
-                loop {
-                    match toks.get(i).map(|t| &t.0) {
-                        None => return (all, i),
-                        Some(Tok::Punct('}')) => return (all, i + 1),
-                        Some(Tok::Punct(',')) => i += 1,
-                        Some(Tok::Ident(w)) if w == "self" => {
-                            all.push(path.clone());
-                            i += 1;
-                        }
-                        Some(Tok::Ident(w)) => {
-                            let mut p = path.clone();
-                            p.push(w.clone());
-                            let (sub, next) = path_tail(toks, i + 1, p);
-                            all.extend(sub);
-                            i = next;
-                            // `as name`
-                            if is_ident(toks.get(i), "as") {
-                                i += 2;
-                            }
-                        }
-                        Some(_) => i += 1,
-                    }
-                }
-            }
-            _ => return (vec![path], i + 1),
-        }
-    }
-}
-
-/// The module path of a file: `lib.rs` is the root, `a.rs` and
-/// `a/mod.rs` are `a`, `a/b.rs` is `a::b`.
-fn module_of(file: &Path) -> Vec<String> {
-    let rel = file.strip_prefix(src()).unwrap();
-    let mut parts: Vec<String> = rel
-        .iter()
-        .map(|p| p.to_string_lossy().into_owned())
-        .collect();
-    let last = parts.pop().unwrap();
-    match last.as_str() {
-        "lib.rs" | "mod.rs" => {}
-        other => parts.push(other.trim_end_matches(".rs").to_string()),
-    }
-    parts
-}
+// Reading Rust, as far as module paths go: the `layering` crate
+// (tests/layering) strips, tokenizes and finds the paths; the units are
+// this table's.
 
 /// The unit a module path belongs to: `a::b` if the table names it, else
 /// `a` if it is a module, else `crate` (an item of the root).
@@ -346,24 +142,12 @@ struct Source {
 }
 
 fn sources() -> (Vec<Source>, BTreeSet<String>) {
-    let mut files = Vec::new();
-    let mut dirs = vec![src()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                dirs.push(p);
-            } else if p.extension().is_some_and(|x| x == "rs") {
-                files.push(p);
-            }
-        }
-    }
-    files.sort();
+    let mut files = rs_files(&src()).unwrap();
     // The binary is a crate of its own, over the library's public API.
     files.retain(|f| f != &src().join("main.rs"));
     let modules: BTreeSet<String> = files
         .iter()
-        .filter_map(|f| module_of(f).first().cloned())
+        .filter_map(|f| module_of(&src(), f).first().cloned())
         .collect();
     let out = files
         .into_iter()
@@ -373,7 +157,7 @@ fn sources() -> (Vec<Source>, BTreeSet<String>) {
             let test_lines = test_lines(&toks);
             Source {
                 rel: file.strip_prefix(src()).unwrap().display().to_string(),
-                unit: unit_of(&module_of(&file), &modules),
+                unit: unit_of(&module_of(&src(), &file), &modules),
                 lines: text.lines().count(),
                 test_lines,
                 toks,
@@ -384,111 +168,22 @@ fn sources() -> (Vec<Source>, BTreeSet<String>) {
     (out, modules)
 }
 
-/// Lines in `#[cfg(test)] mod … { … }` blocks.
-fn test_lines(toks: &[(Tok, usize)]) -> usize {
-    let cfg_test = [
-        Tok::Punct('#'),
-        Tok::Punct('['),
-        Tok::Ident("cfg".into()),
-        Tok::Punct('('),
-        Tok::Ident("test".into()),
-        Tok::Punct(')'),
-        Tok::Punct(']'),
-        Tok::Ident("mod".into()),
-    ];
-    let mut n = 0;
-    let mut i = 0;
-    while i + cfg_test.len() + 2 <= toks.len() {
-        let here = toks[i..i + cfg_test.len()]
-            .iter()
-            .map(|t| &t.0)
-            .eq(cfg_test.iter());
-        let open = i + cfg_test.len() + 1;
-        if here && toks[open].0 == Tok::Punct('{') {
-            let mut depth = 0;
-            let mut j = open;
-            while j < toks.len() {
-                match toks[j].0 {
-                    Tok::Punct('{') => depth += 1,
-                    Tok::Punct('}') => {
-                        depth -= 1;
-                        if depth == 0 {
-                            break;
-                        }
-                    }
-                    _ => {}
-                }
-                j += 1;
-            }
-            let end = toks.get(j).map_or(toks[open].1, |t| t.1);
-            n += end - toks[i].1 + 1;
-            i = j;
-        }
-        i += 1;
-    }
-    n
-}
-
 fn edges(sources: &[Source], modules: &BTreeSet<String>) -> Vec<Edge> {
     let mut out = Vec::new();
     for s in sources {
-        let file_mod = module_of(&s.file);
-        // Inline modules (`mod tests { … }`) open at a brace.
-        let mut braces: Vec<Option<String>> = Vec::new();
-        let toks = &s.toks;
-        let mut i = 0;
-        while i < toks.len() {
-            let here = |braces: &Vec<Option<String>>| {
-                let mut m = file_mod.clone();
-                m.extend(braces.iter().flatten().cloned());
-                m
-            };
-            match &toks[i].0 {
-                Tok::Punct('{') => {
-                    let inline = (i >= 2 && is_ident(toks.get(i - 2), "mod"))
-                        .then(|| match &toks[i - 1].0 {
-                            Tok::Ident(n) => Some(n.clone()),
-                            _ => None,
-                        })
-                        .flatten();
-                    braces.push(inline);
-                    i += 1;
-                }
-                Tok::Punct('}') => {
-                    braces.pop();
-                    i += 1;
-                }
-                Tok::Ident(w)
-                    if (w == "crate" || w == "super" || w == "self")
-                        && toks.get(i + 1).map(|t| &t.0) == Some(&Tok::Path)
-                        && (i == 0 || toks[i - 1].0 != Tok::Path) =>
-                {
-                    let base = match w.as_str() {
-                        "crate" => Vec::new(),
-                        "self" => here(&braces),
-                        _ => {
-                            let mut m = here(&braces);
-                            m.pop();
-                            m
-                        }
-                    };
-                    let line = toks[i].1;
-                    let (paths, next) = path_tail(toks, i + 1, base);
-                    for p in paths {
-                        let to = unit_of(&p, modules);
-                        if to != s.unit {
-                            out.push(Edge {
-                                from: s.unit.clone(),
-                                to,
-                                file: s.rel.clone(),
-                                line,
-                                path: format!("{w}::… ({})", p.join("::")),
-                            });
-                        }
-                    }
-                    i = next.max(i + 1);
-                }
-                _ => i += 1,
+        for p in paths(&s.toks, &module_of(&src(), &s.file)) {
+            if !p.from_crate() {
+                continue;
+            }
+            let to = unit_of(&p.path, modules);
+            if to != s.unit {
+                out.push(Edge {
+                    from: s.unit.clone(),
+                    to,
+                    file: s.rel.clone(),
+                    line: p.line,
+                    path: format!("{}::… ({})", p.head, p.path.join("::")),
+                });
             }
         }
     }
