@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use hostlib::HostRoot;
 
+use super::args::{Cli, HookCommand};
 use super::{Failure, host_root, load_policy, node_view};
-use crate::{Cli, HookCommand};
 
 pub(crate) fn cdi_generate(cli: &Cli, write: bool, no_wait: bool) -> Result<ExitCode, Failure> {
     use gpu_agent::cdi;

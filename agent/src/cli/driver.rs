@@ -1,10 +1,9 @@
 //! `gpu-agent driver …`: bundles, modules, device nodes, upgrades.
 
 use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
-use clap::Subcommand;
 use gpu_agent::driver::{self, DriverError, NothingAdvertised, Upgrade};
 use gpu_agent::{Inventory, render};
 use hostlib::HostRoot;
@@ -12,85 +11,8 @@ use hostlib::managed::{HostFilesLock, ManagedError};
 use kmod::bundle::{self, BundleError, Progress};
 use kmod::modules::{self, LoadOutcome};
 
+use super::args::{Cli, DriverCommand, FlavourArg};
 use super::{Failure, bad_input, host_root, load_policy, node_view};
-use crate::Cli;
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum DriverCommand {
-    /// Unpacked drivers (current, previous) and the loaded modules.
-    List,
-    /// Verify a driver bundle (its sha256, then every file's) and unpack it
-    /// beside the installed ones; it becomes current when no driver is loaded.
-    Install {
-        /// The bundle (`.tar.gz`, README "Driver bundles").
-        bundle: PathBuf,
-        /// The bundle's sha256 (default: the `<bundle>.sha256` file beside it).
-        #[arg(long, value_name = "HEX")]
-        sha256: Option<String>,
-        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
-        #[arg(long)]
-        no_wait: bool,
-    },
-    /// Load the modules (policy's parameters) from the current driver or
-    /// --module-dir, then make the device nodes and check the version.
-    Load {
-        /// A host directory of `.ko` files instead of the current bundle.
-        #[arg(long, value_name = "DIR")]
-        module_dir: Option<String>,
-    },
-    /// Unload the NVIDIA modules in reverse order, refusing while in use.
-    Unload,
-    /// Make the /dev/nvidia* nodes and /dev/char links for the loaded driver.
-    Nodes,
-    /// Switch to another driver: a bundle file (verified and unpacked
-    /// first) or the name of an unpacked one. Waits for GPU processes to
-    /// exit, unloads, switches, loads, validates; rolls back on failure.
-    Upgrade {
-        /// A bundle file, or an unpacked driver's name (`driver list`).
-        to: String,
-        #[arg(long, value_name = "HEX")]
-        sha256: Option<String>,
-        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
-        #[arg(long)]
-        no_wait: bool,
-    },
-    /// Go back to the previous driver (an upgrade to it when one is loaded).
-    Rollback {
-        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
-        #[arg(long)]
-        no_wait: bool,
-    },
-    /// Delete an unpacked driver that is neither current nor previous.
-    Remove {
-        name: String,
-        /// Exit instead of waiting when another gpu-agent holds the host-files lock.
-        #[arg(long)]
-        no_wait: bool,
-    },
-    /// Make a bundle from a directory of kernel modules (built for one
-    /// kernel, one flavour), with its `<out>.sha256` beside it.
-    Pack {
-        /// The directory holding `nvidia.ko` and the others.
-        dir: PathBuf,
-        /// The driver version the modules are (`550.127.08`).
-        #[arg(long)]
-        version: String,
-        /// The kernel release they were built for (`uname -r`).
-        #[arg(long)]
-        kernel: String,
-        #[arg(long, value_enum)]
-        flavour: FlavourArg,
-        /// The bundle to write (`.tar.gz`).
-        #[arg(long, short)]
-        out: PathBuf,
-    },
-}
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub(crate) enum FlavourArg {
-    Open,
-    Proprietary,
-}
 
 fn map_driver(e: DriverError) -> Failure {
     match e {

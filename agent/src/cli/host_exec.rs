@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
+use super::args::Cli;
 use super::{Failure, host_root};
-use crate::Cli;
 
 /// `host-exec`: enters the host (see hostlib::process) and becomes the
 /// program; returns only when that fails.

@@ -4,8 +4,8 @@ use std::process::ExitCode;
 
 use gpu_agent::render;
 
+use super::args::{Cli, Output};
 use super::{Failure, host_root, node_view, print_json};
-use crate::{Cli, Output};
 
 pub(crate) fn inventory(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;

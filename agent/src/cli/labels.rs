@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
+use super::args::{Cli, Output};
 use super::{Failure, host_root, load_policy, node_view, print_json};
-use crate::{Cli, Output};
 
 pub(crate) fn labels(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;

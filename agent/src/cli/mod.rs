@@ -1,6 +1,7 @@
 //! What each subcommand does (one module each), and what they share: the
 //! failure with its exit code, the host root, the policy, the node view.
 
+pub(crate) mod args;
 pub(crate) mod cdi;
 pub(crate) mod demo;
 pub(crate) mod driver;
@@ -21,7 +22,7 @@ use gpu_agent::source::NodeView;
 use hostlib::HostRoot;
 use serde::Serialize;
 
-use crate::Cli;
+use args::Cli;
 
 /// Exit code for bad input (an invalid policy, node description or argument).
 const EXIT_BAD_INPUT: u8 = 2;

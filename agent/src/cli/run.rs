@@ -7,8 +7,8 @@ use gpu_agent::caps::HeldCaps;
 use gpu_agent::source::NodeView;
 use hostlib::HostRoot;
 
+use super::args::{Cli, ControllerArgs};
 use super::{Failure, host_root, load_policy, node_view};
-use crate::{Cli, ControllerArgs};
 
 impl ControllerArgs {
     fn config(&self, host: &HostRoot) -> Option<gpu_agent::report::ReportConfig> {

@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
+use super::args::{Cli, RuntimeCommand};
 use super::{Failure, bad_input, host_root, load_policy};
-use crate::{Cli, RuntimeCommand};
 
 pub(crate) fn runtime_command(cli: &Cli, command: &RuntimeCommand) -> Result<ExitCode, Failure> {
     use gpu_agent::runtime::{self, RuntimeError};

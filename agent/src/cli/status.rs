@@ -13,8 +13,8 @@ use gpu_agent::{Inventory, render};
 use hostlib::HostRoot;
 use serde::Serialize;
 
+use super::args::{Cli, Output};
 use super::{Failure, host_root, load_policy, node_view, print_json};
-use crate::{Cli, Output};
 
 /// Exit code of `status` when no running agent answered (none, stopped,
 /// crashed, starting or hung): what it printed is an inspection of the

@@ -2,8 +2,8 @@
 
 use std::process::ExitCode;
 
+use super::args::Cli;
 use super::{Failure, host_root};
-use crate::Cli;
 
 pub(crate) fn uninstall(cli: &Cli, no_wait: bool) -> Result<ExitCode, Failure> {
     let host = host_root(cli)?;
