@@ -1,0 +1,1 @@
+//! The node's side of claims: per-claim CDI specs and the checkpoint.

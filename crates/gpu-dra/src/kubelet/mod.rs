@@ -1,0 +1,1 @@
+//! The kubelet's side of DRA: plugin registration and the DRA gRPC services.
