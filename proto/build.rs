@@ -5,6 +5,12 @@ fn main() {
         "proto/deviceplugin_v1beta1.proto",
         "proto/podresources_v1.proto",
         "proto/cri_runtime_v1.proto",
+        // Dynamic Resource Allocation (issue 31): plugin registration, the
+        // DRA services v1 and v1beta1, and the health stream.
+        "proto/pluginregistration_v1.proto",
+        "proto/dra_v1.proto",
+        "proto/dra_v1beta1.proto",
+        "proto/dra_health_v1alpha1.proto",
     ];
     for p in protos.iter().chain(&[REPORT]) {
         println!("cargo:rerun-if-changed={p}");

@@ -8,6 +8,11 @@
 //!   configuration as it reports it), and the pod sandbox, container and
 //!   image calls of the validator's workload check (one short-lived
 //!   container with a GPU injected by CDI).
+//! - [`pluginregistration`]: the kubelet's plugin registration API
+//!   (`pluginregistration.Registration`), served by a DRA plugin.
+//! - [`dra::v1`], [`dra::v1beta1`]: the kubelet DRA plugin API
+//!   (`NodePrepareResources` / `NodeUnprepareResources`).
+//! - [`dra_health::v1alpha1`]: the DRA health stream (`NodeWatchResources`).
 //! - [`report::v1`]: gpu-agent's own report API: each agent's stream to the
 //!   cluster controller (`gpu-controller`).
 
@@ -34,6 +39,38 @@ pub mod podresources {
 pub mod cri {
     pub mod v1 {
         tonic::include_proto!("runtime.v1");
+    }
+}
+
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+
+    /// The plugin type a DRA plugin registers as (`PluginInfo.type`).
+    pub const DRA_PLUGIN: &str = "DRAPlugin";
+}
+
+pub mod dra {
+    pub mod v1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+
+        /// The registration string of this API (not its gRPC service name).
+        pub const SERVICE: &str = "v1.DRAPlugin";
+    }
+
+    pub mod v1beta1 {
+        tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+
+        /// The registration string of this API (not its gRPC service name).
+        pub const SERVICE: &str = "v1beta1.DRAPlugin";
+    }
+}
+
+pub mod dra_health {
+    pub mod v1alpha1 {
+        tonic::include_proto!("v1alpha1");
+
+        /// The registration string of this API (its gRPC service name).
+        pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
     }
 }
 
