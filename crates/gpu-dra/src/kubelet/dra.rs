@@ -206,8 +206,9 @@ macro_rules! dra_plugin {
     ($api:ident, $device:path) => {
         pub mod $api {
             //! The service of this DRA API version.
-            use super::proto::$api as api;
-            use super::*;
+            // `crate::…`, not `super::…`: the parent is this file.
+            use crate::kubelet::dra::*;
+            use gpu_agent_proto::dra::$api as api;
 
             /// The request's claims, as [`Claims`] takes them.
             pub fn claim_refs(claims: Vec<api::Claim>) -> Vec<ClaimRef> {

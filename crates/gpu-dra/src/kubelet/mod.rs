@@ -15,18 +15,7 @@ pub mod serve;
 
 pub use dra::DraService;
 pub use registration::{Registration, RegistrationService};
-pub use serve::{Dirs, ServeError, serve};
-
-/// Where the kubelet watches for plugin registration sockets (its default
-/// `--root-dir` of `/var/lib/kubelet`).
-pub const KUBELET_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
-/// Where plugins keep their own sockets, one directory per driver.
-pub const KUBELET_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
-/// The DRA socket's name in the driver's plugin directory.
-pub const DRA_SOCKET: &str = "dra.sock";
-
-/// The registration socket's name in the registry directory:
-/// `<driver>-reg.sock`.
-pub fn registration_socket_name() -> String {
-    format!("{}-reg.sock", crate::claim::DRIVER_NAME)
-}
+pub use serve::{
+    DRA_SOCKET, Dirs, KUBELET_PLUGINS_DIR, KUBELET_REGISTRY_DIR, ServeError,
+    registration_socket_name, serve,
+};

@@ -18,8 +18,21 @@ use tonic::transport::Server;
 
 use super::dra::DraService;
 use super::registration::{Registration, RegistrationService};
-use super::{DRA_SOCKET, KUBELET_PLUGINS_DIR, KUBELET_REGISTRY_DIR, registration_socket_name};
 use crate::claim::{Claims, DRIVER_NAME};
+
+/// Where the kubelet watches for plugin registration sockets (its default
+/// `--root-dir` of `/var/lib/kubelet`).
+pub const KUBELET_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+/// Where plugins keep their own sockets, one directory per driver.
+pub const KUBELET_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";
+/// The DRA socket's name in the driver's plugin directory.
+pub const DRA_SOCKET: &str = "dra.sock";
+
+/// The registration socket's name in the registry directory:
+/// `<driver>-reg.sock`.
+pub fn registration_socket_name() -> String {
+    format!("{DRIVER_NAME}-reg.sock")
+}
 
 /// How long the servers have, once told to stop, to finish their calls;
 /// then they are aborted.

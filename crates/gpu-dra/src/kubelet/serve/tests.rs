@@ -159,3 +159,59 @@ async fn serve_names_the_path_it_cannot_bind() {
     // The DRA socket bound before it is gone again.
     assert!(!dirs.dra_socket().exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_connection_left_open_does_not_hold_up_the_stop() {
+    use gpu_agent_proto::dra::v1::dra_plugin_client::DraPluginClient;
+    use gpu_agent_proto::dra::v1::{Claim, NodePrepareResourcesRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let dirs = Dirs {
+        registry: dir.path().join("plugins_registry"),
+        plugins: dir.path().join("plugins"),
+        kubelet_plugins: None,
+    };
+    let (tx, _rx) = watch::channel(Registration::Unknown);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn({
+        let dirs = dirs.clone();
+        async move {
+            serve(&dirs, Arc::new(NoClaims), tx, async {
+                let _ = stopped.await;
+            })
+            .await
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let channel = loop {
+        if let Ok(c) = gpu_grpc::connect(&dirs.dra_socket()).await {
+            break c;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no DRA socket");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // One call, and the connection kept, as the kubelet keeps it.
+    let mut client = DraPluginClient::new(channel);
+    let r = client
+        .node_prepare_resources(NodePrepareResourcesRequest {
+            claims: vec![Claim {
+                namespace: "ns".to_string(),
+                uid: "u".to_string(),
+                name: "c".to_string(),
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.claims["u"].error, "");
+    let started = std::time::Instant::now();
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    assert!(
+        started.elapsed() < STOP_GRACE,
+        "the stop took {:?}",
+        started.elapsed()
+    );
+    assert!(!dirs.dra_socket().exists());
+    drop(client);
+}
