@@ -1,1 +1,198 @@
-//! The node's side of claims: per-claim CDI specs and the checkpoint.
+//! The node's side of claims: [`NodeClaims`], the [`Claims`] the kubelet
+//! side answers through. Per claim: the allocation the controller handed
+//! over ([`allocation`]), the devices named as NVIDIA's driver names them
+//! ([`devices`]), a transient CDI spec built from the node's own spec with
+//! its device nodes checked ([`cdi`]), and the checkpoint of prepared claims
+//! ([`checkpoint`]), tied to the boot and reconciled on start ([`recovery`]).
+//!
+//! Every change to the node's claims happens under one mutex and makes no
+//! API call; only the wait for an allocation that has not arrived yet is
+//! outside it, so one slow claim does not hold up the others.
+
+pub mod allocation;
+pub mod cdi;
+pub mod checkpoint;
+pub mod config;
+pub mod devices;
+pub mod error;
+mod prepare;
+pub mod recovery;
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+pub(crate) mod tests_support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use gpu_model::inventory::Inventory;
+use hostlib::HostRoot;
+use serde::Serialize;
+
+use crate::claim::{ClaimRef, Claims, PrepareOutcome};
+
+pub use allocation::{
+    AllocatedDevice, Allocations, ClaimAllocation, ConfigSource, MemoryAllocations, OpaqueConfig,
+};
+pub use checkpoint::{Checkpoint, EntryState};
+pub use devices::NodeDevice;
+pub use error::{ClaimError, StateError};
+pub use recovery::Recovery;
+
+/// Where the node's claims live, and how long prepare waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// The node's name: the pool every allocated device must be in.
+    pub node_name: String,
+    /// Where the claims' transient specs are written (a host path).
+    pub cdi_dir: String,
+    /// The node's own CDI spec that gpu-agent's cdi stage writes (a host path).
+    pub node_spec: String,
+    /// Where the checkpoint is kept (a host path).
+    pub state_dir: String,
+    /// How long prepare waits for a claim's allocation from the controller
+    /// (the kubelet gives each call 45 s).
+    pub allocation_wait: Duration,
+}
+
+/// `/var/run/cdi`, where the cdi stage writes by default.
+pub const DEFAULT_CDI_DIR: &str = "/var/run/cdi";
+/// The checkpoint's default directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/gpu-agent/dra";
+/// Prepare's default wait for an allocation: within the kubelet's 45 s.
+pub const DEFAULT_ALLOCATION_WAIT: Duration = Duration::from_secs(40);
+
+impl Options {
+    /// The defaults, for node `node_name`.
+    pub fn new(node_name: impl Into<String>) -> Self {
+        Options {
+            node_name: node_name.into(),
+            cdi_dir: DEFAULT_CDI_DIR.into(),
+            node_spec: format!("{DEFAULT_CDI_DIR}/{}", cdi::NODE_SPEC_FILE),
+            state_dir: DEFAULT_STATE_DIR.into(),
+            allocation_wait: DEFAULT_ALLOCATION_WAIT,
+        }
+    }
+}
+
+/// The node's claims (see the module docs).
+pub struct NodeClaims {
+    host: HostRoot,
+    opts: Options,
+    allocations: Arc<dyn Allocations>,
+    state: Mutex<State>,
+}
+
+/// What the mutex guards.
+#[derive(Debug)]
+struct State {
+    checkpoint: Checkpoint,
+    devices: BTreeMap<String, NodeDevice>,
+    recovery: Recovery,
+}
+
+impl std::fmt::Debug for NodeClaims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeClaims")
+            .field("opts", &self.opts)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One claim as `status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimStatus {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub state: EntryState,
+    pub devices: Vec<String>,
+}
+
+/// What the agent shows of its claims.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    /// What start-up found and did.
+    pub recovery: Recovery,
+    pub claims: Vec<ClaimStatus>,
+}
+
+impl NodeClaims {
+    /// Opens the node's claims: reads the boot ID and the checkpoint,
+    /// reconciles them with the spec files present ([`recovery::recover`]),
+    /// and names the devices of `inv`.
+    pub fn open(
+        host: HostRoot,
+        opts: Options,
+        allocations: Arc<dyn Allocations>,
+        inv: &Inventory,
+    ) -> Result<Self, StateError> {
+        let boot_id = checkpoint::read_boot_id(&host)?;
+        let (checkpoint, recovery) = recovery::recover(&host, &opts, &boot_id)?;
+        Ok(NodeClaims {
+            host,
+            opts,
+            allocations,
+            state: Mutex::new(State {
+                checkpoint,
+                devices: devices::device_table(inv),
+                recovery,
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Names the devices of a new inventory (prepared claims keep theirs).
+    pub fn set_inventory(&self, inv: &Inventory) {
+        self.lock().devices = devices::device_table(inv);
+    }
+
+    /// The device names prepare accepts now.
+    pub fn device_names(&self) -> Vec<String> {
+        self.lock().devices.keys().cloned().collect()
+    }
+
+    /// What start-up found, and the claims now.
+    pub fn status(&self) -> Status {
+        let st = self.lock();
+        Status {
+            recovery: st.recovery.clone(),
+            claims: st
+                .checkpoint
+                .claims
+                .iter()
+                .map(|(uid, e)| ClaimStatus {
+                    uid: uid.clone(),
+                    namespace: e.namespace.clone(),
+                    name: e.name.clone(),
+                    state: e.state,
+                    devices: e.devices.iter().map(|d| d.device.clone()).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Claims for NodeClaims {
+    fn prepare(&self, claims: &[ClaimRef]) -> BTreeMap<String, PrepareOutcome> {
+        self.prepare_batch(claims)
+            .into_iter()
+            .map(|(uid, r)| (uid, r.map_err(|e| e.to_string())))
+            .collect()
+    }
+
+    fn unprepare(&self, claims: &[ClaimRef]) -> BTreeMap<String, Result<(), String>> {
+        self.unprepare_batch(claims)
+            .into_iter()
+            .map(|(uid, r)| (uid, r.map_err(|e| e.to_string())))
+            .collect()
+    }
+}

@@ -1,0 +1,384 @@
+//! Prepare and unprepare of a batch of claims under the one mutex: a repeat
+//! answers from the checkpoint, a new claim is checked (allocation, pool,
+//! devices free, configs, device nodes) and its spec written between a
+//! `preparing` and a `prepared` checkpoint; unprepare cleans whatever is there.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Instant;
+
+use gpu_model::cdi::Spec;
+
+use super::allocation::ClaimAllocation;
+use super::cdi;
+use super::checkpoint::{self, Entry, EntryDevice, EntryState};
+use super::config;
+use super::error::{ClaimError, Named};
+use super::{NodeClaims, State};
+use crate::claim::{ClaimRef, PreparedDevice};
+
+/// A claim checked and ready to write.
+struct Plan {
+    uid: String,
+    entry: Entry,
+}
+
+/// The node spec, read once per batch and only when a claim needs it.
+enum NodeSpec {
+    Unread,
+    Read(Result<Spec, String>),
+}
+
+impl NodeClaims {
+    pub(super) fn prepare_batch(
+        &self,
+        claims: &[ClaimRef],
+    ) -> BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>> {
+        // Allocations of the claims not already prepared, waited for
+        // outside the lock, within one deadline for the whole batch.
+        let done: BTreeSet<String> = {
+            let st = self.lock();
+            claims
+                .iter()
+                .filter(|c| {
+                    st.checkpoint
+                        .claims
+                        .get(&c.uid)
+                        .is_some_and(|e| e.state == EntryState::Prepared && !e.recovered)
+                })
+                .map(|c| c.uid.clone())
+                .collect()
+        };
+        let deadline = Instant::now() + self.opts.allocation_wait;
+        let mut allocations: BTreeMap<String, Option<ClaimAllocation>> = BTreeMap::new();
+        for c in claims.iter().filter(|c| !done.contains(&c.uid)) {
+            if cdi::valid_uid(&c.uid) && !allocations.contains_key(&c.uid) {
+                allocations.insert(c.uid.clone(), self.allocations.wait_for(&c.uid, deadline));
+            }
+        }
+
+        let mut st = self.lock();
+        let mut out = BTreeMap::new();
+        let mut plans: Vec<Plan> = Vec::new();
+        let mut node_spec = NodeSpec::Unread;
+        for c in claims {
+            let named = Named::new(c.clone());
+            if out.contains_key(&c.uid) || plans.iter().any(|p| p.uid == c.uid) {
+                continue;
+            }
+            if !cdi::valid_uid(&c.uid) {
+                out.insert(
+                    c.uid.clone(),
+                    Err(ClaimError::Config {
+                        claim: named,
+                        why: "the UID is not letters, digits and '-'".into(),
+                    }),
+                );
+                continue;
+            }
+            if let Some(e) = st.checkpoint.claims.get(&c.uid)
+                && e.state == EntryState::Prepared
+                && !e.recovered
+            {
+                let answer = self.ensure_spec(&named, e).map(|()| e.prepared_devices());
+                tracing::debug!(claim = %named, "prepare repeated: answered from the checkpoint");
+                out.insert(c.uid.clone(), answer);
+                continue;
+            }
+            // Not waited for above when it was prepared then; an unprepare
+            // since (a race) leaves what the feed has now.
+            let alloc = match allocations.get(&c.uid) {
+                Some(a) => a.clone(),
+                None => self.allocations.wait_for(&c.uid, Instant::now()),
+            };
+            match self.plan(&st, &named, alloc, &plans, &mut node_spec) {
+                Ok(entry) => plans.push(Plan {
+                    uid: c.uid.clone(),
+                    entry,
+                }),
+                Err(e) => {
+                    tracing::warn!(claim = %named, error = %e, "prepare failed");
+                    out.insert(c.uid.clone(), Err(e));
+                }
+            }
+        }
+        if plans.is_empty() {
+            return out;
+        }
+        self.write_plans(&mut st, plans, &mut out);
+        out
+    }
+
+    /// Checks one claim against its allocation, the node's devices and the
+    /// claims already prepared (and those planned in this batch), and
+    /// builds its entry and spec.
+    fn plan(
+        &self,
+        st: &State,
+        named: &Named,
+        alloc: Option<ClaimAllocation>,
+        planned: &[Plan],
+        node_spec: &mut NodeSpec,
+    ) -> Result<Entry, ClaimError> {
+        let uid = &named.0.uid;
+        let Some(alloc) = alloc else {
+            return Err(ClaimError::NoAllocation {
+                claim: named.clone(),
+                waited_s: self.opts.allocation_wait.as_secs(),
+            });
+        };
+        if alloc.devices.is_empty() {
+            return Err(ClaimError::NoDevices {
+                claim: named.clone(),
+            });
+        }
+        let mut devices = BTreeMap::new();
+        for d in &alloc.devices {
+            if d.pool != self.opts.node_name {
+                return Err(ClaimError::ForeignPool {
+                    claim: named.clone(),
+                    device: d.device.clone(),
+                    pool: d.pool.clone(),
+                    node: self.opts.node_name.clone(),
+                });
+            }
+            let Some(dev) = st.devices.get(&d.device) else {
+                let known: Vec<&str> = st.devices.keys().map(String::as_str).collect();
+                return Err(ClaimError::UnknownDevice {
+                    claim: named.clone(),
+                    device: d.device.clone(),
+                    known: if known.is_empty() {
+                        "none".into()
+                    } else {
+                        known.join(", ")
+                    },
+                });
+            };
+            devices.insert(d.device.clone(), dev.clone());
+        }
+        config::check(&alloc.configs).map_err(|why| ClaimError::Config {
+            claim: named.clone(),
+            why,
+        })?;
+        let others = st
+            .checkpoint
+            .claims
+            .iter()
+            .map(|(u, e)| (u.as_str(), e))
+            .chain(planned.iter().map(|p| (p.uid.as_str(), &p.entry)))
+            .filter(|(u, _)| *u != uid.as_str());
+        for (other_uid, other) in others {
+            for d in &alloc.devices {
+                let clash = other.devices.iter().find(|o| {
+                    o.device == d.device && !(o.share_id.is_some() && d.share_id.is_some())
+                });
+                if clash.is_some() {
+                    return Err(ClaimError::DeviceInUse {
+                        claim: named.clone(),
+                        device: d.device.clone(),
+                        other: Named::new(other.claim_ref(other_uid)),
+                    });
+                }
+            }
+        }
+        if let NodeSpec::Unread = node_spec {
+            *node_spec = NodeSpec::Read(cdi::read_node_spec(&self.host, &self.opts.node_spec));
+        }
+        let NodeSpec::Read(read) = node_spec else {
+            unreachable!("read just above")
+        };
+        let node = read.as_ref().map_err(|why| ClaimError::NodeSpec {
+            claim: named.clone(),
+            path: self.opts.node_spec.clone(),
+            why: why.clone(),
+        })?;
+        let spec = cdi::claim_spec(named, node, &self.opts.node_spec, &devices)?;
+        let missing = cdi::missing_device_nodes(&self.host, &spec);
+        if !missing.is_empty() {
+            return Err(ClaimError::MissingDeviceNodes {
+                claim: named.clone(),
+                missing,
+            });
+        }
+        Ok(Entry {
+            namespace: named.0.namespace.clone(),
+            name: named.0.name.clone(),
+            state: EntryState::Preparing,
+            devices: alloc
+                .devices
+                .iter()
+                .map(|d| EntryDevice {
+                    request_names: vec![d.request.clone()],
+                    pool: d.pool.clone(),
+                    device: d.device.clone(),
+                    share_id: d.share_id.clone(),
+                    cdi_device_ids: vec![cdi::cdi_device_id(uid, &d.device)],
+                })
+                .collect(),
+            spec,
+            recovered: false,
+        })
+    }
+
+    /// Checkpoint `preparing`, the specs, checkpoint `prepared`; a claim
+    /// whose step fails is rolled back and answered with the error.
+    fn write_plans(
+        &self,
+        st: &mut State,
+        plans: Vec<Plan>,
+        out: &mut BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>>,
+    ) {
+        let path = checkpoint::checkpoint_path(&self.opts.state_dir);
+        let before = st.checkpoint.clone();
+        for p in &plans {
+            st.checkpoint.claims.insert(p.uid.clone(), p.entry.clone());
+        }
+        if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
+            st.checkpoint = before;
+            let why = write_why(e);
+            for p in plans {
+                let claim = Named::new(p.entry.claim_ref(&p.uid));
+                tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
+                out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
+            }
+            return;
+        }
+        let mut written = Vec::new();
+        for p in plans {
+            let claim = Named::new(p.entry.claim_ref(&p.uid));
+            let spec_path = cdi::spec_path(&self.opts.cdi_dir, &p.uid);
+            let yaml = cdi::to_yaml(&p.entry.spec);
+            match self.host.write_atomic(&spec_path, yaml.as_bytes(), 0o644) {
+                Ok(_) => written.push(p),
+                Err(source) => {
+                    st.checkpoint.claims.remove(&p.uid);
+                    let _ = self.host.remove_file(&spec_path);
+                    tracing::warn!(claim = %claim, path = %spec_path, error = %source, "prepare failed: spec");
+                    out.insert(
+                        p.uid,
+                        Err(ClaimError::WriteSpec {
+                            claim,
+                            path: spec_path,
+                            source,
+                        }),
+                    );
+                }
+            }
+        }
+        for p in &written {
+            if let Some(e) = st.checkpoint.claims.get_mut(&p.uid) {
+                e.state = EntryState::Prepared;
+            }
+        }
+        if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
+            // Not recorded as prepared: undo, so the kubelet's retry starts clean.
+            let why = write_why(e);
+            for p in written {
+                st.checkpoint.claims.remove(&p.uid);
+                let _ = self
+                    .host
+                    .remove_file(cdi::spec_path(&self.opts.cdi_dir, &p.uid));
+                let claim = Named::new(p.entry.claim_ref(&p.uid));
+                tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
+                out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
+            }
+            let _ = checkpoint::save(&self.host, &path, &st.checkpoint);
+            return;
+        }
+        for p in written {
+            let claim = Named::new(p.entry.claim_ref(&p.uid));
+            let devices: Vec<&str> = p.entry.devices.iter().map(|d| d.device.as_str()).collect();
+            tracing::info!(claim = %claim, devices = ?devices, "claim prepared");
+            out.insert(p.uid, Ok(p.entry.prepared_devices()));
+        }
+    }
+
+    /// A prepared claim's spec is on disk: written again when it is gone.
+    fn ensure_spec(&self, claim: &Named, e: &Entry) -> Result<(), ClaimError> {
+        let path = cdi::spec_path(&self.opts.cdi_dir, &claim.0.uid);
+        if self.host.exists(&path) {
+            return Ok(());
+        }
+        tracing::warn!(claim = %claim, path = %path, "the prepared claim's spec was gone: written again");
+        self.host
+            .write_atomic(&path, cdi::to_yaml(&e.spec).as_bytes(), 0o644)
+            .map(|_| ())
+            .map_err(|source| ClaimError::WriteSpec {
+                claim: claim.clone(),
+                path,
+                source,
+            })
+    }
+
+    pub(super) fn unprepare_batch(
+        &self,
+        claims: &[ClaimRef],
+    ) -> BTreeMap<String, Result<(), ClaimError>> {
+        let mut st = self.lock();
+        let mut out = BTreeMap::new();
+        let before = st.checkpoint.clone();
+        let mut dropped = Vec::new();
+        for c in claims {
+            if !cdi::valid_uid(&c.uid) {
+                // No file or entry can carry it: nothing to undo.
+                out.insert(c.uid.clone(), Ok(()));
+                continue;
+            }
+            if let Some(e) = st.checkpoint.claims.remove(&c.uid) {
+                dropped.push((c.clone(), e.state));
+            }
+        }
+        if !dropped.is_empty() {
+            let path = checkpoint::checkpoint_path(&self.opts.state_dir);
+            if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
+                st.checkpoint = before;
+                let why = write_why(e);
+                for (c, _) in &dropped {
+                    out.insert(
+                        c.uid.clone(),
+                        Err(checkpoint_error(Named::new(c.clone()), &path, &why)),
+                    );
+                }
+            }
+        }
+        let pending: Vec<&ClaimRef> = claims
+            .iter()
+            .filter(|c| !out.contains_key(&c.uid))
+            .collect();
+        for c in pending {
+            let named = Named::new(c.clone());
+            let path = cdi::spec_path(&self.opts.cdi_dir, &c.uid);
+            let result = match self.host.remove_file(&path) {
+                Ok(_) => Ok(()),
+                Err(source) => Err(ClaimError::RemoveSpec {
+                    claim: named.clone(),
+                    path,
+                    source,
+                }),
+            };
+            match dropped.iter().find(|(d, _)| d.uid == c.uid) {
+                Some((_, state)) => {
+                    tracing::info!(claim = %named, was = ?state, "claim unprepared")
+                }
+                None => tracing::debug!(claim = %named, "unprepare of a claim not prepared"),
+            }
+            out.insert(c.uid.clone(), result);
+        }
+        out
+    }
+}
+
+fn checkpoint_error(claim: Named, path: &str, why: &str) -> ClaimError {
+    ClaimError::Checkpoint {
+        claim,
+        path: path.to_string(),
+        why: why.to_string(),
+    }
+}
+
+/// What went wrong writing the checkpoint, without repeating its path.
+fn write_why(e: super::error::StateError) -> String {
+    match e {
+        super::error::StateError::WriteCheckpoint { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
+}
