@@ -7,10 +7,10 @@ use std::collections::BTreeMap;
 use hostlib::HostRoot;
 use serde::Serialize;
 
-use super::Options;
 use super::cdi;
 use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState, Loaded};
 use super::error::StateError;
+use super::options::Options;
 
 /// What start-up found at the checkpoint's path.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
