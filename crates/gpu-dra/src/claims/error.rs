@@ -32,6 +32,8 @@ impl fmt::Display for Named {
 pub enum ClaimError {
     #[error("{claim}: no allocation from gpu-controller yet (waited {waited_s} s)")]
     NoAllocation { claim: Named, waited_s: u64 },
+    #[error("{claim}: unprepared while this prepare waited for its allocation")]
+    Unprepared { claim: Named },
     #[error("{claim}: the allocation has no device of driver gpu.nvidia.com")]
     NoDevices { claim: Named },
     #[error("{claim}: device {device} is in pool {pool}, not this node's ({node})")]

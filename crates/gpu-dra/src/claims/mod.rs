@@ -24,7 +24,7 @@ mod tests;
 #[cfg(test)]
 pub(crate) mod tests_support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use gpu_model::inventory::Inventory;
@@ -56,6 +56,17 @@ struct State {
     checkpoint: Checkpoint,
     devices: BTreeMap<String, NodeDevice>,
     recovery: Recovery,
+    /// Prepares waiting for allocations outside the lock, by ticket.
+    waiting: BTreeMap<u64, Waiter>,
+    next_ticket: u64,
+}
+
+/// A prepare's claims while it waits outside the lock, and those of them
+/// an unprepare has come for meanwhile: those are not prepared after all.
+#[derive(Debug, Default)]
+struct Waiter {
+    uids: BTreeSet<String>,
+    unprepared: BTreeSet<String>,
 }
 
 impl std::fmt::Debug for NodeClaims {
@@ -107,6 +118,8 @@ impl NodeClaims {
                 checkpoint,
                 devices: devices::device_table(inv),
                 recovery,
+                waiting: BTreeMap::new(),
+                next_ticket: 0,
             }),
         })
     }

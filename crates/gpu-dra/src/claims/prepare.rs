@@ -13,7 +13,7 @@ use super::cdi;
 use super::checkpoint::{self, Entry, EntryDevice, EntryState};
 use super::config;
 use super::error::{ClaimError, Named};
-use super::{NodeClaims, State};
+use super::{NodeClaims, State, Waiter};
 use crate::claim::{ClaimRef, PreparedDevice};
 
 /// A claim checked and ready to write.
@@ -35,9 +35,16 @@ impl NodeClaims {
     ) -> BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>> {
         // Allocations of the claims not already prepared, waited for
         // outside the lock, within one deadline for the whole batch.
-        let done: BTreeSet<String> = {
-            let st = self.lock();
-            claims
+        let (ticket, done): (u64, BTreeSet<String>) = {
+            let mut st = self.lock();
+            let ticket = st.next_ticket;
+            st.next_ticket += 1;
+            let waiter = Waiter {
+                uids: claims.iter().map(|c| c.uid.clone()).collect(),
+                unprepared: BTreeSet::new(),
+            };
+            st.waiting.insert(ticket, waiter);
+            let done = claims
                 .iter()
                 .filter(|c| {
                     st.checkpoint
@@ -46,7 +53,8 @@ impl NodeClaims {
                         .is_some_and(|e| e.state == EntryState::Prepared && !e.recovered)
                 })
                 .map(|c| c.uid.clone())
-                .collect()
+                .collect();
+            (ticket, done)
         };
         let deadline = Instant::now() + self.opts.allocation_wait;
         let mut allocations: BTreeMap<String, Option<ClaimAllocation>> = BTreeMap::new();
@@ -57,6 +65,11 @@ impl NodeClaims {
         }
 
         let mut st = self.lock();
+        let unprepared = st
+            .waiting
+            .remove(&ticket)
+            .map(|w| w.unprepared)
+            .unwrap_or_default();
         let mut out = BTreeMap::new();
         let mut plans: Vec<Plan> = Vec::new();
         let mut node_spec = NodeSpec::Unread;
@@ -73,6 +86,11 @@ impl NodeClaims {
                         why: "the UID is not letters, digits and '-'".into(),
                     }),
                 );
+                continue;
+            }
+            if unprepared.contains(&c.uid) {
+                tracing::info!(claim = %named, "unprepared while its prepare waited: not prepared");
+                out.insert(c.uid.clone(), Err(ClaimError::Unprepared { claim: named }));
                 continue;
             }
             if let Some(e) = st.checkpoint.claims.get(&c.uid)
@@ -314,6 +332,11 @@ impl NodeClaims {
         claims: &[ClaimRef],
     ) -> BTreeMap<String, Result<(), ClaimError>> {
         let mut st = self.lock();
+        for w in st.waiting.values_mut() {
+            for c in claims.iter().filter(|c| w.uids.contains(&c.uid)) {
+                w.unprepared.insert(c.uid.clone());
+            }
+        }
         let mut out = BTreeMap::new();
         let before = st.checkpoint.clone();
         let mut dropped = Vec::new();

@@ -417,3 +417,29 @@ fn a_corrupt_checkpoint_is_set_aside_and_rebuilt_from_the_specs() {
     assert_eq!(claims.unprepare(&[claim(U1)])[U1], Ok(()));
     assert!(!n.exists(&n.spec_path(U1)));
 }
+
+#[test]
+fn an_unprepare_while_prepare_waits_wins() {
+    let mut n = Node::new();
+    n.opts.allocation_wait = Duration::from_secs(20);
+    let claims = Arc::new(n.open());
+    let c = Arc::clone(&claims);
+    let waiting = std::thread::spawn(move || c.prepare(&[claim(U1)]));
+    // Until the prepare is registered as waiting.
+    while claims.lock().waiting.is_empty() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(claims.unprepare(&[claim(U1)])[U1], Ok(()));
+    n.allocate(U1, &[("gpu-0", None)]);
+    let out = waiting.join().unwrap();
+    let err = out[U1].as_ref().unwrap_err();
+    assert!(
+        err.contains("unprepared while this prepare waited"),
+        "{err}"
+    );
+    assert!(!n.exists(&n.spec_path(U1)));
+    assert!(n.checkpoint().claims.is_empty());
+    assert!(claims.lock().waiting.is_empty());
+    // The kubelet's next prepare of it is a fresh one.
+    assert!(claims.prepare(&[claim(U1)])[U1].is_ok());
+}
