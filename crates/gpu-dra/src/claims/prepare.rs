@@ -10,7 +10,7 @@ use gpu_model::cdi::Spec;
 
 use super::allocation::ClaimAllocation;
 use super::cdi;
-use super::checkpoint::{self, Entry, EntryDevice, EntryState};
+use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState};
 use super::config;
 use super::error::{ClaimError, Named};
 use super::{NodeClaims, State, Waiter};
@@ -268,8 +268,8 @@ impl NodeClaims {
             match self.host.write_atomic(&spec_path, yaml.as_bytes(), 0o644) {
                 Ok(_) => written.push(p),
                 Err(source) => {
-                    st.checkpoint.claims.remove(&p.uid);
-                    let _ = self.host.remove_file(&spec_path);
+                    // The old file, if any, is untouched (an atomic write).
+                    self.undo(st, &before, &p.uid, false);
                     tracing::warn!(claim = %claim, path = %spec_path, error = %source, "prepare failed: spec");
                     out.insert(
                         p.uid,
@@ -291,10 +291,7 @@ impl NodeClaims {
             // Not recorded as prepared: undo, so the kubelet's retry starts clean.
             let why = write_why(e);
             for p in written {
-                st.checkpoint.claims.remove(&p.uid);
-                let _ = self
-                    .host
-                    .remove_file(cdi::spec_path(&self.opts.cdi_dir, &p.uid));
+                self.undo(st, &before, &p.uid, true);
                 let claim = Named::new(p.entry.claim_ref(&p.uid));
                 tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
                 out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
@@ -307,6 +304,25 @@ impl NodeClaims {
             let devices: Vec<&str> = p.entry.devices.iter().map(|d| d.device.as_str()).collect();
             tracing::info!(claim = %claim, devices = ?devices, "claim prepared");
             out.insert(p.uid, Ok(p.entry.prepared_devices()));
+        }
+    }
+
+    /// Undoes claim `uid`'s prepare after a failed step: a claim rebuilt
+    /// from its spec before (and prepared again now) keeps that entry and
+    /// its spec; any other loses its entry, and its spec when `written`.
+    fn undo(&self, st: &mut State, before: &Checkpoint, uid: &str, written: bool) {
+        match before.claims.get(uid) {
+            Some(prev) => {
+                st.checkpoint.claims.insert(uid.to_string(), prev.clone());
+            }
+            None => {
+                st.checkpoint.claims.remove(uid);
+                if written {
+                    let _ = self
+                        .host
+                        .remove_file(cdi::spec_path(&self.opts.cdi_dir, uid));
+                }
+            }
         }
     }
 

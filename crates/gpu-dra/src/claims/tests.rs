@@ -443,3 +443,46 @@ fn an_unprepare_while_prepare_waits_wins() {
     // The kubelet's next prepare of it is a fresh one.
     assert!(claims.prepare(&[claim(U1)])[U1].is_ok());
 }
+
+#[test]
+fn a_spec_that_cannot_be_written_fails_the_claim_naming_it() {
+    let mut n = Node::new();
+    n.opts.cdi_dir = "/run/claims".into();
+    let claims = n.open();
+    n.write("/run/claims", "a file, not a directory");
+    n.allocate(U1, &[("gpu-0", None)]);
+    let err = claims.prepare(&[claim(U1)])[U1].clone().unwrap_err();
+    assert!(
+        err.contains(&format!(
+            "writing /run/claims/k8s.gpu.nvidia.com-claim_{U1}.yaml"
+        )),
+        "{err}"
+    );
+    assert!(n.checkpoint().claims.is_empty());
+    assert!(claims.status().claims.is_empty());
+}
+
+#[test]
+fn a_new_inventory_renames_the_devices_prepared_claims_keep_theirs() {
+    use super::tests_support::{gpu, inventory};
+    let n = Node::new();
+    let claims = n.open();
+    n.allocate(U1, &[("gpu-1", None)]);
+    assert!(claims.prepare(&[claim(U1)])[U1].is_ok());
+    claims.set_inventory(&inventory(vec![gpu(0, "GPU-a")]));
+    assert_eq!(claims.device_names(), ["gpu-0"]);
+    n.allocate(U2, &[("gpu-1", None)]);
+    let err = claims.prepare(&[claim(U2)])[U2].clone().unwrap_err();
+    assert!(
+        err.contains("device gpu-1 is not on this node (devices here: gpu-0)"),
+        "{err}"
+    );
+    assert!(
+        claims.prepare(&[claim(U1)])[U1].is_ok(),
+        "answered from the checkpoint"
+    );
+    let status = serde_json::to_value(claims.status()).unwrap();
+    assert_eq!(status["recovery"]["checkpoint"]["found"], "none");
+    assert_eq!(status["claims"][0]["state"], "prepared");
+    assert_eq!(status["claims"][0]["devices"][0], "gpu-1");
+}
