@@ -35,8 +35,9 @@ pub use gpu_model::cdi::{
 };
 use gpu_model::inventory::Inventory;
 
-/// The file gpu-agent writes in the spec directory.
-pub const SPEC_FILE: &str = "gpu-agent-nvidia.com-gpu.json";
+/// The file gpu-agent writes in the spec directory (the model's, which the
+/// DRA front end reads too).
+pub use gpu_model::cdi::SPEC_FILE;
 
 /// Options for bind mounts of driver files into containers.
 const MOUNT_OPTIONS: &[&str] = &["ro", "nosuid", "nodev", "rbind", "rprivate"];

@@ -8,6 +8,9 @@ use serde::{Deserialize, Serialize};
 /// The CDI kind gpu-agent's specs use (as `nvidia-ctk cdi generate`'s default):
 /// devices `nvidia.com/gpu=<index>` and `nvidia.com/gpu=<UUID>`.
 pub const CDI_KIND: &str = "nvidia.com/gpu";
+/// The file gpu-agent writes the node's spec to, in the CDI spec directory:
+/// the CDI front end writes it, the DRA front end takes its devices' edits.
+pub const SPEC_FILE: &str = "gpu-agent-nvidia.com-gpu.json";
 /// The CDI specification version our specs declare: the lowest that has
 /// everything they use (device names starting with a digit came in 0.5.0).
 pub const SPEC_VERSION: &str = "0.5.0";

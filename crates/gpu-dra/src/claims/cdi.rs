@@ -14,9 +14,9 @@ use super::error::{ClaimError, Named};
 /// `claim`, as NVIDIA's driver names them.
 pub const CLAIM_KIND: &str = "k8s.gpu.nvidia.com/claim";
 
-/// The node spec's file name in its directory: gpu-cdi's `SPEC_FILE`
-/// (gpu-dra does not depend on gpu-cdi; gpu-cdi's tests pin the name).
-pub const NODE_SPEC_FILE: &str = "gpu-agent-nvidia.com-gpu.json";
+/// The node spec's file name in its directory: the one the CDI front end
+/// writes (`gpu_model::cdi::SPEC_FILE`).
+pub use gpu_model::cdi::SPEC_FILE as NODE_SPEC_FILE;
 
 /// Transient spec files: `k8s.gpu.nvidia.com-claim_<claimUID>.yaml` (CDI's
 /// `GenerateTransientSpecName(vendor, class, uid)`).
