@@ -41,6 +41,7 @@ const LAYERS: &[Layer] = &[
         name: "model",
         units: &[
             "model",
+            "model::dra",
             "model::node",
             "model::node_event",
             "model::policy_texts",

@@ -15,6 +15,7 @@
 //! A module here may use another one here (never in a circle:
 //! `controller/tests/layers.rs` checks it), and nothing above `model`.
 
+pub mod dra;
 pub mod node;
 pub mod node_event;
 pub mod policy_texts;
