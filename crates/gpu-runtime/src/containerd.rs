@@ -265,6 +265,27 @@ fn validate(path: &str, text: &str, doc: &toml_edit::Document<String>) -> Result
             }
         }
     }
+    // containerd reads `imports` as a list of file paths; anything else is
+    // refused here, never replaced by the drop-in's import (found by the
+    // fuzz smoke: a `[imports."…"]` table was overwritten whole).
+    if let Some((key, item)) = doc.as_table().get_key_value("imports")
+        && !item
+            .as_array()
+            .is_some_and(|a| a.iter().all(|v| v.as_str().is_some()))
+    {
+        // An implicit table (`[imports.x]`) has no span of its own: point at
+        // the first place the text names it.
+        let span = key.span().or_else(|| item.span()).or_else(|| {
+            text.match_indices("imports")
+                .next()
+                .map(|(at, w)| at..at + w.len())
+        });
+        return Err(invalid(
+            span,
+            "imports".into(),
+            "must be a list of file paths (containerd's `imports`)".into(),
+        ));
+    }
     if let Some(p) = doc.get("plugins")
         && !p.is_table_like()
     {

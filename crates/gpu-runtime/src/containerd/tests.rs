@@ -201,3 +201,61 @@ fn line_and_column() {
     assert_eq!(line_col("ab\ncd\nef", 4), (2, 2));
     assert_eq!(line_col("x", 0), (1, 1));
 }
+
+/// Found by the fuzz smoke: containerd 2.1's drop-in is imported by adding
+/// to `imports`; an `imports` that is not a list of paths (a table, a
+/// string) was replaced whole, and the user's keys under it lost. It is
+/// refused, naming the key and its line, and a list gains the drop-in.
+#[test]
+fn an_imports_that_is_not_a_list_of_paths_is_refused_not_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let host = HostRoot::new(dir.path()).unwrap();
+    let config = dir.path().join("etc/containerd/config.toml");
+    std::fs::create_dir_all(config.parent().unwrap()).unwrap();
+    let opts = Options {
+        config: "/etc/containerd/config.toml".into(),
+        drop_in_dir: "/etc/containerd/conf.d".into(),
+        runtime_name: "nvidia".into(),
+        set_as_default: false,
+        enable_cdi: true,
+        binary_name: None,
+    };
+    let v = Version::parse("2.1.0");
+    for (text, line) in [
+        (
+            "version = 3\n\n[imports.\"io.containerd.cri.v1.runtime\".containerd]\nsnapshotter = \"overlayfs\"\n",
+            3,
+        ),
+        ("version = 3\nimports = \"/etc/containerd/other.toml\"\n", 2),
+        ("version = 3\nimports = [\"/a.toml\", 7]\n", 2),
+    ] {
+        std::fs::write(&config, text).unwrap();
+        match plan(&host, &opts, v) {
+            Err(RuntimeError::Invalid {
+                key,
+                line: at,
+                path,
+                ..
+            }) => {
+                assert_eq!(key, "imports", "{text}");
+                assert_eq!(at, line, "{text}");
+                assert_eq!(path, "/etc/containerd/config.toml");
+            }
+            other => panic!("{text}: {:?}", other.map(|p| p.changes)),
+        }
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), text);
+    }
+    std::fs::write(
+        &config,
+        "version = 3\nimports = [\"/etc/containerd/other.toml\"]\n",
+    )
+    .unwrap();
+    let p = plan(&host, &opts, v).unwrap();
+    let after = &p.changes[0].after;
+    assert!(
+        after.contains(
+            "imports = [\"/etc/containerd/other.toml\", \"/etc/containerd/conf.d/*.toml\"]"
+        ),
+        "{after}"
+    );
+}
