@@ -10,7 +10,9 @@
 //!   rollout's per-node states, the ClusterPolicy's `upgradePolicy`, and the
 //!   pure decision of which node moves next;
 //! - [`policy_texts`]: the ClusterPolicy as each agent is sent it, with the
-//!   ConfigMaps it names inlined.
+//!   ConfigMaps it names inlined;
+//! - [`dra`]: a node's DRA ResourceSlices, the DeviceClasses and the RBAC
+//!   they need, from its agent's report (issue 31; no worker writes them yet).
 //!
 //! A module here may use another one here (never in a circle:
 //! `controller/tests/layers.rs` checks it), and nothing above `model`.
