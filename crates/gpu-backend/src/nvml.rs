@@ -143,6 +143,58 @@ pub(super) fn instance_id<E>(
     (rc == nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS).then_some(id)
 }
 
+pub(super) type GpuInstanceByIdFn =
+    unsafe extern "C" fn(
+        nvml_wrapper_sys::bindings::nvmlDevice_t,
+        std::ffi::c_uint,
+        *mut nvml_wrapper_sys::bindings::nvmlGpuInstance_t,
+    ) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+pub(super) type GpuInstanceInfoFn =
+    unsafe extern "C" fn(
+        nvml_wrapper_sys::bindings::nvmlGpuInstance_t,
+        *mut nvml_wrapper_sys::bindings::nvmlGpuInstanceInfo_t,
+    ) -> nvml_wrapper_sys::bindings::nvmlReturn_t;
+
+/// Where a MIG device's GPU instance sits: its profile ID and its
+/// placement's start (`nvmlDeviceGetGpuInstanceById` on the parent GPU with
+/// the device's GPU-instance ID, then `nvmlGpuInstanceGetInfo`), which
+/// nvml-wrapper 0.13 does not wrap. `Err` names the call that failed (or
+/// that the library lacks).
+///
+/// # Safety
+/// `parent` must be a GPU handle of the live NVML session both functions
+/// were loaded from.
+#[allow(unsafe_code)]
+pub(super) unsafe fn gpu_instance_placement<E: std::fmt::Display>(
+    by_id: &Result<GpuInstanceByIdFn, E>,
+    get_info: &Result<GpuInstanceInfoFn, E>,
+    parent: nvml_wrapper_sys::bindings::nvmlDevice_t,
+    gi_id: u32,
+) -> Result<(u32, u32), (&'static str, String)> {
+    const BY_ID: &str = "nvmlDeviceGetGpuInstanceById";
+    const INFO: &str = "nvmlGpuInstanceGetInfo";
+    let by_id = by_id
+        .as_ref()
+        .map_err(|e| (BY_ID, format!("not in the NVML library: {e}")))?;
+    let get_info = get_info
+        .as_ref()
+        .map_err(|e| (INFO, format!("not in the NVML library: {e}")))?;
+    let mut gi: nvml_wrapper_sys::bindings::nvmlGpuInstance_t = std::ptr::null_mut();
+    // SAFETY: `parent` is a handle of the session `by_id` was loaded from
+    // (the caller's promise); `gi` is a valid out-pointer for the call.
+    let rc = unsafe { by_id(parent, gi_id, &mut gi) };
+    nvml_wrapper::error::nvml_try(rc).map_err(|e| (BY_ID, e.to_string()))?;
+    // SAFETY: a struct of plain integers and a null pointer, all zero, is a
+    // valid value to be overwritten.
+    let mut info: nvml_wrapper_sys::bindings::nvmlGpuInstanceInfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `gi` was just returned by NVML in this session; `info` is a
+    // valid out-pointer for the call.
+    let rc = unsafe { get_info(gi, &mut info) };
+    nvml_wrapper::error::nvml_try(rc).map_err(|e| (INFO, e.to_string()))?;
+    Ok((info.profileId, info.placement.start))
+}
+
 pub(super) type RemappedRowsFn = unsafe extern "C" fn(
     nvml_wrapper_sys::bindings::nvmlDevice_t,
     *mut std::ffi::c_uint,
@@ -268,6 +320,45 @@ fn fabric_info(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, index: u32) -> Op
     }
 }
 
+/// A MIG device's GPU-instance profile ID and placement start, from its
+/// parent GPU `device` and its GPU-instance ID `gi`; `None` (logged) when
+/// NVML cannot say: one missing fact never hides the device.
+#[allow(unsafe_code)]
+fn mig_placement(
+    nvml: &Nvml,
+    device: &nvml_wrapper::Device<'_>,
+    index: u32,
+    mig_uuid: &str,
+    gi: u32,
+) -> Option<(u32, u32)> {
+    let lib = nvml.lib();
+    // SAFETY: `device`'s handle belongs to `nvml`, the session the
+    // library's functions were loaded from, and lives as long as `device`.
+    let found = unsafe {
+        gpu_instance_placement(
+            &lib.nvmlDeviceGetGpuInstanceById,
+            &lib.nvmlGpuInstanceGetInfo,
+            device.handle(),
+            gi,
+        )
+    };
+    match found {
+        Ok(p) => Some(p),
+        Err((call, error)) => {
+            tracing::warn!(
+                gpu = index,
+                mig = mig_uuid,
+                gpu_instance = gi,
+                call,
+                %error,
+                "NVML did not say where the MIG device's GPU instance is placed; \
+                 its profile ID and placement start are left out"
+            );
+            None
+        }
+    }
+}
+
 /// One GPU as NVML describes it (and its handle, for the topology).
 fn describe_device(
     nvml: &Nvml,
@@ -334,6 +425,9 @@ fn describe_device(
             let a = m
                 .attributes()
                 .map_err(dev_err("nvmlDeviceGetAttributes (MIG)"))?;
+            let gpu_instance_id = instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m);
+            let placement =
+                gpu_instance_id.and_then(|gi| mig_placement(nvml, &device, index, &uuid, gi));
             mig_devices.push(MigDevice {
                 index: slot,
                 uuid,
@@ -347,8 +441,10 @@ fn describe_device(
                 ci_slices: a.compute_instance_slice_count,
                 memory_mib: a.memory_size_mb,
                 multiprocessors: a.multiprocessor_count,
-                gpu_instance_id: instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m),
+                gpu_instance_id,
                 compute_instance_id: instance_id(&nvml.lib().nvmlDeviceGetComputeInstanceId, &m),
+                gi_profile_id: placement.map(|(profile, _)| profile),
+                placement_start: placement.map(|(_, start)| start),
                 engines: MigEngines {
                     copy: a.shared_copy_engine_count,
                     decoder: a.shared_decoder_count,
@@ -606,5 +702,78 @@ impl GpuBackend for NvmlBackend {
             lost,
             pcie,
         })
+    }
+}
+
+#[cfg(test)]
+#[allow(unsafe_code)]
+mod tests {
+    use super::*;
+    use nvml_wrapper_sys::bindings::{
+        nvmlDevice_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+        nvmlReturn_enum_NVML_ERROR_NOT_FOUND, nvmlReturn_enum_NVML_ERROR_UNKNOWN,
+        nvmlReturn_enum_NVML_SUCCESS, nvmlReturn_t,
+    };
+
+    /// GPU instances 0..=6 exist; the handle carries the ID plus one.
+    unsafe extern "C" fn by_id(
+        _device: nvmlDevice_t,
+        id: std::ffi::c_uint,
+        gi: *mut nvmlGpuInstance_t,
+    ) -> nvmlReturn_t {
+        if id > 6 {
+            return nvmlReturn_enum_NVML_ERROR_NOT_FOUND;
+        }
+        // SAFETY: the caller's out-pointer.
+        unsafe { *gi = (id as usize + 1) as nvmlGpuInstance_t };
+        nvmlReturn_enum_NVML_SUCCESS
+    }
+
+    /// GPU instance `n` is a 1g.10gb (profile ID 19) at slice `6 - n`;
+    /// instance 5's info cannot be read.
+    unsafe extern "C" fn info(
+        gi: nvmlGpuInstance_t,
+        out: *mut nvmlGpuInstanceInfo_t,
+    ) -> nvmlReturn_t {
+        let id = gi as usize as u32 - 1;
+        if id == 5 {
+            return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+        }
+        // SAFETY: the caller's out-pointer, to a valid struct.
+        let out = unsafe { &mut *out };
+        out.id = id;
+        out.profileId = 19;
+        out.placement.start = 6 - id;
+        out.placement.size = 1;
+        nvmlReturn_enum_NVML_SUCCESS
+    }
+
+    fn placement(
+        by: Result<GpuInstanceByIdFn, &str>,
+        get: Result<GpuInstanceInfoFn, &str>,
+        gi: u32,
+    ) -> Result<(u32, u32), (&'static str, String)> {
+        // SAFETY: the stand-ins ignore the parent handle.
+        unsafe { gpu_instance_placement(&by, &get, std::ptr::null_mut(), gi) }
+    }
+
+    #[test]
+    fn a_gpu_instance_is_found_by_id_and_its_profile_and_start_read() {
+        assert_eq!(placement(Ok(by_id), Ok(info), 0), Ok((19, 6)));
+        assert_eq!(placement(Ok(by_id), Ok(info), 2), Ok((19, 4)));
+    }
+
+    #[test]
+    fn a_failing_or_missing_call_is_named() {
+        let (call, why) = placement(Ok(by_id), Ok(info), 9).unwrap_err();
+        assert_eq!(call, "nvmlDeviceGetGpuInstanceById");
+        assert!(why.contains("unsuccessful"), "{why}");
+        let (call, _) = placement(Ok(by_id), Ok(info), 5).unwrap_err();
+        assert_eq!(call, "nvmlGpuInstanceGetInfo");
+        let (call, why) = placement(Ok(by_id), Err("undefined symbol"), 0).unwrap_err();
+        assert_eq!(call, "nvmlGpuInstanceGetInfo");
+        assert!(why.contains("undefined symbol"), "{why}");
+        let (call, _) = placement(Err("undefined symbol"), Ok(info), 0).unwrap_err();
+        assert_eq!(call, "nvmlDeviceGetGpuInstanceById");
     }
 }

@@ -1,8 +1,10 @@
 //! The simulated backend: answers from a node description.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use simnode::NodeDescription;
+use simnode::mig::state::GpuMig;
 
 use super::{
     BackendError, BackendGpu, BackendSnapshot, ComputeCapability, ComputeMode, CudaVersion,
@@ -100,7 +102,8 @@ impl GpuBackend for SimulatedBackend {
             .gpus
             .iter()
             .enumerate()
-            .map(|(i, g)| BackendGpu {
+            .map(|(i, g)| (i, g, mig_placements(g)))
+            .map(|(i, g, placed)| BackendGpu {
                 index: i as u32,
                 uuid: g.uuid.clone(),
                 name: g.name.clone(),
@@ -151,6 +154,8 @@ impl GpuBackend for SimulatedBackend {
                             multiprocessors: m.multiprocessors,
                             gpu_instance_id: Some(m.gi_id(k)),
                             compute_instance_id: Some(m.ci_id()),
+                            gi_profile_id: placed.get(&m.uuid).map(|p| p.0),
+                            placement_start: placed.get(&m.uuid).map(|p| p.1),
                             engines: {
                                 let e = m.engines();
                                 MigEngines {
@@ -191,6 +196,28 @@ impl GpuBackend for SimulatedBackend {
             gpus,
             pcie,
         })
+    }
+}
+
+/// Each described MIG device's GPU-instance profile ID and placement start,
+/// by UUID: where simnode's MIG state (which the fake libnvidia-ml serves
+/// for the same description) places it. Empty while MIG is off, and when
+/// the devices do not fit on the GPU together (the fake refuses such a
+/// description; here the two facts are just left out).
+fn mig_placements(g: &simnode::GpuDesc) -> BTreeMap<String, (u32, u32)> {
+    if !g.mig.enabled || g.mig.devices.is_empty() {
+        return BTreeMap::new();
+    }
+    match GpuMig::from_desc(g) {
+        Ok(state) => state
+            .mig_devices()
+            .into_iter()
+            .map(|d| (d.uuid, (d.gi_profile_id, d.placement_start)))
+            .collect(),
+        Err(error) => {
+            tracing::debug!(gpu = %g.uuid, %error, "the simulated GPU's MIG devices cannot be placed");
+            BTreeMap::new()
+        }
     }
 }
 
@@ -384,6 +411,63 @@ impl super::Sampler for SimSampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each MIG device's (profile, GPU-instance profile ID, placement start).
+    fn placed(g: &BackendGpu) -> Vec<(&str, Option<u32>, Option<u32>)> {
+        g.mig_devices
+            .iter()
+            .map(|m| (m.profile.as_str(), m.gi_profile_id, m.placement_start))
+            .collect()
+    }
+
+    #[test]
+    fn mig_devices_carry_their_gi_profile_id_and_placement() {
+        let b = SimulatedBackend::new(simnode::NodeDescription::load("h100-mig-2").unwrap());
+        let snap = b.snapshot().unwrap();
+        // The H100 80GB's profile IDs as `nvidia-smi mig -lgip` lists them
+        // (3g.40gb 9, 2g.20gb 14, 1g.10gb 19); the 3g is placed at 4..8,
+        // the 2g at 0..2, the 1g's in the slices left (2 and 3).
+        assert_eq!(
+            placed(&snap.gpus[0]),
+            [
+                ("3g.40gb", Some(9), Some(4)),
+                ("2g.20gb", Some(14), Some(0)),
+                ("1g.10gb", Some(19), Some(2)),
+                ("1g.10gb", Some(19), Some(3)),
+            ]
+        );
+        // Seven 1g.10gb, in GPU-instance ID order, placed in the order the
+        // driver fills an empty H100 with them: 6, 4, 5, 0, 1, 2, 3.
+        assert_eq!(
+            placed(&snap.gpus[1]),
+            [6, 4, 5, 0, 1, 2, 3].map(|s| ("1g.10gb", Some(19), Some(s)))
+        );
+        // A GPU without MIG has no devices to place.
+        let full = SimulatedBackend::new(simnode::NodeDescription::load("h100-sxm-8").unwrap());
+        assert!(full.snapshot().unwrap().gpus[0].mig_devices.is_empty());
+    }
+
+    #[test]
+    fn mig_devices_that_cannot_be_placed_keep_the_rest_of_their_facts() {
+        let mut node = simnode::NodeDescription::load("h100-mig-2").unwrap();
+        // Eight 1g.10gb do not fit on a GPU with seven compute slices.
+        let extra = node.gpus[1].mig.devices[0].clone();
+        node.gpus[1].mig.devices.push(simnode::MigDeviceDesc {
+            uuid: "MIG-0c1d2e3f-4a5b-5c6d-8e7f-90a1b2c3d411".into(),
+            ..extra
+        });
+        let snap = SimulatedBackend::new(node).snapshot().unwrap();
+        let migs = &snap.gpus[1].mig_devices;
+        assert_eq!(migs.len(), 8);
+        assert!(
+            migs.iter()
+                .all(|m| m.gi_profile_id.is_none() && m.placement_start.is_none())
+        );
+        assert_eq!(migs[7].profile, "1g.10gb");
+        assert_eq!(migs[7].gpu_instance_id, Some(7));
+        // The other GPU is untouched.
+        assert_eq!(placed(&snap.gpus[0])[0], ("3g.40gb", Some(9), Some(4)));
+    }
 
     #[test]
     fn compute_modes_are_kept_per_gpu() {

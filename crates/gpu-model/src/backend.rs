@@ -103,6 +103,20 @@ pub struct MigDevice {
     /// `/dev/nvidia-caps` nodes a container needs (`None`: NVML did not say).
     pub gpu_instance_id: Option<u32>,
     pub compute_instance_id: Option<u32>,
+    /// Its GPU instance's profile ID, as `nvmlGpuInstanceGetInfo`'s
+    /// `profileId` reports it: `nvmlGpuInstanceProfileInfo_t.id`, the ID
+    /// `nvidia-smi mig -lgip` lists (19 for an H100's `1g.10gb`), not the
+    /// `NVML_GPU_INSTANCE_PROFILE_*` index the profile is asked for by.
+    /// With the placement start it names the device in DRA
+    /// (`gpu-<minor>-mig-<profile>-<giProfileID>-<placementStart>`).
+    /// `None`: the backend could not say.
+    #[serde(default)]
+    pub gi_profile_id: Option<u32>,
+    /// The first memory slice its GPU instance is placed at
+    /// (`nvmlGpuInstanceGetInfo`'s `placement.start`); `None`: the backend
+    /// could not say.
+    #[serde(default)]
+    pub placement_start: Option<u32>,
     /// Engines the device shares (NVML's MIG device attributes).
     #[serde(default)]
     pub engines: MigEngines,

@@ -148,7 +148,12 @@ pub struct MigDevice {
     pub uuid: String,
     pub gi_id: u32,
     pub ci_id: u32,
+    /// `nvmlGpuInstanceProfileInfo_t.id` of its GPU instance (what
+    /// `nvmlGpuInstanceGetInfo` says as `profileId`).
     pub gi_profile_id: u32,
+    /// Its GPU instance's placement start, in memory slices
+    /// (`nvmlGpuInstanceGetInfo`'s `placement.start`).
+    pub placement_start: u32,
     pub ci_profile_id: u32,
     pub gi_slices: u32,
     pub ci_slices: u32,
@@ -688,6 +693,7 @@ impl GpuMig {
                     gi_id: g.id,
                     ci_id: c.id,
                     gi_profile_id: gp.id,
+                    placement_start: g.start,
                     ci_profile_id: cp.index,
                     gi_slices: gp.slices,
                     ci_slices: cp.slices,
@@ -976,6 +982,12 @@ mod tests {
             .map(|g| (g.start, g.size))
             .collect();
         assert_eq!(placed, [(4, 4), (0, 2), (2, 1), (3, 1)]);
+        // Each device says its GPU instance's profile ID and placement start.
+        let at: Vec<(u32, u32)> = devs
+            .iter()
+            .map(|d| (d.gi_profile_id, d.placement_start))
+            .collect();
+        assert_eq!(at, [(9, 4), (14, 0), (19, 2), (19, 3)]);
         assert_eq!(state.gpus[1].mig_devices().len(), 7);
         // A full GPU: nothing more fits; the IDs the description gave are kept.
         assert_eq!(state.gpus[1].gpu_instance_capacity(19), Ok(0));

@@ -1366,6 +1366,67 @@ mod tests {
         assert_ne!(gi_handle(0, 1) as usize, ci_handle(0, 1, 0) as usize);
     }
 
+    /// What gpu-agent's NVML backend asks of a MIG device, in its order:
+    /// its GPU-instance ID, the parent's GPU instance by that ID, and the
+    /// instance's info; `(profileId, placement.start)` per MIG device.
+    fn placements_through_nvml(gpu: usize) -> Vec<(u32, u32)> {
+        let parent = handle_for(gpu);
+        let mut count: c_uint = 0;
+        // SAFETY: valid out-pointers for each call, as a C caller passes.
+        unsafe {
+            assert_eq!(nvmlDeviceGetMaxMigDeviceCount(parent, &mut count), SUCCESS);
+            let mut out = Vec::new();
+            for k in 0..count {
+                let mut mig: nvmlDevice_t = std::ptr::null_mut();
+                if nvmlDeviceGetMigDeviceHandleByIndex(parent, k, &mut mig) == ERROR_NOT_FOUND {
+                    continue;
+                }
+                let mut gi_id: c_uint = 0;
+                assert_eq!(nvmlDeviceGetGpuInstanceId(mig, &mut gi_id), SUCCESS);
+                let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+                assert_eq!(
+                    nvmlDeviceGetGpuInstanceById(parent, gi_id, &mut gi),
+                    SUCCESS
+                );
+                let mut info: nvmlGpuInstanceInfo_t = std::mem::zeroed();
+                assert_eq!(nvmlGpuInstanceGetInfo(gi, &mut info), SUCCESS);
+                assert_eq!(info.id, gi_id);
+                assert_eq!(info.device, parent);
+                out.push((info.profileId, info.placement.start));
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn a_mig_devices_gpu_instance_says_its_profile_id_and_placement() {
+        let node = NodeDescription::load("h100-mig-2").unwrap();
+        let mig = MigStore::load(&node).unwrap();
+        *STATE.lock().unwrap_or_else(|p| p.into_inner()) = Some(crate::State {
+            node,
+            mig,
+            inits: 1,
+            loaded: std::time::Instant::now(),
+        });
+        // The H100's profile IDs as `nvidia-smi mig -lgip` lists them
+        // (3g.40gb 9, 2g.20gb 14, 1g.10gb 19), at the starts simnode's
+        // state placed the described devices at (the simulated backend's).
+        assert_eq!(
+            placements_through_nvml(0),
+            [(9, 4), (14, 0), (19, 2), (19, 3)]
+        );
+        assert_eq!(
+            placements_through_nvml(1),
+            [6, 4, 5, 0, 1, 2, 3].map(|s| (19, s))
+        );
+        // An ID with no GPU instance is not found.
+        let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        let rc = unsafe { nvmlDeviceGetGpuInstanceById(handle_for(0), 12, &mut gi) };
+        assert_eq!(rc, ERROR_NOT_FOUND);
+        *STATE.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
     #[test]
     fn versions_are_nvml_struct_versions() {
         // sizeof(nvmlGpuInstanceProfileInfo_v2_t) is 152 on 64-bit Linux.
