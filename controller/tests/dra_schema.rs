@@ -56,9 +56,44 @@ fn nvml_bus_id(bus: &str) -> String {
     )
 }
 
-/// The report the agent sends for a simulated node (as
+/// The GPU-instance profile IDs `nvidia-smi mig -lgip` lists for an H100
+/// (simnode's table, the only MIG GPU among the simulated nodes).
+fn h100_gi_profile_id(profile: &str) -> Option<u32> {
+    Some(match profile {
+        "1g.10gb" => 19,
+        "1g.10gb+me" => 20,
+        "1g.20gb" => 15,
+        "2g.20gb" => 14,
+        "3g.40gb" => 9,
+        "4g.40gb" => 5,
+        "7g.80gb" => 0,
+        _ => return None,
+    })
+}
+
+/// An H100's engines for a GPU instance of `slices` memory slices, as the
+/// simulated backend reports them (simnode's `MigEngines::h100`).
+fn h100_engines(slices: u32) -> pb::MigEngines {
+    pb::MigEngines {
+        copy: slices,
+        decoder: slices,
+        encoder: 0,
+        jpeg: slices,
+        ofa: u32::from(slices == 7),
+    }
+}
+
+/// The report the agent sends for a simulated node, as
 /// agent/src/supervisor/report.rs builds it from the simulated backend's
-/// inventory), every GPU healthy.
+/// inventory (its test `the_report_carries_what_dra_names_and_describes_devices_by`
+/// pins the same fields; the controller's tests cannot call the agent),
+/// every GPU healthy: device minors as the simulated hosts number them
+/// (NVML's index, tests/fixtures/hosts/*/proc/driver/nvidia/gpus), compute
+/// capability and NUMA node from the description, MIG devices with their
+/// GPU-instance profile ID, a placement (here the slices in the order
+/// listed), memory, multiprocessors and engines. Brand, architecture and
+/// PCIe root are not in the agent's inventory, so the report leaves them
+/// unset.
 fn report_of(desc: &Value) -> pb::NodeReport {
     let gpus = desc["gpus"].as_array().cloned().unwrap_or_default();
     pb::NodeReport {
@@ -70,6 +105,7 @@ fn report_of(desc: &Value) -> pb::NodeReport {
                 .enumerate()
                 .map(|(i, g)| {
                     let mig_on = g["mig"]["enabled"].as_bool().unwrap_or(false);
+                    let mut start = 0;
                     pb::Gpu {
                         index: i as u32,
                         uuid: g["uuid"].as_str().unwrap().into(),
@@ -82,11 +118,29 @@ fn report_of(desc: &Value) -> pb::NodeReport {
                             .into_iter()
                             .flatten()
                             .filter(|_| mig_on)
-                            .map(|m| pb::MigDevice {
-                                uuid: m["uuid"].as_str().unwrap().into(),
-                                profile: m["profile"].as_str().unwrap().into(),
+                            .map(|m| {
+                                let slices = m["giSlices"].as_u64().unwrap() as u32;
+                                let profile = m["profile"].as_str().unwrap();
+                                start += slices;
+                                pb::MigDevice {
+                                    uuid: m["uuid"].as_str().unwrap().into(),
+                                    profile: profile.into(),
+                                    gi_profile_id: h100_gi_profile_id(profile),
+                                    placement_start: Some(start - slices),
+                                    memory_mib: m["memoryMib"].as_u64(),
+                                    multiprocessors: m["multiprocessors"]
+                                        .as_u64()
+                                        .map(|v| v as u32),
+                                    engines: Some(h100_engines(slices)),
+                                }
                             })
                             .collect(),
+                        minor: Some(i as u32),
+                        compute_capability: g["computeCapability"].as_str().map(String::from),
+                        numa_node: g["numaNode"].as_u64().map(|n| n as u32),
+                        brand: None,
+                        architecture: None,
+                        pcie_root: None,
                     }
                 })
                 .collect(),
@@ -106,49 +160,33 @@ fn report_of(desc: &Value) -> pb::NodeReport {
     }
 }
 
-/// What the agent knows of a simulated node beyond its report (the report
-/// does not carry it yet): device minors (the simulated hosts number them
-/// as NVML indexes, see tests/fixtures/hosts/*/proc/driver/nvidia/gpus),
-/// compute capability, NUMA node, and for MIG devices a GPU-instance
-/// profile ID (nvidia-smi's for the slice count), a placement (the slices
-/// in the order listed), memory and engines. Brand, architecture and PCIe
-/// root are made up for the schema's sake.
+/// The node's devices from its report, with the three facts the agent's
+/// inventory lacks (brand, architecture, PCIe root) made up for the
+/// schema's sake, so their attributes are validated too.
 fn full_facts(desc: &Value) -> NodeDevices {
     let mut facts = NodeDevices::from_report(&report_of(desc));
-    let gpus = desc["gpus"].as_array().cloned().unwrap_or_default();
-    for (i, (f, g)) in facts.gpus.iter_mut().zip(&gpus).enumerate() {
-        f.minor = Some(i as u32);
-        f.compute_capability = g["computeCapability"].as_str().map(String::from);
-        f.numa_node = g["numaNode"].as_i64();
+    for f in &mut facts.gpus {
         f.brand = Some("Nvidia".into());
         f.architecture = Some("Hopper".into());
         f.pcie_root = Some("pci0000:00".into());
-        let mut start = 0;
-        for (m, d) in f
-            .mig_devices
-            .iter_mut()
-            .zip(g["mig"]["devices"].as_array().into_iter().flatten())
-        {
-            let slices = d["giSlices"].as_u64().unwrap() as u32;
-            m.gi_profile_id = Some(match slices {
-                1 => 19,
-                2 => 14,
-                3 => 9,
-                4 => 5,
-                _ => 0,
-            });
-            m.placement_start = Some(start);
-            start += slices;
-            m.memory_bytes = d["memoryMib"].as_u64().map(|v| v << 20);
-            m.multiprocessors = d["multiprocessors"].as_u64().map(|v| v as u32);
-            m.copy_engines = Some(slices);
-            m.decoders = Some(slices);
-            m.encoders = Some(0);
-            m.jpeg_engines = Some(1);
-            m.ofa_engines = Some(u32::from(slices == 7));
-        }
     }
     facts
+}
+
+/// How many devices a node publishes: its GPUs without MIG, and every MIG
+/// device.
+fn expected_devices(facts: &NodeDevices) -> usize {
+    facts
+        .gpus
+        .iter()
+        .map(|g| {
+            if g.mig_enabled {
+                g.mig_devices.len()
+            } else {
+                1
+            }
+        })
+        .sum()
 }
 
 /// Every slice's errors: the schema's and the limits its descriptions
@@ -285,23 +323,29 @@ fn every_simulated_nodes_slices_validate() {
     let mut published = 0;
     for (name, desc) in descriptions() {
         let node = format!("node-{name}");
-        // From the report as it is: nothing can be named yet (no minor),
-        // and the pool says it is empty.
-        let from_report = dra::resource_slices(&node, "uid-1", &report_of(&desc), 1);
-        let errs = slice_errors(&schemas, &from_report);
+        // From the report as the agent makes it: every device, named.
+        let report = report_of(&desc);
+        let from_report = NodeDevices::from_report(&report);
+        let (devs, left) = dra::devices(&from_report);
+        assert!(left.is_empty(), "{name} (report): {left:?}");
+        assert_eq!(
+            devs.len(),
+            expected_devices(&from_report),
+            "{name} (report)"
+        );
+        let slices = dra::resource_slices(&node, "uid-1", &report, 1);
+        let errs = slice_errors(&schemas, &slices);
         assert!(errs.is_empty(), "{name} (report):\n{}", errs.join("\n"));
-        // With what the agent knows beyond the report: every device.
+        let in_slices: usize = slices
+            .iter()
+            .map(|s| s.spec.devices.as_ref().map_or(0, |d| d.len()))
+            .sum();
+        assert_eq!(in_slices, devs.len(), "{name} (report)");
+        // With brand, architecture and PCIe root too.
         let facts = full_facts(&desc);
         let (devs, left) = dra::devices(&facts);
         assert!(left.is_empty(), "{name}: {left:?}");
-        let mig_on = facts.gpus.iter().filter(|g| g.mig_enabled).count();
-        let expected = facts.gpus.len() - mig_on
-            + facts
-                .gpus
-                .iter()
-                .map(|g| g.mig_devices.len())
-                .sum::<usize>();
-        assert_eq!(devs.len(), expected, "{name}");
+        assert_eq!(devs.len(), expected_devices(&facts), "{name}");
         let slices = dra::slices(&node, "uid-1", &facts, 1);
         let errs = slice_errors(&schemas, &slices);
         assert!(errs.is_empty(), "{name}:\n{}", errs.join("\n"));

@@ -65,6 +65,7 @@ fn report() -> pb::NodeReport {
                     healthy: false,
                     reason: "XID 79".into(),
                     advice: "fallen off the bus; drain and reboot".into(),
+                    ..Default::default()
                 })
                 .collect(),
         }),

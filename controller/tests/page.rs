@@ -30,6 +30,7 @@ fn report(node: u32, bad: Option<&str>) -> pb::NodeReport {
                             .map(|p| pb::MigDevice {
                                 uuid: format!("MIG-{g}-{p}"),
                                 profile: p.to_string(),
+                                ..Default::default()
                             })
                             .collect()
                     } else {
@@ -68,6 +69,7 @@ fn report(node: u32, bad: Option<&str>) -> pb::NodeReport {
                     } else {
                         String::new()
                     },
+                    ..Default::default()
                 })
                 .collect(),
         }),

@@ -63,6 +63,7 @@ fn report(healthy: [bool; 2], extra_label: bool) -> pb::NodeReport {
                     } else {
                         "fallen off the bus; drain and reboot".into()
                     },
+                    ..Default::default()
                 })
                 .collect(),
         }),

@@ -33,8 +33,29 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
                     .map(|m| pb::MigDevice {
                         uuid: m.uuid.clone(),
                         profile: m.profile.clone(),
+                        gi_profile_id: m.gi_profile_id,
+                        placement_start: m.placement_start,
+                        // NVML's MIG attributes always carry these; 0 is
+                        // what a state file from before them reads as.
+                        memory_mib: (m.memory_mib > 0).then_some(m.memory_mib),
+                        multiprocessors: (m.multiprocessors > 0).then_some(m.multiprocessors),
+                        engines: Some(pb::MigEngines {
+                            copy: m.engines.copy,
+                            decoder: m.engines.decoder,
+                            encoder: m.engines.encoder,
+                            jpeg: m.engines.jpeg,
+                            ofa: m.engines.ofa,
+                        }),
                     })
                     .collect(),
+                minor: g.minor,
+                // The inventory reads neither NVML's brand nor its
+                // architecture, nor the PCIe root's sysfs link: unset.
+                brand: None,
+                architecture: None,
+                compute_capability: g.compute_capability.map(|c| c.to_string()),
+                pcie_root: None,
+                numa_node: g.numa_node,
             })
             .collect(),
         simulated: st.simulated.clone().unwrap_or_default(),
@@ -73,6 +94,11 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
                 healthy: h.healthy,
                 reason: h.reason.clone().unwrap_or_default(),
                 advice: h.advice.clone().unwrap_or_default(),
+                xid: if h.healthy {
+                    None
+                } else {
+                    h.reason.as_deref().and_then(xid_of_reason)
+                },
             })
             .collect(),
     };
@@ -113,5 +139,145 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
             ignored_keys: st.policy_ignored.clone(),
             error: st.policy_error.clone().unwrap_or_default(),
         }),
+    }
+}
+
+/// The XID in gpu-health's reason for an XID (`XID 79, from NVML`, `XID 48,
+/// from the kernel log: ...`; gpu-health's `HealthMonitor::xid`), `None`
+/// for any other reason. gpu-health's board keeps the reason only in words,
+/// so this reads it where the words are made, in the same binary, and the
+/// report carries the number.
+fn xid_of_reason(reason: &str) -> Option<u64> {
+    let rest = reason.strip_prefix("XID ")?;
+    let end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    let tail = &rest[end..];
+    if end == 0 || !(tail.is_empty() || tail.starts_with(',')) {
+        return None;
+    }
+    rest[..end].parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::GpuHealth;
+    use crate::test_support::inventory_of;
+
+    /// The agent's state for a simulated node, its GPUs' health as given.
+    fn state_of(node: &str, health: impl Fn(&str) -> GpuHealth) -> AgentState {
+        let mut st = AgentState::new(
+            &hostlib::HostRoot::new(std::env::temp_dir()).unwrap(),
+            0,
+            Vec::new(),
+        );
+        let inv = inventory_of(node);
+        st.health = inv
+            .gpus
+            .iter()
+            .filter_map(|g| g.uuid.as_deref())
+            .map(&health)
+            .collect();
+        st.inventory = Some(inv);
+        st
+    }
+
+    fn healthy(uuid: &str) -> GpuHealth {
+        GpuHealth {
+            uuid: uuid.into(),
+            healthy: true,
+            reason: None,
+            advice: None,
+            events: 0,
+        }
+    }
+
+    #[test]
+    fn the_report_carries_what_dra_names_and_describes_devices_by() {
+        let st = state_of("h100-mig-2", |uuid| {
+            if uuid.ends_with("5a00") {
+                GpuHealth {
+                    healthy: false,
+                    reason: Some("XID 79, from NVML".into()),
+                    advice: Some("drain and reboot the node".into()),
+                    events: 1,
+                    ..healthy(uuid)
+                }
+            } else {
+                healthy(uuid)
+            }
+        });
+        let r = node_report(&st, &BTreeMap::new());
+        let gpus = &r.inventory.as_ref().unwrap().gpus;
+        assert_eq!(gpus.len(), 2);
+        for (i, g) in gpus.iter().enumerate() {
+            // The simulated host numbers /dev/nvidia<N> as NVML's index.
+            assert_eq!(g.minor, Some(i as u32), "{}", g.uuid);
+            assert_eq!(g.compute_capability.as_deref(), Some("9.0"));
+            assert_eq!(g.numa_node, Some(0));
+            // Not in the inventory: unset, never guessed.
+            assert_eq!(
+                (&g.brand, &g.architecture, &g.pcie_root),
+                (&None, &None, &None)
+            );
+        }
+        let m = &gpus[0].mig_devices[0];
+        assert_eq!(m.profile, "3g.40gb");
+        assert_eq!(m.gi_profile_id, Some(9));
+        assert!(m.placement_start.is_some());
+        assert_eq!(m.memory_mib, Some(40192));
+        assert_eq!(m.multiprocessors, Some(60));
+        assert_eq!(
+            m.engines,
+            Some(pb::MigEngines {
+                copy: 3,
+                decoder: 3,
+                encoder: 0,
+                jpeg: 3,
+                ofa: 0,
+            })
+        );
+        // Every MIG device on a GPU has its own placement.
+        for g in gpus {
+            let mut starts: Vec<_> = g.mig_devices.iter().map(|m| m.placement_start).collect();
+            starts.sort();
+            starts.dedup();
+            assert_eq!(starts.len(), g.mig_devices.len(), "{:?}", g.mig_devices);
+        }
+        let h = &r.health.as_ref().unwrap().gpus;
+        assert_eq!(h[0].xid, Some(79));
+        assert_eq!(h[0].reason, "XID 79, from NVML");
+        assert_eq!(h[1].xid, None);
+    }
+
+    #[test]
+    fn a_gpu_without_mig_reports_no_mig_facts() {
+        let r = node_report(&state_of("t4-4", healthy), &BTreeMap::new());
+        let g = &r.inventory.as_ref().unwrap().gpus[0];
+        assert!(g.mig_devices.is_empty());
+        assert_eq!(g.minor, Some(0));
+        assert_eq!(g.compute_capability.as_deref(), Some("7.5"));
+    }
+
+    #[test]
+    fn the_xid_is_read_from_gpu_healths_wording_only() {
+        assert_eq!(xid_of_reason("XID 79, from NVML"), Some(79));
+        assert_eq!(
+            xid_of_reason("XID 48, from the kernel log: DBE (Double Bit Error)"),
+            Some(48)
+        );
+        assert_eq!(xid_of_reason("XID 13"), Some(13));
+        for other in [
+            "NVML has lost the GPU",
+            "double-bit ECC error",
+            "XID",
+            "XID x, from NVML",
+            "XID 79a",
+            "NVML event wait: Unknown Error",
+            "",
+        ] {
+            assert_eq!(xid_of_reason(other), None, "{other}");
+        }
     }
 }

@@ -450,6 +450,7 @@ mod tests {
                         healthy: false,
                         reason: "XID 79".into(),
                         advice: "fallen off the bus; drain and reboot".into(),
+                        ..Default::default()
                     },
                 ],
             }),

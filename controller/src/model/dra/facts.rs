@@ -1,6 +1,6 @@
 //! What the slice builder needs to know of a node's GPUs and MIG devices
-//! ([`NodeDevices`]), and how much of it the agent's report carries today
-//! ([`NodeDevices::from_report`]): a field the report lacks stays `None`.
+//! ([`NodeDevices`]), read from the agent's report
+//! ([`NodeDevices::from_report`]): a field the report leaves unset stays `None`.
 
 use gpu_agent_proto::report::v1 as pb;
 
@@ -81,19 +81,15 @@ pub enum DeviceHealth {
 const LOST_REASON: &str = "NVML has lost the GPU";
 
 impl DeviceHealth {
-    /// From the report's health of one GPU. The report carries the reason
-    /// in words only, so the XID is read from its start (`XID 79, from
-    /// NVML`, gpu-health's wording) and a lost GPU from
-    /// gpu-health's sentence for it.
+    /// From the report's health of one GPU: the XID from its `xid` field,
+    /// a lost GPU from gpu-health's sentence for it (the report has no
+    /// field for that), anything else unhealthy as such.
     pub fn from_report(h: &pb::GpuHealth) -> Self {
         if h.healthy {
             return DeviceHealth::Healthy;
         }
-        if let Some(rest) = h.reason.strip_prefix("XID ") {
-            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-            if let Ok(xid) = digits.parse() {
-                return DeviceHealth::Xid(xid);
-            }
+        if let Some(xid) = h.xid {
+            return DeviceHealth::Xid(xid);
         }
         if h.reason.starts_with(LOST_REASON) {
             return DeviceHealth::Lost;
@@ -103,13 +99,12 @@ impl DeviceHealth {
 }
 
 impl NodeDevices {
-    /// What the report says of the node's devices. The report's `Gpu`
-    /// carries no device minor, brand, architecture, compute capability,
-    /// PCIe root or NUMA node, and its `MigDevice` only UUID and profile
-    /// (no GPU-instance profile ID, placement, memory or engine counts):
-    /// those stay `None`, so until the report carries the minor no GPU can
-    /// be named (the NVML index is not the minor: `gpu-<index>` could name
-    /// another GPU than the node's kubelet plugin means).
+    /// What the report says of the node's devices. A field the report
+    /// leaves unset stays `None`: a GPU without its minor (and a MIG device
+    /// without its GPU-instance profile ID and placement) cannot be named
+    /// and is left out by the builder (the NVML index is not the minor:
+    /// `gpu-<index>` could name another GPU than the node's kubelet plugin
+    /// means).
     pub fn from_report(r: &pb::NodeReport) -> Self {
         let Some(inv) = &r.inventory else {
             return NodeDevices::default();
@@ -129,25 +124,42 @@ impl NodeDevices {
                 .gpus
                 .iter()
                 .map(|g| GpuFacts {
-                    minor: None,
+                    minor: g.minor,
                     uuid: g.uuid.clone(),
                     product_name: non_empty(&g.model),
+                    brand: g.brand.as_deref().and_then(non_empty),
+                    architecture: g.architecture.as_deref().and_then(non_empty),
+                    compute_capability: g.compute_capability.as_deref().and_then(non_empty),
                     pci_bus_id: non_empty(&g.pci_bus_id),
-                    memory_bytes: (g.memory_mib > 0).then(|| g.memory_mib * 1024 * 1024),
+                    pcie_root: g.pcie_root.as_deref().and_then(non_empty),
+                    numa_node: g.numa_node.map(i64::from),
+                    memory_bytes: (g.memory_mib > 0).then_some(g.memory_mib << 20),
                     mig_enabled: g.mig_enabled,
-                    mig_devices: g
-                        .mig_devices
-                        .iter()
-                        .map(|m| MigFacts {
-                            uuid: m.uuid.clone(),
-                            profile: m.profile.clone(),
-                            ..Default::default()
-                        })
-                        .collect(),
+                    mig_devices: g.mig_devices.iter().map(MigFacts::from_report).collect(),
                     health: health(&g.uuid),
-                    ..Default::default()
                 })
                 .collect(),
+        }
+    }
+}
+
+impl MigFacts {
+    /// What the report says of one MIG device: memory in bytes from its
+    /// MiB, engine counts as the report gives them.
+    pub fn from_report(m: &pb::MigDevice) -> Self {
+        let engines = m.engines.as_ref();
+        MigFacts {
+            uuid: m.uuid.clone(),
+            profile: m.profile.clone(),
+            gi_profile_id: m.gi_profile_id,
+            placement_start: m.placement_start,
+            memory_bytes: m.memory_mib.map(|mib| mib << 20),
+            multiprocessors: m.multiprocessors,
+            copy_engines: engines.map(|e| e.copy),
+            decoders: engines.map(|e| e.decoder),
+            encoders: engines.map(|e| e.encoder),
+            jpeg_engines: engines.map(|e| e.jpeg),
+            ofa_engines: engines.map(|e| e.ofa),
         }
     }
 }

@@ -216,30 +216,49 @@ fn unhealthy_gpus_and_their_mig_devices_are_tainted() {
 }
 
 #[test]
-fn health_read_from_the_reports_words() {
-    let h = |healthy: bool, reason: &str| {
+fn health_read_from_the_reports_fields() {
+    let h = |healthy: bool, xid: Option<u64>, reason: &str| {
         DeviceHealth::from_report(&pb::GpuHealth {
             uuid: "GPU-a".into(),
             healthy,
             reason: reason.into(),
             advice: String::new(),
+            xid,
         })
     };
-    assert_eq!(h(true, ""), DeviceHealth::Healthy);
-    assert_eq!(h(false, "XID 79, from NVML"), DeviceHealth::Xid(79));
+    assert_eq!(h(true, None, ""), DeviceHealth::Healthy);
     assert_eq!(
-        h(false, "XID 48, from the kernel log: DBE"),
+        h(false, Some(79), "XID 79, from NVML"),
+        DeviceHealth::Xid(79)
+    );
+    assert_eq!(
+        h(false, Some(48), "XID 48, from the kernel log: DBE"),
         DeviceHealth::Xid(48)
+    );
+    // The field, not the words: an XID the words do not name is still one,
+    // and words without the field (an agent from before it) are not.
+    assert_eq!(
+        h(false, Some(94), "contained ECC error"),
+        DeviceHealth::Xid(94)
+    );
+    assert_eq!(h(false, None, "XID 79, from NVML"), DeviceHealth::Unhealthy);
+    // A healthy GPU is healthy whatever else is set.
+    assert_eq!(
+        h(true, Some(79), "XID 79, from NVML"),
+        DeviceHealth::Healthy
     );
     assert_eq!(
         h(
             false,
+            None,
             "NVML has lost the GPU (fallen off the bus): drain and reboot the node"
         ),
         DeviceHealth::Lost
     );
-    assert_eq!(h(false, "double-bit ECC error"), DeviceHealth::Unhealthy);
-    assert_eq!(h(false, "XID x"), DeviceHealth::Unhealthy);
+    assert_eq!(
+        h(false, None, "double-bit ECC error"),
+        DeviceHealth::Unhealthy
+    );
 }
 
 /// `n` full GPUs, the ones in
@@ -353,7 +372,7 @@ fn the_same_node_gives_the_same_objects_and_nothing_to_write() {
 }
 
 #[test]
-fn what_the_report_carries_names_no_device_yet() {
+fn a_report_without_the_minor_names_no_device() {
     let report = pb::NodeReport {
         inventory: Some(pb::Inventory {
             driver_version: "580.95.05".into(),
@@ -373,7 +392,8 @@ fn what_the_report_carries_names_no_device_yet() {
                 uuid: "GPU-a".into(),
                 healthy: false,
                 reason: "XID 79, from NVML".into(),
-                advice: String::new(),
+                xid: Some(79),
+                ..Default::default()
             }],
         }),
         ..Default::default()
@@ -390,6 +410,147 @@ fn what_the_report_carries_names_no_device_yet() {
     assert!(left[0].why.contains("device minor"), "{left:?}");
     let s = resource_slices("node-a", "uid-a", &report, 1);
     assert_eq!(sizes(&s), [0]);
+}
+
+/// A report with every field the agent can fill: one full GPU, one with
+/// MIG enabled and two MIG devices (one without its placement), the first
+/// GPU unhealthy by an XID.
+fn full_report() -> pb::NodeReport {
+    let gpu = |minor: u32, uuid: &str, mig: Vec<pb::MigDevice>| pb::Gpu {
+        index: minor,
+        uuid: uuid.into(),
+        model: "NVIDIA H100 80GB HBM3".into(),
+        pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + minor),
+        memory_mib: 81559,
+        mig_enabled: !mig.is_empty(),
+        mig_devices: mig,
+        minor: Some(minor),
+        brand: Some("Nvidia".into()),
+        architecture: Some("Hopper".into()),
+        compute_capability: Some("9.0".into()),
+        pcie_root: Some("pci0000:15".into()),
+        numa_node: Some(1),
+    };
+    let engines = pb::MigEngines {
+        copy: 1,
+        decoder: 1,
+        encoder: 0,
+        jpeg: 1,
+        ofa: 1,
+    };
+    let migs = vec![
+        pb::MigDevice {
+            uuid: "MIG-b1".into(),
+            profile: "1g.10gb+me".into(),
+            gi_profile_id: Some(20),
+            placement_start: Some(6),
+            memory_mib: Some(9856),
+            multiprocessors: Some(16),
+            engines: Some(engines),
+        },
+        pb::MigDevice {
+            uuid: "MIG-b2".into(),
+            profile: "3g.40gb".into(),
+            gi_profile_id: Some(9),
+            memory_mib: Some(40192),
+            ..Default::default()
+        },
+    ];
+    pb::NodeReport {
+        inventory: Some(pb::Inventory {
+            driver_version: "580.95.05".into(),
+            cuda_version: "13.0".into(),
+            gpus: vec![gpu(3, "GPU-a", vec![]), gpu(5, "GPU-b", migs)],
+            simulated: String::new(),
+        }),
+        health: Some(pb::Health {
+            gpus: vec![
+                pb::GpuHealth {
+                    uuid: "GPU-a".into(),
+                    healthy: false,
+                    reason: "XID 79, from NVML".into(),
+                    xid: Some(79),
+                    ..Default::default()
+                },
+                pb::GpuHealth {
+                    uuid: "GPU-b".into(),
+                    healthy: true,
+                    ..Default::default()
+                },
+            ],
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn what_the_report_carries_names_and_describes_the_devices() {
+    let report = full_report();
+    let facts = NodeDevices::from_report(&report);
+    let a = &facts.gpus[0];
+    assert_eq!(a.minor, Some(3));
+    assert_eq!(a.brand.as_deref(), Some("Nvidia"));
+    assert_eq!(a.architecture.as_deref(), Some("Hopper"));
+    assert_eq!(a.compute_capability.as_deref(), Some("9.0"));
+    assert_eq!(a.pcie_root.as_deref(), Some("pci0000:15"));
+    assert_eq!(a.numa_node, Some(1));
+    assert_eq!(a.health, DeviceHealth::Xid(79));
+    let m = &facts.gpus[1].mig_devices[0];
+    assert_eq!(
+        *m,
+        MigFacts {
+            uuid: "MIG-b1".into(),
+            profile: "1g.10gb+me".into(),
+            gi_profile_id: Some(20),
+            placement_start: Some(6),
+            memory_bytes: Some(9856 << 20),
+            multiprocessors: Some(16),
+            copy_engines: Some(1),
+            decoders: Some(1),
+            encoders: Some(0),
+            jpeg_engines: Some(1),
+            ofa_engines: Some(1),
+        }
+    );
+    // Unset in the report, unset here: no engine counts are made up.
+    let m2 = &facts.gpus[1].mig_devices[1];
+    assert_eq!((m2.placement_start, m2.multiprocessors), (None, None));
+    assert_eq!(m2.copy_engines, None);
+
+    let (devs, left) = devices(&facts);
+    let names: Vec<&str> = devs.iter().map(|d| d.name.as_str()).collect();
+    // The MIG-enabled GPU only as its MIG devices; the MIG device without
+    // its placement cannot be named and is said.
+    assert_eq!(names, ["gpu-3", "gpu-5-mig-1g10gb-me-20-6"]);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].device.contains("MIG-b2"), "{left:?}");
+    let g = devs[0].attributes.as_ref().unwrap();
+    assert_eq!(g["type"].string.as_deref(), Some("gpu"));
+    assert_eq!(g["brand"].string.as_deref(), Some("Nvidia"));
+    assert_eq!(g["architecture"].string.as_deref(), Some("Hopper"));
+    assert_eq!(g["cudaComputeCapability"].version.as_deref(), Some("9.0.0"));
+    assert_eq!(
+        g["resource.kubernetes.io/pcieRoot"].string.as_deref(),
+        Some("pci0000:15")
+    );
+    let t = devs[0].taints.as_ref().unwrap();
+    assert_eq!(
+        (t[0].key.as_str(), t[0].value.as_deref()),
+        (XID_TAINT, Some("79"))
+    );
+    let mig = &devs[1];
+    let ma = mig.attributes.as_ref().unwrap();
+    assert_eq!(ma["type"].string.as_deref(), Some("mig"));
+    assert_eq!(ma["parentUUID"].string.as_deref(), Some("GPU-b"));
+    assert_eq!(ma["profile"].string.as_deref(), Some("1g.10gb+me"));
+    let c = mig.capacity.as_ref().unwrap();
+    assert_eq!(c["memory"].value.0, "9856Mi");
+    assert_eq!(c["multiprocessors"].value.0, "16");
+    assert_eq!(c["ofaEngines"].value.0, "1");
+    assert_eq!(c["encoders"].value.0, "0");
+    assert!(mig.taints.is_none());
+    let s = resource_slices("node-a", "uid-a", &report, 1);
+    assert_eq!(sizes(&s), [2]);
 }
 
 #[test]
