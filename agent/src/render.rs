@@ -348,6 +348,7 @@ mod tests {
                 healthy: g.index != Some(3),
                 reason: (g.index == Some(3)).then(|| "XID 79".to_string()),
                 advice: None,
+                xid: (g.index == Some(3)).then_some(79),
                 events: u64::from(g.index == Some(3)),
             })
             .collect();
@@ -357,6 +358,7 @@ mod tests {
             healthy: false,
             reason: Some("GPU lost".into()),
             advice: None,
+            xid: None,
             events: 1,
         });
         let out = health(&board, Some(&inv));

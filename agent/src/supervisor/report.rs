@@ -94,11 +94,7 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
                 healthy: h.healthy,
                 reason: h.reason.clone().unwrap_or_default(),
                 advice: h.advice.clone().unwrap_or_default(),
-                xid: if h.healthy {
-                    None
-                } else {
-                    h.reason.as_deref().and_then(xid_of_reason)
-                },
+                xid: if h.healthy { None } else { h.xid },
             })
             .collect(),
     };
@@ -142,23 +138,6 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
     }
 }
 
-/// The XID in gpu-health's reason for an XID (`XID 79, from NVML`, `XID 48,
-/// from the kernel log: ...`; gpu-health's `HealthMonitor::xid`), `None`
-/// for any other reason. gpu-health's board keeps the reason only in words,
-/// so this reads it where the words are made, in the same binary, and the
-/// report carries the number.
-fn xid_of_reason(reason: &str) -> Option<u64> {
-    let rest = reason.strip_prefix("XID ")?;
-    let end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
-    let tail = &rest[end..];
-    if end == 0 || !(tail.is_empty() || tail.starts_with(',')) {
-        return None;
-    }
-    rest[..end].parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +168,7 @@ mod tests {
             healthy: true,
             reason: None,
             advice: None,
+            xid: None,
             events: 0,
         }
     }
@@ -201,6 +181,7 @@ mod tests {
                     healthy: false,
                     reason: Some("XID 79, from NVML".into()),
                     advice: Some("drain and reboot the node".into()),
+                    xid: Some(79),
                     events: 1,
                     ..healthy(uuid)
                 }
@@ -258,26 +239,5 @@ mod tests {
         assert!(g.mig_devices.is_empty());
         assert_eq!(g.minor, Some(0));
         assert_eq!(g.compute_capability.as_deref(), Some("7.5"));
-    }
-
-    #[test]
-    fn the_xid_is_read_from_gpu_healths_wording_only() {
-        assert_eq!(xid_of_reason("XID 79, from NVML"), Some(79));
-        assert_eq!(
-            xid_of_reason("XID 48, from the kernel log: DBE (Double Bit Error)"),
-            Some(48)
-        );
-        assert_eq!(xid_of_reason("XID 13"), Some(13));
-        for other in [
-            "NVML has lost the GPU",
-            "double-bit ECC error",
-            "XID",
-            "XID x, from NVML",
-            "XID 79a",
-            "NVML event wait: Unknown Error",
-            "",
-        ] {
-            assert_eq!(xid_of_reason(other), None, "{other}");
-        }
     }
 }

@@ -351,8 +351,7 @@ fn mig_placement(
                 gpu_instance = gi,
                 call,
                 %error,
-                "NVML did not say where the MIG device's GPU instance is placed; \
-                 its profile ID and placement start are left out"
+                "NVML did not say where the MIG device's GPU instance is placed: its profile ID and placement start are left out"
             );
             None
         }

@@ -187,6 +187,10 @@ pub struct GpuHealth {
     /// What to do about it (the XID catalogue's advice), while unhealthy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub advice: Option<String>,
+    /// The XID that made it unhealthy, when one did (DRA's device taint
+    /// `gpu.nvidia.com/xid` carries it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid: Option<u64>,
     /// Events seen since the agent started (critical or logged).
     pub events: u64,
 }
@@ -234,6 +238,8 @@ impl Condition {
 struct State {
     reason: Option<String>,
     advice: Option<String>,
+    /// The XID behind `reason`, when an XID is.
+    xid: Option<u64>,
     last_critical: Option<Instant>,
     events: u64,
     /// NVML conditions seen at the last check.
@@ -589,6 +595,7 @@ impl HealthMonitor {
                 tracing::warn!(stage = "health", gpu_uuid = %uuid, %reason, advice = advice_text, "GPU unhealthy");
                 st.reason = Some(reason);
                 st.advice = advice;
+                st.xid = xid;
                 st.last_critical = Some(now);
                 self.publish();
             }
@@ -642,6 +649,7 @@ impl HealthMonitor {
                 tracing::info!(stage = "health", gpu_uuid = %uuid, quiet_for = ?after, "GPU healthy again");
                 st.reason = None;
                 st.advice = None;
+                st.xid = None;
                 changed = true;
             }
         }
@@ -687,6 +695,7 @@ impl HealthMonitor {
                 healthy: self.healthy(uuid),
                 reason: st.reason.clone().or_else(|| self.blind.clone()),
                 advice: st.advice.clone(),
+                xid: st.xid,
                 events: st.events,
             })
             .collect();

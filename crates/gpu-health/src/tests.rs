@@ -51,6 +51,17 @@ fn critical_xid_marks_one_gpu_and_it_recovers() {
             .as_deref(),
         Some("XID 79, from NVML")
     );
+    let xid_of = |m: &HealthMonitor| {
+        m.board()
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|g| g.uuid == uuids[1])
+            .unwrap()
+            .xid
+    };
+    // The XID rides with its reason (DRA's gpu.nvidia.com/xid taint).
+    assert_eq!(xid_of(&m), Some(79));
     assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(60)));
     m.recover(t0 + Duration::from_secs(59));
     assert_eq!(health(&rx), [true, false, true, true]);
@@ -63,6 +74,8 @@ fn critical_xid_marks_one_gpu_and_it_recovers() {
     );
     m.recover(t0 + Duration::from_secs(61));
     assert_eq!(health(&rx), [true, false, true, true]);
+    // The latest cause is the ECC error: no XID behind it.
+    assert_eq!(xid_of(&m), None);
     assert_eq!(m.next_recovery(), Some(t0 + Duration::from_secs(90)));
     m.recover(t0 + Duration::from_secs(90));
     assert_eq!(health(&rx), [true; 4]);
