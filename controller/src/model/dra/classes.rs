@@ -8,7 +8,7 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::DRIVER;
+use super::names::DRIVER;
 
 /// The DeviceClass of whole GPUs.
 pub const GPU_CLASS: &str = "gpu.nvidia.com";

@@ -20,8 +20,5 @@ mod tests;
 
 pub use classes::{device_classes, rbac_rules};
 pub use facts::{DeviceHealth, GpuFacts, MigFacts, NodeDevices};
+pub use names::DRIVER;
 pub use slices::{LeftOut, devices, next_generation, resource_slices, slices, unchanged};
-
-/// The DRA driver's name, NVIDIA's: the slices' `spec.driver`, the domain of
-/// the unqualified attribute names.
-pub const DRIVER: &str = "gpu.nvidia.com";

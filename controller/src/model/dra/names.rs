@@ -4,6 +4,10 @@
 
 use sha2::{Digest, Sha256};
 
+/// The DRA driver's name, NVIDIA's: the slices' `spec.driver`, the domain of
+/// the unqualified attribute names.
+pub const DRIVER: &str = "gpu.nvidia.com";
+
 /// Longest DNS label (a device name).
 pub const MAX_LABEL: usize = 63;
 /// Longest DNS subdomain (a slice name).
@@ -144,7 +148,7 @@ pub fn decimal_si(n: u64) -> String {
 /// the same objects. A node name too long for that is cut and marked with
 /// a hash of the whole name, so names of different nodes stay apart.
 pub fn slice_name(node: &str, index: usize) -> String {
-    let suffix = format!("-{}-{index}", super::DRIVER);
+    let suffix = format!("-{}-{index}", DRIVER);
     if node.len() + suffix.len() <= MAX_SUBDOMAIN {
         return format!("{node}{suffix}");
     }

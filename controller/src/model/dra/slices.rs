@@ -12,9 +12,9 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use super::DRIVER;
 use super::facts::{DeviceHealth, GpuFacts, MigFacts, NodeDevices};
 use super::names;
+use super::names::DRIVER;
 
 /// Most devices in one slice.
 pub const MAX_DEVICES: usize = 128;
