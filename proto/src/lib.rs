@@ -13,6 +13,8 @@
 //! - [`dra::v1`], [`dra::v1beta1`]: the kubelet DRA plugin API
 //!   (`NodePrepareResources` / `NodeUnprepareResources`).
 //! - [`dra_health::v1alpha1`]: the DRA health stream (`NodeWatchResources`).
+//! - [`dra_names`]: DRA device names, which the agent's plugin and the
+//!   controller's ResourceSlices must spell alike (not generated).
 //! - [`report::v1`]: gpu-agent's own report API: each agent's stream to the
 //!   cluster controller (`gpu-controller`).
 
@@ -64,6 +66,8 @@ pub mod dra {
         pub const SERVICE: &str = "v1beta1.DRAPlugin";
     }
 }
+
+pub mod dra_names;
 
 pub mod dra_health {
     pub mod v1alpha1 {

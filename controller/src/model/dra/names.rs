@@ -15,38 +15,11 @@ pub const MAX_SUBDOMAIN: usize = 253;
 /// Longest string or version attribute.
 pub const MAX_ATTRIBUTE: usize = 64;
 
-/// A full GPU's device name: `gpu-<minor>`.
-pub fn gpu_name(minor: u32) -> String {
-    format!("gpu-{minor}")
-}
-
-/// A MIG profile as NVIDIA's driver puts it in names: lowercased, dots
-/// removed, any other character outside `[a-z0-9-]` made `-`, leading and
-/// trailing `-` trimmed (`1g.10gb+me` → `1g10gb-me`).
-pub fn profile_label(profile: &str) -> String {
-    let s: String = profile
-        .to_lowercase()
-        .chars()
-        .filter(|c| *c != '.')
-        .map(|c| {
-            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    s.trim_matches('-').to_string()
-}
-
-/// A MIG device's name:
-/// `gpu-<parentMinor>-mig-<profile>-<giProfileID>-<placementStart>`.
-pub fn mig_name(parent_minor: u32, profile: &str, gi_profile_id: u32, start: u32) -> String {
-    format!(
-        "gpu-{parent_minor}-mig-{}-{gi_profile_id}-{start}",
-        profile_label(profile)
-    )
-}
+/// Device names come from where the agent's DRA plugin takes them too, so
+/// the slices and the prepared claims name a device alike.
+pub use gpu_agent_proto::dra_names::{
+    gpu_device_name as gpu_name, mig_device_name as mig_name, normalize_profile as profile_label,
+};
 
 /// Whether `s` is a DNS label (RFC 1123): what a device name must be.
 pub fn is_dns_label(s: &str) -> bool {

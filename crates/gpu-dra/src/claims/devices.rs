@@ -15,49 +15,14 @@ pub struct NodeDevice {
     pub uuid: String,
 }
 
-/// The name of a full GPU: `gpu-<minor>`.
-pub fn gpu_device_name(minor: u32) -> String {
-    format!("gpu-{minor}")
-}
-
-/// A MIG profile name as NVIDIA's driver puts it in device names:
-/// lowercased, dots removed, any other character outside `[a-z0-9-]` made
-/// `-`, leading and trailing `-` trimmed (`1g.10gb+me` → `1g10gb-me`).
-pub fn normalize_profile(profile: &str) -> String {
-    let s: String = profile
-        .to_lowercase()
-        .chars()
-        .filter(|c| *c != '.')
-        .map(|c| {
-            if c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect();
-    s.trim_matches('-').to_string()
-}
-
-/// The name of a MIG device:
-/// `gpu-<parentMinor>-mig-<profile>-<giProfileID>-<placementStart>`.
-pub fn mig_device_name(
-    parent_minor: u32,
-    profile: &str,
-    gi_profile_id: u32,
-    placement_start: u32,
-) -> String {
-    format!(
-        "gpu-{parent_minor}-mig-{}-{gi_profile_id}-{placement_start}",
-        normalize_profile(profile)
-    )
-}
+/// Device names, spelt where gpu-controller's ResourceSlices take them too.
+pub use gpu_agent_proto::dra_names::{gpu_device_name, mig_device_name, normalize_profile};
 
 /// The DRA devices of `inv`, by name. A GPU with MIG enabled is published
 /// only as its MIG devices (NVIDIA #719), and a MIG device only when every
-/// part of its name is known: the inventory does not carry a MIG device's
-/// GPU-instance profile ID and placement start yet, so none is named. A GPU
-/// without a device minor or UUID has no name and no CDI device.
+/// part of its name is known (NVML gave its GPU instance's profile ID and
+/// placement start), as the controller's slices do. A GPU without a device
+/// minor or UUID has no name and no CDI device.
 pub fn device_table(inv: &Inventory) -> BTreeMap<String, NodeDevice> {
     let mut out = BTreeMap::new();
     for g in &inv.gpus {
@@ -65,6 +30,18 @@ pub fn device_table(inv: &Inventory) -> BTreeMap<String, NodeDevice> {
             continue;
         };
         if g.mig.is_some_and(|m| m.current) {
+            for m in &g.mig_devices {
+                let (Some(gi), Some(start)) = (m.gi_profile_id, m.placement_start) else {
+                    continue;
+                };
+                out.insert(
+                    mig_device_name(minor, &m.profile, gi, start),
+                    NodeDevice {
+                        minor,
+                        uuid: m.uuid.clone(),
+                    },
+                );
+            }
             continue;
         }
         out.insert(
@@ -84,28 +61,31 @@ mod tests {
     use crate::claims::tests_support::{gpu, inventory};
 
     #[test]
-    fn profiles_normalised_as_nvidia_does() {
-        assert_eq!(normalize_profile("1g.10gb"), "1g10gb");
-        assert_eq!(normalize_profile("1g.10gb+me"), "1g10gb-me");
-        assert_eq!(normalize_profile("1c.2g.20gb"), "1c2g20gb");
-        assert_eq!(normalize_profile("+7G.80GB+"), "7g80gb");
-        assert_eq!(
-            mig_device_name(0, "1g.10gb", 19, 6),
-            "gpu-0-mig-1g10gb-19-6"
-        );
-        assert_eq!(
-            mig_device_name(3, "1g.10gb+me", 20, 0),
-            "gpu-3-mig-1g10gb-me-20-0"
-        );
-    }
-
-    #[test]
     fn full_gpus_by_minor_mig_enabled_and_unnamed_gpus_left_out() {
         let mut mig_on = gpu(2, "GPU-c");
         mig_on.mig = Some(gpu_model::backend::MigMode {
             current: true,
             pending: true,
         });
+        let mig = |uuid: &str, placed: Option<(u32, u32)>| gpu_model::backend::MigDevice {
+            index: 0,
+            uuid: uuid.into(),
+            profile: "1g.10gb".into(),
+            gi_slices: 1,
+            ci_slices: 1,
+            memory_mib: 9856,
+            multiprocessors: 16,
+            gpu_instance_id: Some(13),
+            compute_instance_id: Some(0),
+            engines: Default::default(),
+            gi_profile_id: placed.map(|p| p.0),
+            placement_start: placed.map(|p| p.1),
+        };
+        mig_on.mig_devices = vec![
+            mig("MIG-placed", Some((19, 6))),
+            // NVML did not say where it is: not named, as the slices leave it out.
+            mig("MIG-unplaced", None),
+        ];
         let mut mig_capable = gpu(5, "GPU-d");
         mig_capable.mig = Some(gpu_model::backend::MigMode {
             current: false,
@@ -121,7 +101,17 @@ mod tests {
             no_minor,
         ]);
         let t = device_table(&inv);
-        assert_eq!(t.keys().collect::<Vec<_>>(), ["gpu-0", "gpu-1", "gpu-5"]);
+        assert_eq!(
+            t.keys().collect::<Vec<_>>(),
+            ["gpu-0", "gpu-1", "gpu-2-mig-1g10gb-19-6", "gpu-5"]
+        );
+        assert_eq!(
+            t["gpu-2-mig-1g10gb-19-6"],
+            NodeDevice {
+                minor: 2,
+                uuid: "MIG-placed".into(),
+            }
+        );
         assert_eq!(
             t["gpu-1"],
             NodeDevice {
