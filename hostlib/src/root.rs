@@ -123,6 +123,13 @@ impl HostDir {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Renames the entry `from` of this directory to `to` in it
+    /// (`renameat` on the open directory: nothing is resolved by path, so a
+    /// directory swapped for a link meanwhile is not followed).
+    pub fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        nix::fcntl::renameat(self.fd(), from, self.fd(), to).map_err(io::Error::from)
+    }
 }
 
 impl PartialEq for HostRoot {

@@ -3,7 +3,6 @@
 //! each claim's state is (preparing / prepared), its devices and its spec.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use gpu_model::cdi::Spec;
 use hostlib::HostRoot;
@@ -185,11 +184,7 @@ pub fn set_aside(host: &HostRoot, path: &str, unix_time: u64) -> Result<String, 
             other => fail(std::io::Error::other(other.to_string())),
         })?;
     let aside_name = format!("{name}.corrupt-{unix_time}");
-    std::fs::rename(
-        dir.path().join(name),
-        dir.path().join(Path::new(&aside_name)),
-    )
-    .map_err(fail)?;
+    dir.rename(name, &aside_name).map_err(fail)?;
     Ok(aside)
 }
 
