@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use gpu_agent_proto::dra;
 use gpu_agent_proto::pluginregistration::registration_server::RegistrationServer;
+use hostlib::{HostError, HostRoot};
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -65,6 +66,19 @@ impl Default for Dirs {
 }
 
 impl Dirs {
+    /// The kubelet's directories `registry` and `plugins` (host paths, e.g.
+    /// [`KUBELET_REGISTRY_DIR`] and [`KUBELET_PLUGINS_DIR`]) as this process
+    /// reaches them through `host`; the endpoint stays the host path the
+    /// kubelet dials. The one way the agent should make them (as the device
+    /// plugin's directory is `gpu_plugin::manager::plugin_dir`).
+    pub fn on(host: &HostRoot, registry: &str, plugins: &str) -> Result<Dirs, HostError> {
+        Ok(Dirs {
+            registry: host.resolve(registry)?,
+            plugins: host.resolve(plugins)?,
+            kubelet_plugins: (!host.is_system()).then(|| PathBuf::from(plugins)),
+        })
+    }
+
     /// The registration socket: `<registry>/gpu.nvidia.com-reg.sock`.
     pub fn registration_socket(&self) -> PathBuf {
         self.registry.join(registration_socket_name())

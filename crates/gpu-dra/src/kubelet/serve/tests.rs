@@ -37,6 +37,36 @@ fn default_paths_are_the_kubelets() {
 }
 
 #[test]
+fn dirs_on_a_host_root_are_reached_through_it_and_the_endpoint_is_the_hosts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let host = HostRoot::new(tmp.path()).unwrap();
+    let d = Dirs::on(&host, KUBELET_REGISTRY_DIR, KUBELET_PLUGINS_DIR).unwrap();
+    assert_eq!(
+        d.registration_socket(),
+        tmp.path()
+            .join("var/lib/kubelet/plugins_registry/gpu.nvidia.com-reg.sock")
+    );
+    assert_eq!(
+        d.dra_socket(),
+        tmp.path()
+            .join("var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock")
+    );
+    assert_eq!(
+        d.endpoint().unwrap(),
+        Path::new("/var/lib/kubelet/plugins/gpu.nvidia.com/dra.sock")
+    );
+    // On the process's own root nothing is mapped.
+    let system = Dirs::on(
+        &HostRoot::system(),
+        KUBELET_REGISTRY_DIR,
+        KUBELET_PLUGINS_DIR,
+    )
+    .unwrap();
+    assert_eq!(system, Dirs::default());
+    assert!(Dirs::on(&host, "relative", KUBELET_PLUGINS_DIR).is_err());
+}
+
+#[test]
 fn the_endpoint_is_the_kubelets_path_and_absolute() {
     let d = Dirs {
         registry: PathBuf::from("/host/var/lib/kubelet/plugins_registry"),
