@@ -349,6 +349,7 @@ mod tests {
                 reason: (g.index == Some(3)).then(|| "XID 79".to_string()),
                 advice: None,
                 xid: (g.index == Some(3)).then_some(79),
+                lost: false,
                 events: u64::from(g.index == Some(3)),
             })
             .collect();
@@ -359,6 +360,7 @@ mod tests {
             reason: Some("GPU lost".into()),
             advice: None,
             xid: None,
+            lost: true,
             events: 1,
         });
         let out = health(&board, Some(&inv));

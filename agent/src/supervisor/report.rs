@@ -95,6 +95,7 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
                 reason: h.reason.clone().unwrap_or_default(),
                 advice: h.advice.clone().unwrap_or_default(),
                 xid: if h.healthy { None } else { h.xid },
+                lost: !h.healthy && h.lost,
             })
             .collect(),
     };
@@ -169,6 +170,7 @@ mod tests {
             reason: None,
             advice: None,
             xid: None,
+            lost: false,
             events: 0,
         }
     }

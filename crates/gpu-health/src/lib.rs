@@ -191,6 +191,10 @@ pub struct GpuHealth {
     /// `gpu.nvidia.com/xid` carries it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub xid: Option<u64>,
+    /// NVML has lost it (fallen off the bus) and it is unhealthy (DRA's
+    /// device taint `gpu.nvidia.com/gpu-lost`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lost: bool,
     /// Events seen since the agent started (critical or logged).
     pub events: u64,
 }
@@ -608,12 +612,14 @@ impl HealthMonitor {
     /// then starts.
     pub fn conditions(&mut self, seen: &BTreeMap<String, BTreeSet<Condition>>, now: Instant) {
         let uuids: Vec<String> = self.gpus.keys().cloned().collect();
+        let mut changed = false;
         for uuid in uuids {
             let now_set = seen.get(&uuid).cloned().unwrap_or_default();
             let st = self.gpus.get_mut(&uuid).expect("listed");
             if st.conditions == now_set {
                 continue;
             }
+            changed = true;
             let new: Vec<Condition> = now_set.difference(&st.conditions).copied().collect();
             let gone = !st.conditions.is_subset(&now_set);
             st.conditions = now_set;
@@ -626,6 +632,11 @@ impl HealthMonitor {
                 let sev = c.severity(&self.policy);
                 self.event(&uuid, sev, None, c.text().to_string(), None, now);
             }
+        }
+        // A condition that ended changes the board (`lost`) though no event
+        // came; publish only sends what differs.
+        if changed {
+            self.publish();
         }
     }
 
@@ -696,6 +707,7 @@ impl HealthMonitor {
                 reason: st.reason.clone().or_else(|| self.blind.clone()),
                 advice: st.advice.clone(),
                 xid: st.xid,
+                lost: !self.healthy(uuid) && st.conditions.contains(&Condition::Lost),
                 events: st.events,
             })
             .collect();

@@ -294,3 +294,34 @@ fn gpus_that_appear_after_a_reload_are_watched() {
     m.set_gpus(uuids[1..].to_vec());
     assert_eq!(m.board().lock().unwrap().len(), 3);
 }
+
+/// The board says a GPU is lost while NVML reports it so and it is
+/// unhealthy (DRA's `gpu.nvidia.com/gpu-lost` taint comes from this, not
+/// from the reason's words), and no longer once it recovered.
+#[test]
+fn a_lost_gpu_is_marked_lost_on_the_board_while_it_is() {
+    let (mut m, rx, uuids) = setup(HealthPolicy {
+        recover_after: Some(Duration::from_secs(60)),
+        ..HealthPolicy::default()
+    });
+    let lost = |m: &HealthMonitor| -> Vec<bool> {
+        let board = m.board().lock().unwrap().clone();
+        uuids
+            .iter()
+            .map(|u| board.iter().find(|g| &g.uuid == u).unwrap().lost)
+            .collect()
+    };
+    let t0 = Instant::now();
+    let mut seen = BTreeMap::new();
+    seen.insert(uuids[2].clone(), BTreeSet::from([Condition::Lost]));
+    seen.insert(uuids[1].clone(), BTreeSet::from([Condition::Thermal]));
+    m.conditions(&seen, t0);
+    assert_eq!(health(&rx), [true, true, false, true]);
+    assert_eq!(lost(&m), [false, false, true, false]);
+    // Back on the bus: still unhealthy for the quiet period, not lost.
+    m.conditions(&BTreeMap::new(), t0 + Duration::from_secs(10));
+    assert_eq!(lost(&m), [false; 4]);
+    m.recover(t0 + Duration::from_secs(70));
+    assert_eq!(health(&rx), [true; 4]);
+    assert_eq!(lost(&m), [false; 4]);
+}

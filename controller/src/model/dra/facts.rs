@@ -77,13 +77,9 @@ pub enum DeviceHealth {
     Unhealthy,
 }
 
-/// How gpu-health words a lost GPU's reason (`Condition::Lost`).
-const LOST_REASON: &str = "NVML has lost the GPU";
-
 impl DeviceHealth {
     /// From the report's health of one GPU: the XID from its `xid` field,
-    /// a lost GPU from gpu-health's sentence for it (the report has no
-    /// field for that), anything else unhealthy as such.
+    /// a lost GPU from its `lost` field, anything else unhealthy as such.
     pub fn from_report(h: &pb::GpuHealth) -> Self {
         if h.healthy {
             return DeviceHealth::Healthy;
@@ -91,7 +87,7 @@ impl DeviceHealth {
         if let Some(xid) = h.xid {
             return DeviceHealth::Xid(xid);
         }
-        if h.reason.starts_with(LOST_REASON) {
+        if h.lost {
             return DeviceHealth::Lost;
         }
         DeviceHealth::Unhealthy

@@ -217,15 +217,17 @@ fn unhealthy_gpus_and_their_mig_devices_are_tainted() {
 
 #[test]
 fn health_read_from_the_reports_fields() {
-    let h = |healthy: bool, xid: Option<u64>, reason: &str| {
+    let with = |healthy: bool, xid: Option<u64>, lost: bool, reason: &str| {
         DeviceHealth::from_report(&pb::GpuHealth {
             uuid: "GPU-a".into(),
             healthy,
             reason: reason.into(),
             advice: String::new(),
             xid,
+            lost,
         })
     };
+    let h = |healthy: bool, xid: Option<u64>, reason: &str| with(healthy, xid, false, reason);
     assert_eq!(h(true, None, ""), DeviceHealth::Healthy);
     assert_eq!(
         h(false, Some(79), "XID 79, from NVML"),
@@ -247,14 +249,15 @@ fn health_read_from_the_reports_fields() {
         h(true, Some(79), "XID 79, from NVML"),
         DeviceHealth::Healthy
     );
+    let lost_words = "NVML has lost the GPU (fallen off the bus): drain and reboot the node";
+    assert_eq!(with(false, None, true, lost_words), DeviceHealth::Lost);
+    // The field, not the words, here too.
+    assert_eq!(with(false, None, true, "GPU lost"), DeviceHealth::Lost);
     assert_eq!(
-        h(
-            false,
-            None,
-            "NVML has lost the GPU (fallen off the bus): drain and reboot the node"
-        ),
-        DeviceHealth::Lost
+        with(false, None, false, lost_words),
+        DeviceHealth::Unhealthy
     );
+    assert_eq!(with(true, None, true, lost_words), DeviceHealth::Healthy);
     assert_eq!(
         h(false, None, "double-bit ECC error"),
         DeviceHealth::Unhealthy
