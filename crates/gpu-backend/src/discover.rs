@@ -74,6 +74,7 @@ mod tests {
     use crate::sim::SimulatedBackend;
     use crate::test_support::inventory_of;
     use crate::{MigMode, PcieLevel};
+    use gpu_model::backend::{BackendError, BackendSnapshot};
     use simnode::NodeDescription;
 
     #[test]
@@ -135,6 +136,40 @@ mod tests {
             inv.warnings[0].contains("driver is not loaded"),
             "{:?}",
             inv.warnings
+        );
+    }
+
+    /// What NVML could not say about one GPU reaches discovery's warnings
+    /// (said once while they hold by the running agent's log memory), not a
+    /// log line at every reconcile.
+    #[test]
+    fn a_backends_notes_on_a_gpu_are_discovery_warnings() {
+        #[derive(Debug)]
+        struct Noting(SimulatedBackend);
+        impl GpuBackend for Noting {
+            fn name(&self) -> &'static str {
+                self.0.name()
+            }
+            fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+                let mut s = self.0.snapshot()?;
+                s.gpus[1]
+                    .notes
+                    .push("NVML's fabric info query failed (return code 999)".into());
+                Ok(s)
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let desc = NodeDescription::load("t4-4").unwrap();
+        desc.materialize(dir.path()).unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        let inv = discover(&root, &Noting(SimulatedBackend::new(desc)));
+        assert_eq!(inv.gpus.len(), 4);
+        let bus = inv.gpus[1].bus_id;
+        assert_eq!(
+            inv.warnings,
+            [format!(
+                "GPU 1 ({bus}): NVML's fabric info query failed (return code 999)"
+            )]
         );
     }
 }

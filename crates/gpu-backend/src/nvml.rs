@@ -262,7 +262,11 @@ const fn fabric_info_version(size: usize, version: u32) -> u32 {
 /// when the GPU has no fabric (not supported, as every PCIe GPU), the
 /// library has neither call, or the call fails (logged).
 #[allow(unsafe_code)]
-fn fabric_info(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, index: u32) -> Option<GpuFabric> {
+fn fabric_info(
+    nvml: &Nvml,
+    device: &nvml_wrapper::Device<'_>,
+    notes: &mut Vec<String>,
+) -> Option<GpuFabric> {
     use nvml_wrapper_sys::bindings::{
         nvmlGpuFabricInfo_t, nvmlGpuFabricInfo_v2_t, nvmlGpuFabricInfo_v3_t,
         nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH as VERSION_MISMATCH,
@@ -310,26 +314,24 @@ fn fabric_info(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, index: u32) -> Op
         }
         (NOT_SUPPORTED, _) => None,
         (rc, _) => {
-            tracing::warn!(
-                gpu = index,
-                rc,
-                "NVML fabric info query failed; the GPU is taken as not on a fabric"
-            );
+            notes.push(format!(
+                "NVML's fabric info query failed (return code {rc}); the GPU is taken as not on a fabric"
+            ));
             None
         }
     }
 }
 
 /// A MIG device's GPU-instance profile ID and placement start, from its
-/// parent GPU `device` and its GPU-instance ID `gi`; `None` (logged) when
-/// NVML cannot say: one missing fact never hides the device.
+/// parent GPU `device` and its GPU-instance ID `gi`; `None` (said in
+/// `notes`) when NVML cannot say: one missing fact never hides the device.
 #[allow(unsafe_code)]
 fn mig_placement(
     nvml: &Nvml,
     device: &nvml_wrapper::Device<'_>,
-    index: u32,
     mig_uuid: &str,
     gi: u32,
+    notes: &mut Vec<String>,
 ) -> Option<(u32, u32)> {
     let lib = nvml.lib();
     // SAFETY: `device`'s handle belongs to `nvml`, the session the
@@ -345,14 +347,9 @@ fn mig_placement(
     match found {
         Ok(p) => Some(p),
         Err((call, error)) => {
-            tracing::warn!(
-                gpu = index,
-                mig = mig_uuid,
-                gpu_instance = gi,
-                call,
-                %error,
-                "NVML did not say where the MIG device's GPU instance is placed: its profile ID and placement start are left out"
-            );
+            notes.push(format!(
+                "NVML did not say where MIG device {mig_uuid}'s GPU instance {gi} is placed ({call}: {error}): its profile ID and placement start are left out"
+            ));
             None
         }
     }
@@ -386,6 +383,7 @@ fn describe_device(
             current: m.current == 1,
             pending: m.pending == 1,
         });
+    let mut notes = Vec::new();
     let mut nvlink_remotes = Vec::new();
     for link in 0..NVLINK_MAX_LINKS {
         let l = device.link_wrapper_for(link);
@@ -401,9 +399,10 @@ fn describe_device(
             .map_err(dev_err("nvmlDeviceGetNvLinkRemotePciInfo"))?;
         match remote.bus_id.parse() {
             Ok(addr) => nvlink_remotes.push(addr),
-            Err(_) => {
-                tracing::warn!(gpu = index, link, remote = %remote.bus_id, "NVLink remote is not a PCI address")
-            }
+            Err(_) => notes.push(format!(
+                "NVLink {link}'s remote {:?} is not a PCI address; the link is left out",
+                remote.bus_id
+            )),
         }
     }
     let util = reading(index, "utilization", device.utilization_rates());
@@ -426,7 +425,7 @@ fn describe_device(
                 .map_err(dev_err("nvmlDeviceGetAttributes (MIG)"))?;
             let gpu_instance_id = instance_id(&nvml.lib().nvmlDeviceGetGpuInstanceId, &m);
             let placement =
-                gpu_instance_id.and_then(|gi| mig_placement(nvml, &device, index, &uuid, gi));
+                gpu_instance_id.and_then(|gi| mig_placement(nvml, &device, &uuid, gi, &mut notes));
             mig_devices.push(MigDevice {
                 index: slot,
                 uuid,
@@ -487,7 +486,8 @@ fn describe_device(
                 .map(|r| r.pending),
         },
         mig_devices,
-        fabric: fabric_info(nvml, &device, index),
+        fabric: fabric_info(nvml, &device, &mut notes),
+        notes,
     };
     Ok((device, gpu))
 }

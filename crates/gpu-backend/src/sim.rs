@@ -179,6 +179,7 @@ impl GpuBackend for SimulatedBackend {
                         f.state.nvml(),
                     )
                 }),
+                notes: Vec::new(),
             })
             .collect();
         let mut pcie = Vec::new();

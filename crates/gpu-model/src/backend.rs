@@ -268,6 +268,11 @@ pub struct BackendGpu {
     /// GPU has none (NVML: not supported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<GpuFabric>,
+    /// Facts the backend could not read about this GPU, in words (a call
+    /// that failed, a reply it could not parse): discovery's warnings, said
+    /// once while they hold, never a log line per reconcile.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 /// A GPU's registration with an NVLink fabric that spans nodes (GB200

@@ -153,6 +153,9 @@ pub fn build(
         }
         let gpu_buses: Vec<PciAddress> = snap.gpus.iter().map(|g| g.bus_id).collect();
         for g in &snap.gpus {
+            for note in &g.notes {
+                warnings.push(format!("GPU {} ({}): {note}", g.index, g.bus_id));
+            }
             let pci = by_bus.remove(&g.bus_id);
             if pci.is_none() {
                 warnings.push(format!(
