@@ -259,11 +259,12 @@ impl Fleet {
                         mig,
                         upgrade,
                         policy,
+                        dra,
                     } = c;
                     macro_rules! take {
                     ($($f:ident),*) => {$( if $f.is_some() { r.$f = $f; } )*};
                 }
-                    take!(inventory, stages, labels, health, mig, upgrade, policy);
+                    take!(inventory, stages, labels, health, mig, upgrade, policy, dra);
                     Self::fill_target(e);
                     true
                 }

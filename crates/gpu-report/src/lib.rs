@@ -97,6 +97,7 @@ pub fn changes(old: &pb::NodeReport, new: &pb::NodeReport) -> Option<pb::NodeRep
         mig: part(&old.mig, &new.mig),
         upgrade: part(&old.upgrade, &new.upgrade),
         policy: part(&old.policy, &new.policy),
+        dra: part(&old.dra, &new.dra),
     };
     (c != pb::NodeReport::default()).then_some(c)
 }
