@@ -120,6 +120,7 @@ fn snapshot() -> pb::NodeReport {
             source: "file".into(),
             ..Default::default()
         }),
+        dra: None,
     }
 }
 
