@@ -9,7 +9,10 @@
 //! - [`slices`]: devices, their attributes, capacities and taints, split into
 //!   the pool's slices;
 //! - [`classes`]: the DeviceClasses and the RBAC rules, as data.
+//! - [`claims`]: which node a ResourceClaim of ours is on, and what its
+//!   agent is handed of it for prepare.
 
+pub mod claims;
 pub mod classes;
 pub mod facts;
 pub mod names;
