@@ -10,7 +10,8 @@
 //! workers above it (the writer, the rollout, the watches, the servers)
 //! read and change it through its methods, never each other. Here: the
 //! entries, agents' streams coming and going and their messages; by
-//! concern, what each agent is sent (`agents.rs`), the rollout's state
+//! concern, what each agent is sent (`agents.rs`) and the ResourceClaims
+//! of its node (`dra_claims.rs`), the rollout's state
 //! (`rollout.rs`), the node as the API should have it and has it
 //! (`writes.rs`), and what the page and the ClusterPolicy status show
 //! (`view.rs`).
@@ -30,6 +31,7 @@ use crate::model::upgrade_policy::UpgradePolicy;
 use crate::model::upgrade_state::NodeUpgrade;
 
 mod agents;
+mod dra_claims;
 mod rollout;
 mod view;
 mod writes;
@@ -56,6 +58,8 @@ pub struct NodeEntry {
     /// The live stream's way down, and the last Desired sent on it.
     down: Option<Down>,
     sent: Option<pb::Desired>,
+    /// The last ResourceClaims list sent on the live stream (dra_claims.rs).
+    dra_sent: Option<pb::DraClaims>,
     /// The node's `nvidia.com/mig.config` label, as the API has it.
     pub mig_label: Option<String>,
     /// Its place in a driver rollout, if any.
@@ -113,6 +117,9 @@ pub struct Fleet {
     pub upgrade_changed: tokio::sync::Notify,
     /// Moves of any node's upgrade state so far.
     pub upgrade_moves: AtomicU64,
+    /// Each node's ResourceClaims, from the claims watch (`None` until it
+    /// listed them all once; dra_claims.rs). Kept through `reset`.
+    dra_claims: Mutex<Option<std::collections::BTreeMap<String, pb::DraClaims>>>,
 }
 
 impl Fleet {
@@ -133,6 +140,7 @@ impl Fleet {
                 upgrade_policy: Mutex::new(None),
                 upgrade_changed: tokio::sync::Notify::new(),
                 upgrade_moves: AtomicU64::new(0),
+                dra_claims: Mutex::new(None),
             },
             rx,
         )
@@ -182,8 +190,10 @@ impl Fleet {
             e.gone = None;
             e.down = Some(down);
             e.sent = None;
+            e.dra_sent = None;
         });
         self.send_desired(&name);
+        self.send_dra_claims(&name);
         (id, rx)
     }
 
@@ -289,6 +299,7 @@ impl Fleet {
         if dirty {
             self.mark_dirty(node);
             self.send_desired(node);
+            self.send_dra_claims(node);
             self.policy_changed.notify_one();
         }
         // Most reports change nothing the rollout reads: it is not woken.
