@@ -18,8 +18,8 @@
 //!    agents' token review, which know nothing of the fleet.
 //! 4. The workers, each a task or a server over the fleet and the API;
 //!    none uses another: [`server`], [`writer`], [`drift`], [`upgrade`],
-//!    [`cluster_policy`], [`config_maps`], [`mig_label`], [`events`],
-//!    [`page`], [`uninstall`].
+//!    [`cluster_policy`], [`config_maps`], [`mig_label`],
+//!    [`dra_claims`], [`events`], [`page`], [`uninstall`].
 //! 5. This file: [`run`] starts them and wires them together (channels,
 //!    the fleet, the leadership watch).
 
@@ -34,6 +34,7 @@ pub mod lease;
 // 4. the workers
 pub mod cluster_policy;
 pub mod config_maps;
+pub mod dra_claims;
 pub mod drift;
 pub mod events;
 pub mod mig_label;
@@ -173,6 +174,8 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         ));
     }
     tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
+    // On every replica, leading or not: a new leader has the lists at once.
+    tokio::spawn(dra_claims::run(client.clone(), fleet.clone()));
     let (chosen_tx, chosen) = tokio::sync::watch::channel(None);
     tokio::spawn(cluster_policy::run(
         client.clone(),

@@ -70,6 +70,7 @@ const LAYERS: &[Layer] = &[
         units: &[
             "cluster_policy",
             "config_maps",
+            "dra_claims",
             "drift",
             "events",
             "mig_label",
