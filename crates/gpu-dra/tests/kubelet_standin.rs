@@ -1,20 +1,24 @@
 //! The kubelet side of DRA against a peer we did not write: a Python grpcio
 //! kubelet stand-in (tests/interop/dra_kubelet_standin.py) registers the
-//! plugin through the registration socket, reads GetInfo, and calls
+//! plugin through the registration socket, reads GetInfo, calls
 //! NodePrepareResources / NodeUnprepareResources with v1 and v1beta1 on the
-//! endpoint it was given, against `serve` on a temp dir with a fake
-//! [`Claims`].
+//! endpoint it was given, and watches NodeWatchResources there while this
+//! test makes a GPU unhealthy and healthy again, against `serve` on a temp
+//! dir with a fake [`Claims`].
 
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpu_dra::claim::{ClaimRef, Claims, PrepareOutcome, PreparedDevice};
-use gpu_dra::kubelet::{Dirs, Registration, serve};
+use gpu_dra::claims::NodeDevice;
+use gpu_dra::kubelet::{Dirs, HealthSource, Registration, serve};
+use gpu_model::health::HealthView;
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -115,6 +119,53 @@ fn event<'a>(lines: &'a [Value], name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {name} line in {lines:#?}"))
 }
 
+/// The stand-in's health line for `step`.
+fn health<'a>(lines: &'a [Value], step: &str) -> &'a Value {
+    lines
+        .iter()
+        .find(|l| l["event"] == "health" && l["step"] == step)
+        .unwrap_or_else(|| panic!("no health {step} line in {lines:#?}"))
+}
+
+/// The node's DRA devices: GPU-a whole, and a MIG device of GPU-b.
+fn device_table() -> BTreeMap<String, NodeDevice> {
+    let d = |minor, uuid: &str, gpu_uuid: &str| NodeDevice {
+        minor,
+        uuid: uuid.to_string(),
+        gpu_uuid: gpu_uuid.to_string(),
+    };
+    BTreeMap::from([
+        ("gpu-0".to_string(), d(0, "GPU-a", "GPU-a")),
+        ("gpu-1-mig-1g10gb-19-6".to_string(), d(1, "MIG-b0", "GPU-b")),
+    ])
+}
+
+/// (device, health, message) of a health line's devices, checking the pool
+/// and the timeout.
+fn health_of(line: &Value) -> Vec<(String, String, String)> {
+    line["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            assert_eq!(d["pool"], "node-a", "{d}");
+            assert_eq!(d["timeout"], 60, "{d}");
+            assert!(d["last_updated_time"].as_i64().unwrap() > 1_700_000_000);
+            (
+                d["device"].as_str().unwrap().to_string(),
+                d["health"].as_str().unwrap().to_string(),
+                d["message"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn all_healthy() -> Vec<(String, String, String)> {
+    ["gpu-0", "gpu-1-mig-1g10gb-19-6"]
+        .map(|n| (n.to_string(), "HEALTHY".to_string(), String::new()))
+        .to_vec()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_grpcio_kubelet_registers_and_prepares_through_v1_and_v1beta1() {
     let py = python();
@@ -127,44 +178,78 @@ async fn python_grpcio_kubelet_registers_and_prepares_through_v1_and_v1beta1() {
     let claims = Arc::new(FakeClaims::default());
     let (status, mut status_rx) = watch::channel(Registration::Unknown);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (_devices, devices_rx) = watch::channel(device_table());
+    let (monitor, health_rx) = watch::channel(HealthView::default());
     let server = tokio::spawn({
         let dirs = dirs.clone();
         let claims: Arc<dyn Claims> = claims.clone();
+        let health = HealthSource::new("node-a", devices_rx, health_rx);
         async move {
-            serve(&dirs, claims, status, async {
+            serve(&dirs, claims, health, status, async {
                 let _ = stopped.await;
             })
             .await
         }
     });
 
-    let registry = dirs.registry.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new(&py)
-            .arg(repo().join("tests/interop/dra_kubelet_standin.py"))
-            .arg("--proto-dir")
-            .arg(repo().join("proto/proto"))
-            .arg("--registry-dir")
-            .arg(&registry)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    });
-    let out = tokio::time::timeout(Duration::from_secs(120), out)
-        .await
-        .expect("the stand-in finished within 120 s")
+    // The stand-in's lines as they come: the test acts on the health steps.
+    let mut child = Command::new(&py)
+        .arg(repo().join("tests/interop/dra_kubelet_standin.py"))
+        .arg("--proto-dir")
+        .arg(repo().join("proto/proto"))
+        .arg("--registry-dir")
+        .arg(&dirs.registry)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let (line_tx, mut line_rx) = mpsc::unbounded_channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut stderr = child.stderr.take().unwrap();
+    let stderr = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let mut lines: Vec<Value> = Vec::new();
+    let read_all = async {
+        while let Some(l) = line_rx.recv().await {
+            let v: Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l}"));
+            if v["event"] == "health" && v["step"] == "first" {
+                // The kubelet has the first list: a GPU goes bad.
+                monitor.send_replace(HealthView {
+                    unhealthy: BTreeMap::from([(
+                        "GPU-b".to_string(),
+                        "XID 79, from NVML".to_string(),
+                    )]),
+                });
+            } else if v["event"] == "health" && v["step"] == "unhealthy" {
+                // The kubelet saw it: the GPU recovers.
+                monitor.send_replace(HealthView::default());
+            }
+            lines.push(v);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), read_all)
+        .await
+        .expect("the stand-in finished within 120 s");
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    let stderr = stderr.join().unwrap();
     assert!(
-        out.status.success(),
-        "the Python kubelet failed ({}):\n{stdout}\n{stderr}",
-        out.status
+        exit.success(),
+        "the Python kubelet failed ({exit}):\n{lines:#?}\n{stderr}"
     );
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect();
 
     // Registration: what GetInfo said, the version chosen, the refusal
     // answered with the kubelet's text, the acceptance on the channel.
@@ -175,7 +260,11 @@ async fn python_grpcio_kubelet_registers_and_prepares_through_v1_and_v1beta1() {
     assert_eq!(info["endpoint"], endpoint.display().to_string());
     assert_eq!(
         info["supported_versions"],
-        serde_json::json!(["v1.DRAPlugin", "v1beta1.DRAPlugin"])
+        serde_json::json!([
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth"
+        ])
     );
     assert_eq!(
         event(&lines, "found")["socket"],
@@ -277,6 +366,25 @@ async fn python_grpcio_kubelet_registers_and_prepares_through_v1_and_v1beta1() {
         );
     }
     assert_eq!(event(&lines, "done")["chosen"], "v1.DRAPlugin");
+
+    // Health on the same endpoint: the complete list at once, to a second
+    // watcher too; the GPU's XID on its MIG device, with the reason; healthy
+    // again after it recovers.
+    assert_eq!(event(&lines, "health_listed")["listed"], true);
+    assert_eq!(health_of(health(&lines, "first")), all_healthy());
+    assert_eq!(health_of(health(&lines, "second_watcher")), all_healthy());
+    assert_eq!(
+        health_of(health(&lines, "unhealthy")),
+        [
+            ("gpu-0".to_string(), "HEALTHY".to_string(), String::new()),
+            (
+                "gpu-1-mig-1g10gb-19-6".to_string(),
+                "UNHEALTHY".to_string(),
+                "its GPU GPU-b: XID 79, from NVML".to_string()
+            )
+        ]
+    );
+    assert_eq!(health_of(health(&lines, "healthy")), all_healthy());
 
     // Every call reached the node's claims, in the stand-in's order.
     let calls = claims.calls.lock().unwrap().clone();

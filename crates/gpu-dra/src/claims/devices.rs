@@ -13,6 +13,9 @@ pub struct NodeDevice {
     pub minor: u32,
     /// The GPU's (or MIG device's) UUID: its name in the node's CDI spec.
     pub uuid: String,
+    /// The GPU's UUID (the parent's, for a MIG device): whose health the
+    /// device has.
+    pub gpu_uuid: String,
 }
 
 /// Device names, spelt where gpu-controller's ResourceSlices take them too.
@@ -39,6 +42,7 @@ pub fn device_table(inv: &Inventory) -> BTreeMap<String, NodeDevice> {
                     NodeDevice {
                         minor,
                         uuid: m.uuid.clone(),
+                        gpu_uuid: uuid.clone(),
                     },
                 );
             }
@@ -49,6 +53,7 @@ pub fn device_table(inv: &Inventory) -> BTreeMap<String, NodeDevice> {
             NodeDevice {
                 minor,
                 uuid: uuid.clone(),
+                gpu_uuid: uuid.clone(),
             },
         );
     }
@@ -110,6 +115,7 @@ mod tests {
             NodeDevice {
                 minor: 2,
                 uuid: "MIG-placed".into(),
+                gpu_uuid: "GPU-c".into(),
             }
         );
         assert_eq!(
@@ -117,6 +123,7 @@ mod tests {
             NodeDevice {
                 minor: 1,
                 uuid: "GPU-b".into(),
+                gpu_uuid: "GPU-b".into(),
             }
         );
     }

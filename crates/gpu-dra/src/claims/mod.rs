@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod devices;
 pub mod error;
+pub mod feed;
 pub mod options;
 mod prepare;
 pub mod recovery;
@@ -30,6 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use gpu_model::inventory::Inventory;
 use hostlib::HostRoot;
 use serde::Serialize;
+use tokio::sync::watch;
 
 use crate::claim::{ClaimRef, Claims, PrepareOutcome};
 
@@ -48,6 +50,9 @@ pub struct NodeClaims {
     opts: Options,
     allocations: Arc<dyn Allocations>,
     state: Mutex<State>,
+    /// The device table, for those who follow it (the health stream); sent
+    /// under the state's lock, only when it changed.
+    devices_tx: watch::Sender<BTreeMap<String, NodeDevice>>,
 }
 
 /// What the mutex guards.
@@ -110,13 +115,15 @@ impl NodeClaims {
     ) -> Result<Self, StateError> {
         let boot_id = checkpoint::read_boot_id(&host)?;
         let (checkpoint, recovery) = recovery::recover(&host, &opts, &boot_id)?;
+        let table = devices::device_table(inv);
         Ok(NodeClaims {
             host,
             opts,
             allocations,
+            devices_tx: watch::Sender::new(table.clone()),
             state: Mutex::new(State {
                 checkpoint,
-                devices: devices::device_table(inv),
+                devices: table,
                 recovery,
                 waiting: BTreeMap::new(),
                 next_ticket: 0,
@@ -130,7 +137,28 @@ impl NodeClaims {
 
     /// Names the devices of a new inventory (prepared claims keep theirs).
     pub fn set_inventory(&self, inv: &Inventory) {
-        self.lock().devices = devices::device_table(inv);
+        let table = devices::device_table(inv);
+        let mut st = self.lock();
+        self.devices_tx.send_if_modified(|t| {
+            let changed = *t != table;
+            if changed {
+                *t = table.clone();
+            }
+            changed
+        });
+        st.devices = table;
+    }
+
+    /// The device table (name → device), told again each time
+    /// [`set_inventory`](Self::set_inventory) changes it: what the health
+    /// stream reports on.
+    pub fn watch_devices(&self) -> watch::Receiver<BTreeMap<String, NodeDevice>> {
+        self.devices_tx.subscribe()
+    }
+
+    /// The node's name: the pool of its devices.
+    pub fn node_name(&self) -> &str {
+        &self.opts.node_name
     }
 
     /// The device names prepare accepts now.

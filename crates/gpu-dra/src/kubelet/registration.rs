@@ -4,11 +4,11 @@
 
 use std::path::PathBuf;
 
-use gpu_agent_proto::dra;
 use gpu_agent_proto::pluginregistration::registration_server::Registration as RegistrationApi;
 use gpu_agent_proto::pluginregistration::{
     DRA_PLUGIN, InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
+use gpu_agent_proto::{dra, dra_health};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
@@ -34,11 +34,14 @@ impl Registration {
 }
 
 /// The API versions the plugin serves, in the order the kubelet walks them
-/// (it takes the first it knows): registration strings, not service names.
+/// (it takes the first it knows): registration strings, not service names;
+/// then the health service, as the upstream helper lists it (kubelets pick
+/// the DRA version among the first two and ignore it for that choice).
 pub fn supported_versions() -> Vec<String> {
     vec![
         dra::v1::SERVICE.to_string(),
         dra::v1beta1::SERVICE.to_string(),
+        dra_health::v1alpha1::SERVICE.to_string(),
     ]
 }
 
@@ -143,7 +146,11 @@ mod tests {
         );
         assert_eq!(
             info.supported_versions,
-            ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+            [
+                "v1.DRAPlugin",
+                "v1beta1.DRAPlugin",
+                "v1alpha1.DRAResourceHealth"
+            ]
         );
     }
 

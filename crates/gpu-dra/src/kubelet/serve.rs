@@ -1,6 +1,7 @@
 //! The plugin's two Unix sockets and the servers on them: the DRA socket
-//! (`v1` and `v1beta1`) bound first, then the registration socket the kubelet
-//! discovers it by; on shutdown the registration socket goes first.
+//! (`v1`, `v1beta1` and the `v1alpha1` health stream) bound first, then the
+//! registration socket the kubelet discovers it by; on shutdown the
+//! registration socket goes first.
 
 use std::fs::{self, DirBuilder, Permissions};
 use std::future::Future;
@@ -10,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpu_agent_proto::dra;
+use gpu_agent_proto::dra_health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
 use gpu_agent_proto::pluginregistration::registration_server::RegistrationServer;
 use hostlib::{HostError, HostRoot};
 use tokio::net::UnixListener;
@@ -18,6 +20,7 @@ use tokio::task::JoinHandle;
 use tonic::transport::Server;
 
 use super::dra::DraService;
+use super::health::{HealthService, HealthSource};
 use super::registration::{Registration, RegistrationService};
 use crate::claim::{Claims, DRIVER_NAME};
 
@@ -265,16 +268,18 @@ async fn join(
 }
 
 /// Serves the DRA plugin for the kubelet until `shutdown` resolves: makes the
-/// plugin directory (0750), binds `dra.sock` (v1 and v1beta1) and then the
+/// plugin directory (0750), binds `dra.sock` (v1 and v1beta1 answering
+/// through `claims`, and the health stream from `health`) and then the
 /// registration socket (stale sockets removed first), keeps the kubelet's
 /// verdict on `registration`, and on shutdown removes the registration
-/// socket, stops both servers (within [`STOP_GRACE`]), removes `dra.sock` and
-/// sets `registration` back to [`Registration::Unknown`]. An error: a
-/// directory or socket could not be made, or a server failed (the sockets
-/// are removed then too).
+/// socket, ends the health streams, stops both servers (within
+/// [`STOP_GRACE`]), removes `dra.sock` and sets `registration` back to
+/// [`Registration::Unknown`]. An error: a directory or socket could not be
+/// made, or a server failed (the sockets are removed then too).
 pub async fn serve(
     dirs: &Dirs,
     claims: Arc<dyn Claims>,
+    health: HealthSource,
     registration: watch::Sender<Registration>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
@@ -300,6 +305,7 @@ pub async fn serve(
         let _ = rx.wait_for(|s| *s).await;
     };
     let service = DraService::new(claims);
+    let health = HealthService::new(health, stopped.clone());
     let dra_server = Server::builder()
         .add_service(dra::v1::dra_plugin_server::DraPluginServer::new(
             service.clone(),
@@ -307,6 +313,7 @@ pub async fn serve(
         .add_service(dra::v1beta1::dra_plugin_server::DraPluginServer::new(
             service,
         ))
+        .add_service(DraResourceHealthServer::new(health))
         .serve_with_incoming_shutdown(
             gpu_grpc::incoming(dra_listener),
             until_stopped(stopped.clone()),

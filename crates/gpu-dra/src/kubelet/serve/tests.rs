@@ -2,8 +2,11 @@
 
 use std::collections::BTreeMap;
 
+use gpu_model::health::HealthView;
+
 use super::*;
 use crate::claim::{ClaimRef, PrepareOutcome};
+use crate::claims::NodeDevice;
 
 struct NoClaims;
 
@@ -17,6 +20,23 @@ impl Claims for NoClaims {
     fn unprepare(&self, claims: &[ClaimRef]) -> BTreeMap<String, Result<(), String>> {
         claims.iter().map(|c| (c.uid.clone(), Ok(()))).collect()
     }
+}
+
+/// One GPU, and a health monitor that is gone (its devices Unknown).
+fn health() -> HealthSource {
+    let table = BTreeMap::from([(
+        "gpu-0".to_string(),
+        NodeDevice {
+            minor: 0,
+            uuid: "GPU-a".to_string(),
+            gpu_uuid: "GPU-a".to_string(),
+        },
+    )]);
+    HealthSource::new(
+        "node-a",
+        watch::channel(table).1,
+        watch::channel(HealthView::default()).1,
+    )
 }
 
 #[test]
@@ -136,7 +156,7 @@ async fn serve_makes_the_sockets_and_removes_them_when_told_to_stop() {
     let task = tokio::spawn({
         let dirs = dirs.clone();
         async move {
-            serve(&dirs, Arc::new(NoClaims), tx, async {
+            serve(&dirs, Arc::new(NoClaims), health(), tx, async {
                 let _ = stopped.await;
             })
             .await
@@ -182,9 +202,15 @@ async fn serve_names_the_path_it_cannot_bind() {
     fs::create_dir_all(&dirs.registry).unwrap();
     fs::write(dirs.registration_socket(), "").unwrap();
     let (tx, _rx) = watch::channel(Registration::Unknown);
-    let err = serve(&dirs, Arc::new(NoClaims), tx, std::future::pending())
-        .await
-        .unwrap_err();
+    let err = serve(
+        &dirs,
+        Arc::new(NoClaims),
+        health(),
+        tx,
+        std::future::pending(),
+    )
+    .await
+    .unwrap_err();
     assert!(err.to_string().contains("gpu.nvidia.com-reg.sock"), "{err}");
     // The DRA socket bound before it is gone again.
     assert!(!dirs.dra_socket().exists());
@@ -194,6 +220,8 @@ async fn serve_names_the_path_it_cannot_bind() {
 async fn a_kubelet_connection_left_open_does_not_hold_up_the_stop() {
     use gpu_agent_proto::dra::v1::dra_plugin_client::DraPluginClient;
     use gpu_agent_proto::dra::v1::{Claim, NodePrepareResourcesRequest};
+    use gpu_agent_proto::dra_health::v1alpha1::NodeWatchResourcesRequest;
+    use gpu_agent_proto::dra_health::v1alpha1::dra_resource_health_client::DraResourceHealthClient;
 
     let dir = tempfile::tempdir().unwrap();
     let dirs = Dirs {
@@ -206,7 +234,7 @@ async fn a_kubelet_connection_left_open_does_not_hold_up_the_stop() {
     let task = tokio::spawn({
         let dirs = dirs.clone();
         async move {
-            serve(&dirs, Arc::new(NoClaims), tx, async {
+            serve(&dirs, Arc::new(NoClaims), health(), tx, async {
                 let _ = stopped.await;
             })
             .await
@@ -234,6 +262,14 @@ async fn a_kubelet_connection_left_open_does_not_hold_up_the_stop() {
         .unwrap()
         .into_inner();
     assert_eq!(r.claims["u"].error, "");
+    // And a health stream held open, as the kubelet holds it.
+    let mut watch = DraResourceHealthClient::new(client_channel(&dirs).await)
+        .node_watch_resources(NodeWatchResourcesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.devices.len(), 1);
     let started = std::time::Instant::now();
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
@@ -243,5 +279,13 @@ async fn a_kubelet_connection_left_open_does_not_hold_up_the_stop() {
         started.elapsed()
     );
     assert!(!dirs.dra_socket().exists());
+    // The stream ended, saying why.
+    let end = watch.message().await.unwrap_err();
+    assert_eq!(end.code(), tonic::Code::Unavailable, "{end:?}");
+    assert!(end.message().contains("stopping"), "{end:?}");
     drop(client);
+}
+
+async fn client_channel(dirs: &Dirs) -> tonic::transport::Channel {
+    gpu_grpc::connect(&dirs.dra_socket()).await.unwrap()
 }
