@@ -82,6 +82,12 @@ pub async fn run(client: kube::Client, fleet: Arc<Fleet>) {
                     fleet.set_dra_claims(&node, claims.list(&node));
                 }
             }
+            // An expired resourceVersion: the watcher lists again; not a
+            // failure.
+            Err(watcher::Error::WatchError(s)) if s.code == 410 => {
+                tracing::debug!("the ResourceClaims watch expired; listing them again");
+                continue;
+            }
             Err(e) => {
                 if !failing {
                     tracing::warn!(

@@ -9,6 +9,7 @@
 //! [`schema`] checks each body against the real 1.36 schemas.
 #![allow(dead_code)]
 
+pub mod claims;
 pub mod schema;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -86,6 +87,8 @@ struct Inner {
     generated: u64,
     /// Evictions to refuse with 429 (a disruption budget), per pod.
     pdb_refusals: BTreeMap<String, u32>,
+    /// ResourceClaims and their watches (claims.rs).
+    claims: claims::Claims,
 }
 
 fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response<Body> {
@@ -559,6 +562,9 @@ impl MockApi {
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(answer) = claims::route(&mut i, &method, &path, &query) {
+            return answer;
+        }
         if method == "PATCH"
             && path.starts_with("/apis/nvidia.com/v1/clusterpolicies/")
             && path.ends_with("/status")
