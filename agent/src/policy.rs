@@ -12,6 +12,7 @@ use hostlib::strict::{self, YamlError};
 use serde::{Deserialize, Serialize};
 
 pub use gpu_cdi::spec::{CdiSpec, INSTALLED_HOOK_PATH};
+pub use gpu_dra::spec::DraSpec;
 pub use gpu_driver::spec::{DriverSpec, OnParamMismatch};
 pub use gpu_health::HealthSpec;
 pub use gpu_metrics::spec::{CountersConfig, DcgmExporterSpec};
@@ -66,6 +67,8 @@ pub struct Policy {
     pub mig: MigSpec,
     #[serde(default)]
     pub health: HealthSpec,
+    #[serde(default)]
+    pub dra: DraSpec,
     #[serde(default)]
     pub host_paths: HostPaths,
 }
@@ -130,6 +133,7 @@ impl Default for Policy {
             validator: ValidatorSpec::default(),
             mig: MigSpec::default(),
             health: HealthSpec::default(),
+            dra: DraSpec::default(),
             host_paths: HostPaths::default(),
         }
     }
@@ -363,6 +367,9 @@ impl Policy {
             }
         }
         self.check_driver(origin)?;
+        if let Err((key, why)) = gpu_dra::spec::check(&self.dra, self.device_plugin.enabled) {
+            return Err(YamlError::invalid(origin, key, why));
+        }
         if let Some(c) = self.device_plugin.config.as_ref() {
             if c.file.is_some() && c.inline.is_some() {
                 return Err(YamlError::invalid(

@@ -173,6 +173,57 @@ pub fn plugin_resources(board: &[ResourceStatus]) -> String {
     table(&["RESOURCE", "SOCKET", "HEALTHY", "REGISTERED"], &rows)
 }
 
+/// The DRA plugin: the kubelet's verdict, DRA's GPUs and devices, the
+/// controller's allocations, start-up's recovery, and the claims.
+pub fn dra(d: &crate::state::DraStatus) -> String {
+    let mut out = format!(
+        "dra: {} · socket {} · {} GPU(s), device(s): {}\n",
+        d.registration,
+        if d.socket.is_empty() { "-" } else { &d.socket },
+        d.gpus.len(),
+        if d.devices.is_empty() {
+            "none".to_string()
+        } else {
+            d.devices.join(", ")
+        }
+    );
+    if let Some(e) = &d.error {
+        out.push_str(&format!("dra: not serving: {e}\n"));
+    }
+    if !d.unmatched.is_empty() {
+        out.push_str(&format!(
+            "dra: spec.dra.gpus names no GPU of this node: {}\n",
+            d.unmatched.join(", ")
+        ));
+    }
+    out.push_str(&format!(
+        "dra: allocations from gpu-controller: {}\n",
+        match d.allocations {
+            Some(n) => format!("{n} claim(s) allocated to this node"),
+            None => "none received yet (prepare waits for them)".into(),
+        }
+    ));
+    if !d.recovery.is_empty() {
+        out.push_str(&format!("dra: at start: {}\n", d.recovery));
+    }
+    if !d.claims.is_empty() {
+        let rows: Vec<Vec<String>> = d
+            .claims
+            .iter()
+            .map(|c| {
+                vec![
+                    format!("{}/{}", c.namespace, c.name),
+                    c.uid.clone(),
+                    c.state.clone(),
+                    c.devices.join(", "),
+                ]
+            })
+            .collect();
+        out.push_str(&table(&["CLAIM", "UID", "STATE", "DEVICES"], &rows));
+    }
+    out
+}
+
 /// The stage table: state, last validation, repairs; failed validations
 /// and the last repairs below it.
 pub fn stages(stages: &[StageStatus]) -> String {

@@ -100,6 +100,52 @@ pub struct AgentState {
     /// The report stream to the cluster controller, when one is configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controller: Option<crate::report::ControllerLink>,
+    /// The DRA kubelet plugin, while `spec.dra.enabled`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<DraStatus>,
+}
+
+/// The DRA kubelet plugin as `status` shows it: what is true now.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DraStatus {
+    /// The kubelet accepted the plugin.
+    pub registered: bool,
+    /// The kubelet's verdict in words (`registered`, `refused: …`,
+    /// `waiting for the kubelet`, `not serving: …`).
+    pub registration: String,
+    /// The registration socket the kubelet watches (a host path).
+    pub socket: String,
+    /// The GPUs DRA hands out, by UUID (or PCI address without one).
+    pub gpus: Vec<String>,
+    /// `spec.dra.gpus` selectors that name no GPU of this node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unmatched: Vec<String>,
+    /// The devices a claim may be prepared with now (`gpu-0`, MIG devices).
+    pub devices: Vec<String>,
+    /// Claims allocated to this node, as the controller last handed them
+    /// over (`None`: no word from a controller yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocations: Option<usize>,
+    /// What start-up found of the checkpoint and did, in words.
+    pub recovery: String,
+    /// The node's claims now.
+    pub claims: Vec<DraClaimStatus>,
+    /// Why the plugin is not serving, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One claim on the node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DraClaimStatus {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    /// `preparing` or `prepared`.
+    pub state: String,
+    pub devices: Vec<String>,
 }
 
 /// A state file that cannot be used.
@@ -330,6 +376,7 @@ impl AgentState {
             policy_from_cluster: false,
             policy_ignored: Vec::new(),
             controller: None,
+            dra: None,
         }
     }
 
@@ -466,6 +513,7 @@ mod tests {
             policy_from_cluster: false,
             policy_ignored: Vec::new(),
             controller: None,
+            dra: None,
         }
     }
 

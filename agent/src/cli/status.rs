@@ -88,6 +88,9 @@ pub(crate) struct StatusReport {
     policy_from_cluster: bool,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     policy_ignored: Vec<String>,
+    /// The DRA kubelet plugin (running agent with `spec.dra.enabled` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dra: Option<gpu_agent::state::DraStatus>,
 }
 
 impl StatusReport {
@@ -118,6 +121,7 @@ impl StatusReport {
             controller: st.controller,
             policy_from_cluster: st.policy_from_cluster,
             policy_ignored: st.policy_ignored,
+            dra: st.dra,
         }
     }
 }
@@ -215,6 +219,7 @@ pub(crate) fn status(cli: &Cli, output: Output) -> Result<ExitCode, Failure> {
         controller: None,
         policy_from_cluster: false,
         policy_ignored: Vec::new(),
+        dra: None,
     };
     print_status(&report, output)
 }
@@ -298,6 +303,10 @@ pub(crate) fn status_text(report: &StatusReport) -> String {
     if !report.plugin.is_empty() {
         out.push('\n');
         out.push_str(&render::plugin_resources(&report.plugin));
+    }
+    if let Some(d) = &report.dra {
+        out.push('\n');
+        out.push_str(&render::dra(d));
     }
     if let Some(p) = &report.privileges {
         out.push('\n');

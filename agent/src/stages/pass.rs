@@ -120,10 +120,19 @@ fn run_stage(ctx: &Context<'_>, stage: Stage, p: &mut Progress, defer: bool) -> 
             Stage::Plugin => match p.inventory.as_ref() {
                 None => waiting(),
                 Some(inv) => {
-                    let (outcome, plan) =
-                        plugin::plugin_stage(ctx, inv, p.runtime_no_cdi.as_deref());
+                    // The GPUs `spec.dra.gpus` gives DRA are not the plugin's.
+                    let (dra, _) = gpu_dra::spec::dra_gpus(&ctx.policy.dra, inv);
+                    let mine = gpu_dra::spec::split(inv, &dra, false);
+                    let ((state, mut detail), plan) =
+                        plugin::plugin_stage(ctx, &mine, p.runtime_no_cdi.as_deref());
+                    if !dra.is_empty() {
+                        detail.push_str(&format!(
+                            " ({} GPU(s) left to DRA by spec.dra.gpus)",
+                            dra.len()
+                        ));
+                    }
                     p.plugin = plan;
-                    outcome
+                    (state, detail)
                 }
             },
             Stage::Driver => match p.inventory.as_ref() {

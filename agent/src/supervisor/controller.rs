@@ -123,6 +123,7 @@ impl Supervisor {
             link: self.link.clone(),
             changed: self.changed.clone(),
             desired: desired_tx,
+            dra_claims: self.dra_feed_tx.clone(),
         };
         self.report = Some(tx);
         self.report_task = Some(tokio::spawn(crate::report::client::run(cfg, inputs)));

@@ -75,6 +75,12 @@ pub(super) struct Supervisor {
     /// What the passes last said in the log: a pass that changes nothing
     /// says nothing above DEBUG.
     pub(super) logged: stages::LogMemory,
+    /// The DRA kubelet plugin, while `spec.dra.enabled`.
+    pub(super) dra: Option<super::dra::RunningDra>,
+    /// The claims the controller allocates to this node: the report task
+    /// writes (`dra_feed_tx`, handed to it at its start), DRA reads.
+    pub(super) dra_feed: watch::Receiver<Option<Arc<gpu_agent_proto::report::v1::DraClaims>>>,
+    pub(super) dra_feed_tx: watch::Sender<Option<Arc<gpu_agent_proto::report::v1::DraClaims>>>,
 }
 
 impl Supervisor {
@@ -103,7 +109,11 @@ impl Supervisor {
                 .collect();
             opts.caps.missing(&needs)
         });
+        let (dra_feed_tx, dra_feed) = watch::channel(None);
         Supervisor {
+            dra: None,
+            dra_feed,
+            dra_feed_tx,
             mps,
             opts,
             st,

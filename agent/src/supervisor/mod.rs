@@ -13,6 +13,8 @@
 
 mod controller;
 mod core;
+mod dra;
+mod dra_task;
 mod exporter;
 mod health;
 mod health_task;

@@ -31,6 +31,7 @@ impl Supervisor {
             stages::apply_health_status(&mut self.st.stages, &self.st.health);
         }
         self.refresh_pod_labels();
+        self.refresh_dra();
         let tasks: Vec<TaskStatus> = self
             .tasks
             .iter()

@@ -291,6 +291,7 @@ impl Supervisor {
             }
         }
         self.reconcile_mps().await;
+        self.reconcile_dra().await;
         if self.health.is_none() {
             self.start_health();
         } else if let (Some(h), Some(c)) = (&self.health, conditions) {

@@ -136,7 +136,7 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
             ignored_keys: st.policy_ignored.clone(),
             error: st.policy_error.clone().unwrap_or_default(),
         }),
-        dra: Some(pb::DraState::default()),
+        dra: Some(super::dra_task::dra_report(st.dra.as_ref())),
     }
 }
 

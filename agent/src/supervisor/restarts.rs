@@ -43,6 +43,9 @@ impl Supervisor {
             s.state = StageState::Failed;
             s.detail = format!("the metrics exporter stopped ({error}); restarting in {backoff:?}");
         }
+        if name == super::dra::TASK {
+            self.dra = None;
+        }
         if name == "plugin" {
             self.plugin = None;
             if let Some(s) = self.st.stages.iter_mut().find(|s| s.stage == Stage::Plugin) {
@@ -74,6 +77,7 @@ impl Supervisor {
                 METRICS => self.start_metrics(),
                 REPORT => self.start_report(),
                 mps::TASK => self.restart_mps(),
+                super::dra::TASK => self.start_dra(),
                 _ => {}
             }
         }

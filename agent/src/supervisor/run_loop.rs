@@ -123,6 +123,7 @@ impl Supervisor {
         // MPS replicas are advertised once their daemons serve.
         self.reconcile_mps().await;
         self.start_plugin();
+        self.start_dra();
         // What the pass found, for `status`, before anything waits.
         self.refresh();
         self.sync_state();
@@ -214,6 +215,12 @@ impl Supervisor {
                 }
             };
             let mps_ended = self.mps.ended();
+            let dra_ended = async {
+                match self.dra.as_mut() {
+                    Some(d) => d.ended().await,
+                    None => std::future::pending().await,
+                }
+            };
             let desired = async {
                 match self.desired.as_mut() {
                     Some(rx) => rx.recv().await,
@@ -239,6 +246,7 @@ impl Supervisor {
                 }
                 _ = self.changed.notified() => {}
                 outcome = plugin_ended => self.task_ended("plugin", outcome),
+                outcome = dra_ended => self.task_ended(super::dra::TASK, outcome),
                 r = kmsg_ended => self.kernel_log_ended(r),
                 (resource, why) = mps_ended => {
                     tracing::error!(task = mps::TASK, resource = %resource, "MPS control daemon stopped");
@@ -309,6 +317,9 @@ impl Supervisor {
         }
         if let Some(p) = self.take_plugin() {
             p.stop().await;
+        }
+        if let Some(d) = self.dra.take() {
+            d.stop().await;
         }
         // No more replicas are handed out: the MPS daemons may quit.
         self.mps.stop_all(self.opts.view.backend.as_ref()).await;

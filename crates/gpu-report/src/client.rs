@@ -70,6 +70,9 @@ pub struct Inputs {
     pub changed: Arc<Notify>,
     /// The controller's wishes, for the supervisor.
     pub desired: mpsc::UnboundedSender<pb::Desired>,
+    /// The claims allocated to the node (DRA), the latest whole list: read
+    /// by the DRA plugin at once, even while the supervisor runs a pass.
+    pub dra_claims: watch::Sender<Option<Arc<pb::DraClaims>>>,
 }
 
 /// Reports to the controller until cancelled (the supervisor aborts it).
@@ -299,8 +302,18 @@ async fn stream_once(
 /// supervisor acts on them (policy, MIG layout, the driver rollout's
 /// go-ahead). A drain request is not acted on, and the agent says so.
 fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
-    let Some(pb::controller_message::Body::Desired(d)) = msg.body else {
-        return;
+    let d = match msg.body {
+        Some(pb::controller_message::Body::Desired(d)) => d,
+        Some(pb::controller_message::Body::DraClaims(c)) => {
+            tracing::debug!(
+                task = "report",
+                claims = c.claims.len(),
+                "the controller's claims for this node"
+            );
+            inputs.dra_claims.send_replace(Some(Arc::new(c)));
+            return;
+        }
+        None => return,
     };
     let _ = inputs.desired.send(d.clone());
     let mut parts = Vec::new();

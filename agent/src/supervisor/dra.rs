@@ -1,0 +1,222 @@
+//! The DRA kubelet plugin as a supervised task ([`RunningDra`]): the node's
+//! claims (checkpoint recovered at start), the controller's allocations fed
+//! in as they arrive, and the kubelet's sockets served in the background.
+
+use std::sync::{Arc, Mutex};
+
+use gpu_agent_proto::report::v1 as pb;
+use gpu_dra::claims::{MemoryAllocations, NodeClaims};
+use gpu_dra::kubelet::{Dirs, Registration};
+use hostlib::HostRoot;
+use tokio::sync::{Notify, oneshot, watch};
+
+use crate::inventory::Inventory;
+use crate::policy::Policy;
+use crate::state::{DraClaimStatus, DraStatus};
+
+/// The task's name in `status`.
+pub(super) const TASK: &str = "dra";
+
+/// What a running plugin was started with: a change restarts it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct DraSetting {
+    pub(super) kubelet_root_dir: String,
+    pub(super) cdi_dir: String,
+    pub(super) node_name: String,
+}
+
+impl DraSetting {
+    pub(super) fn of(policy: &Policy, node_name: &str) -> Self {
+        DraSetting {
+            kubelet_root_dir: policy
+                .host_paths
+                .kubelet_root_dir
+                .trim_end_matches('/')
+                .to_string(),
+            cdi_dir: policy.cdi.spec_dir.trim_end_matches('/').to_string(),
+            node_name: node_name.to_string(),
+        }
+    }
+}
+
+/// The DRA plugin, served in the background.
+pub(super) struct RunningDra {
+    pub(super) setting: DraSetting,
+    pub(super) claims: Arc<NodeClaims>,
+    registration: watch::Receiver<Registration>,
+    /// How many claims the controller's last list held (`None`: none yet).
+    fed: Arc<Mutex<Option<usize>>>,
+    socket: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    feeder: tokio::task::JoinHandle<()>,
+}
+
+impl RunningDra {
+    /// Opens the node's claims (`inv`: DRA's GPUs only) and serves them.
+    /// An error: the checkpoint or the sockets' directories could not be
+    /// used (it names the file).
+    pub(super) fn start(
+        host: &HostRoot,
+        setting: DraSetting,
+        inv: &Inventory,
+        feed: watch::Receiver<Option<Arc<pb::DraClaims>>>,
+        health: watch::Receiver<gpu_model::health::HealthView>,
+        changed: Arc<Notify>,
+    ) -> Result<Self, String> {
+        let mut opts = gpu_dra::claims::Options::new(setting.node_name.clone());
+        opts.cdi_dir = setting.cdi_dir.clone();
+        opts.node_spec = format!(
+            "{}/{}",
+            setting.cdi_dir,
+            gpu_dra::claims::cdi::NODE_SPEC_FILE
+        );
+        let allocations = Arc::new(MemoryAllocations::new());
+        let claims = NodeClaims::open(host.clone(), opts, allocations.clone(), inv)
+            .map_err(|e| e.to_string())?;
+        let claims = Arc::new(claims);
+        let recovery = claims.status().recovery;
+        tracing::info!(task = TASK, recovery = %recovery.summary(), "DRA claims opened");
+        let root = &setting.kubelet_root_dir;
+        let dirs = Dirs::on(
+            host,
+            &format!("{root}/plugins_registry"),
+            &format!("{root}/plugins"),
+        )
+        .map_err(|e| e.to_string())?;
+        let socket = format!(
+            "{root}/plugins_registry/{}",
+            gpu_dra::kubelet::registration_socket_name()
+        );
+        let (reg_tx, registration) = watch::channel(Registration::Unknown);
+        let fed = Arc::new(Mutex::new(None));
+        let feeder = tokio::spawn(feed_allocations(
+            feed,
+            allocations,
+            registration.clone(),
+            fed.clone(),
+            changed.clone(),
+        ));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let served: Arc<dyn gpu_dra::claim::Claims> = claims.clone();
+        let health = gpu_dra::kubelet::HealthSource::from_claims(&claims, health);
+        let task = tokio::spawn(async move {
+            let r = gpu_dra::kubelet::serve(&dirs, served, health, reg_tx, async {
+                let _ = stopped.await;
+            })
+            .await
+            .map_err(|e| e.to_string());
+            changed.notify_one();
+            r
+        });
+        Ok(RunningDra {
+            setting,
+            claims,
+            registration,
+            fed,
+            socket,
+            stop: Some(stop),
+            task: Some(task),
+            feeder,
+        })
+    }
+
+    /// Resolves when the plugin stops on its own.
+    pub(super) async fn ended(&mut self) -> Result<(), String> {
+        let Some(task) = self.task.as_mut() else {
+            return std::future::pending().await;
+        };
+        let r = task.await;
+        self.task = None;
+        match r {
+            Ok(r) => r,
+            Err(e) => Err(format!("the task panicked or was cancelled: {e}")),
+        }
+    }
+
+    /// What `status` shows of it; `gpus` are DRA's GPUs, `unmatched` the
+    /// selectors that name none.
+    pub(super) fn status(&self, gpus: Vec<String>, unmatched: Vec<String>) -> DraStatus {
+        let reg = self.registration.borrow().clone();
+        let s = self.claims.status();
+        DraStatus {
+            registered: reg.is_registered(),
+            registration: match reg {
+                Registration::Unknown => "waiting for the kubelet".into(),
+                Registration::Registered => "registered".into(),
+                Registration::Refused { error } => format!("refused: {error}"),
+            },
+            socket: self.socket.clone(),
+            gpus,
+            unmatched,
+            devices: self.claims.device_names(),
+            allocations: *self.fed.lock().unwrap_or_else(|e| e.into_inner()),
+            recovery: s.recovery.summary(),
+            claims: s
+                .claims
+                .into_iter()
+                .map(|c| DraClaimStatus {
+                    uid: c.uid,
+                    namespace: c.namespace,
+                    name: c.name,
+                    state: serde_json::to_value(c.state)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_string))
+                        .unwrap_or_default(),
+                    devices: c.devices,
+                })
+                .collect(),
+            error: None,
+        }
+    }
+
+    /// Stops serving: the registration socket goes first, then `dra.sock`.
+    pub(super) async fn stop(mut self) {
+        self.feeder.abort();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            match task.await {
+                Ok(Err(e)) => tracing::error!(task = TASK, error = %e, "the DRA plugin failed"),
+                Err(e) => tracing::error!(task = TASK, error = %e, "the DRA plugin task failed"),
+                Ok(Ok(())) => {}
+            }
+        }
+    }
+}
+
+/// Hands every list the controller sends to prepare at once (a pass may be
+/// running), and tells the supervisor when the list or the kubelet's verdict
+/// changes (for `status` and the report).
+async fn feed_allocations(
+    mut feed: watch::Receiver<Option<Arc<pb::DraClaims>>>,
+    allocations: Arc<MemoryAllocations>,
+    mut registration: watch::Receiver<Registration>,
+    fed: Arc<Mutex<Option<usize>>>,
+    changed: Arc<Notify>,
+) {
+    let take = |list: &Option<Arc<pb::DraClaims>>| {
+        if let Some(list) = list {
+            allocations.replace_all(gpu_dra::claims::feed::allocations(list));
+            *fed.lock().unwrap_or_else(|e| e.into_inner()) = Some(list.claims.len());
+        }
+    };
+    take(&feed.borrow_and_update());
+    let mut feed_open = true;
+    let mut reg_open = true;
+    while feed_open || reg_open {
+        tokio::select! {
+            r = feed.changed(), if feed_open => match r {
+                Ok(()) => take(&feed.borrow_and_update()),
+                Err(_) => feed_open = false,
+            },
+            r = registration.changed(), if reg_open => {
+                if r.is_err() {
+                    reg_open = false;
+                }
+            }
+        }
+        changed.notify_one();
+    }
+}

@@ -1,0 +1,155 @@
+//! How the supervisor starts, follows and stops the DRA kubelet plugin
+//! ([`RunningDra`]) as the policy's `spec.dra` says, and what `status` and
+//! the report show of it.
+
+use super::core::Supervisor;
+use super::dra::{DraSetting, RunningDra, TASK};
+use crate::inventory::Inventory;
+use crate::state::DraStatus;
+use gpu_agent_proto::report::v1 as pb;
+
+impl Supervisor {
+    /// DRA's GPUs of the node now (`spec.dra.gpus`), as an inventory of
+    /// their own, and the selectors that name none.
+    fn dra_inventory(&self) -> Option<(Inventory, Vec<String>)> {
+        let inv = self.st.inventory.as_ref()?;
+        let (gpus, unmatched) = gpu_dra::spec::dra_gpus(&self.opts.policy.dra, inv);
+        Some((gpu_dra::spec::split(inv, &gpus, true), unmatched))
+    }
+
+    fn dra_setting(&self) -> DraSetting {
+        let node = match &self.opts.report {
+            Some(r) => r.node_name.clone(),
+            None => crate::report::node_name(),
+        };
+        DraSetting::of(&self.opts.policy, &node)
+    }
+
+    /// After a pass: the plugin runs while `spec.dra.enabled` (and there is
+    /// an inventory), is started again on new settings, and hears of the
+    /// node's devices when they change.
+    pub(super) async fn reconcile_dra(&mut self) {
+        if !self.opts.policy.dra.enabled {
+            if let Some(d) = self.dra.take() {
+                tracing::info!(
+                    task = TASK,
+                    "DRA is turned off by the policy; the plugin stops"
+                );
+                d.stop().await;
+            }
+            self.tasks.remove(TASK);
+            self.st.dra = None;
+            return;
+        }
+        let Some((inv, _)) = self.dra_inventory() else {
+            return;
+        };
+        let setting = self.dra_setting();
+        if let Some(d) = &self.dra {
+            if d.setting == setting {
+                d.claims.set_inventory(&inv);
+                return;
+            }
+            tracing::info!(
+                task = TASK,
+                "DRA settings changed; restarting the DRA plugin"
+            );
+            if let Some(d) = self.dra.take() {
+                d.stop().await;
+            }
+        }
+        self.start_dra();
+    }
+
+    /// Starts the plugin (a failure is the task's, restarted with backoff).
+    pub(super) fn start_dra(&mut self) {
+        if let Some(d) = self.dra.take() {
+            // One that ended on its own is replaced; its sockets are gone.
+            drop(d);
+        }
+        if !self.opts.policy.dra.enabled {
+            return;
+        }
+        let Some((inv, _)) = self.dra_inventory() else {
+            return;
+        };
+        let setting = self.dra_setting();
+        // No health monitor: every device's health is Unknown to the kubelet.
+        let health = match &self.health {
+            Some(h) => h.view(),
+            None => tokio::sync::watch::channel(Default::default()).1,
+        };
+        match RunningDra::start(
+            &self.opts.host,
+            setting,
+            &inv,
+            self.dra_feed.clone(),
+            health,
+            self.changed.clone(),
+        ) {
+            Ok(d) => {
+                self.dra = Some(d);
+                self.task_started(TASK);
+            }
+            Err(e) => self.task_ended(TASK, Err(e)),
+        }
+    }
+
+    /// The plugin's state for `status`, now.
+    pub(super) fn refresh_dra(&mut self) {
+        if !self.opts.policy.dra.enabled {
+            self.st.dra = None;
+            return;
+        }
+        let (gpus, unmatched) = match self.dra_inventory() {
+            Some((inv, unmatched)) => (
+                inv.gpus
+                    .iter()
+                    .map(|g| g.uuid.clone().unwrap_or_else(|| g.bus_id.to_string()))
+                    .collect(),
+                unmatched,
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        self.st.dra = Some(match &self.dra {
+            Some(d) => d.status(gpus, unmatched),
+            None => DraStatus {
+                registration: "not serving".into(),
+                gpus,
+                unmatched,
+                error: Some(
+                    self.tasks
+                        .get(TASK)
+                        .and_then(|t| t.last_error.clone())
+                        .unwrap_or_else(|| "waiting for the first discovery".into()),
+                ),
+                ..Default::default()
+            },
+        });
+    }
+}
+
+/// What the report tells the controller of the plugin.
+pub(super) fn dra_report(st: Option<&DraStatus>) -> pb::DraState {
+    let Some(d) = st else {
+        return pb::DraState {
+            error: "spec.dra.enabled is false".into(),
+            ..Default::default()
+        };
+    };
+    pb::DraState {
+        registered: d.registered,
+        gpu_uuids: d.gpus.clone(),
+        prepared_claims: d
+            .claims
+            .iter()
+            .filter(|c| c.state == "prepared")
+            .map(|c| c.uid.clone())
+            .collect(),
+        error: match (&d.error, d.registered) {
+            (Some(e), _) => e.clone(),
+            (None, false) => d.registration.clone(),
+            (None, true) => String::new(),
+        },
+    }
+}
