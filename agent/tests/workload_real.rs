@@ -170,48 +170,28 @@ fn image_tar(name: &str) -> Vec<u8> {
 /// each node taken from a device every machine has (`hostPath`, which our
 /// own specs never need: there the nodes are the GPU's own).
 fn gpu_spec() -> (cdi::Spec, String) {
+    let node = |path: &str, host: &str| cdi::DeviceNode {
+        path: path.into(),
+        host_path: Some(host.into()),
+    };
     let spec = cdi::Spec {
         cdi_version: cdi::SPEC_VERSION.into(),
         kind: "nvidia.com/gpu".into(),
         devices: vec![cdi::Device {
             name: "0".into(),
             container_edits: cdi::ContainerEdits {
-                device_nodes: vec![cdi::DeviceNode {
-                    path: "/dev/nvidia0".into(),
-                }],
+                device_nodes: vec![node("/dev/nvidia0", "/dev/null")],
                 ..Default::default()
             },
         }],
         container_edits: cdi::ContainerEdits {
             env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
-            device_nodes: vec![cdi::DeviceNode {
-                path: "/dev/nvidiactl".into(),
-            }],
+            device_nodes: vec![node("/dev/nvidiactl", "/dev/zero")],
             ..Default::default()
         },
     };
-    fn stand_ins(v: &mut serde_json::Value) {
-        match v {
-            serde_json::Value::Object(o) => {
-                if let Some(serde_json::Value::Array(nodes)) = o.get_mut("deviceNodes") {
-                    for n in nodes {
-                        let host = match n["path"].as_str().unwrap() {
-                            "/dev/nvidia0" => "/dev/null",
-                            "/dev/nvidiactl" => "/dev/zero",
-                            other => panic!("no stand-in for {other}"),
-                        };
-                        n["hostPath"] = host.into();
-                    }
-                }
-                o.values_mut().for_each(stand_ins);
-            }
-            serde_json::Value::Array(a) => a.iter_mut().for_each(stand_ins),
-            _ => {}
-        }
-    }
-    let mut v = serde_json::to_value(&spec).unwrap();
-    stand_ins(&mut v);
-    (spec, serde_json::to_string_pretty(&v).unwrap())
+    let text = serde_json::to_string_pretty(&spec).unwrap();
+    (spec, text)
 }
 
 /// True when this process may lower OOM score adjustments. containerd
@@ -528,6 +508,157 @@ fn nothing_left(c: &Containerd, case: &str) {
     assert!(logs.is_empty(), "{case}: log directories left: {logs:?}");
 }
 
+/// Case 6 of the test below: a claim's transient spec, made from a node spec
+/// shaped as gpu-agent's cdi stage writes it (devices by GPU UUID, control
+/// nodes and the driver's files for all; nodes on stand-ins, as above).
+fn dra_claim(rt: &tokio::runtime::Runtime, host: &HostRoot, c: &Containerd) {
+    use gpu_dra::claim::{ClaimRef, Claims};
+    use gpu_dra::claims::{AllocatedDevice, ClaimAllocation, MemoryAllocations, NodeClaims};
+    const UUID: &str = "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01";
+    const LIB: &str = "/usr/lib/x86_64-linux-gnu/libcuda.so.550.127.08";
+    let d = c.path();
+    let node = |path: &str, host: &str| cdi::DeviceNode {
+        path: path.into(),
+        host_path: Some(host.into()),
+    };
+    fs::create_dir_all(d.join("driver")).unwrap();
+    fs::write(d.join("driver/libcuda.so"), b"not a library").unwrap();
+    let node_spec = cdi::Spec {
+        cdi_version: cdi::SPEC_VERSION.into(),
+        kind: "nvidia.com/gpu".into(),
+        devices: vec![cdi::Device {
+            name: UUID.into(),
+            container_edits: cdi::ContainerEdits {
+                device_nodes: vec![node("/dev/nvidia0", "/dev/null")],
+                ..Default::default()
+            },
+        }],
+        container_edits: cdi::ContainerEdits {
+            env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
+            device_nodes: vec![
+                node("/dev/nvidiactl", "/dev/zero"),
+                node("/dev/nvidia-uvm", "/dev/full"),
+            ],
+            mounts: vec![cdi::Mount {
+                host_path: d.join("driver/libcuda.so").display().to_string(),
+                container_path: LIB.into(),
+                options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
+            }],
+            hooks: Vec::new(),
+        },
+    };
+    let node_spec_path = d.join("node-spec.json");
+    fs::write(&node_spec_path, serde_json::to_string(&node_spec).unwrap()).unwrap();
+    let mut opts = gpu_dra::claims::Options::new("node-a");
+    opts.cdi_dir = d.join("cdi").display().to_string();
+    opts.node_spec = node_spec_path.display().to_string();
+    opts.state_dir = d.join("dra-state").display().to_string();
+    let allocations = std::sync::Arc::new(MemoryAllocations::new());
+    let uid = "7b1c2d3e-4f50-4a6b-8c7d-9e0f1a2b3c4d";
+    allocations.insert(
+        uid,
+        ClaimAllocation {
+            namespace: "default".into(),
+            name: "one-gpu".into(),
+            devices: vec![AllocatedDevice {
+                request: "gpu".into(),
+                pool: "node-a".into(),
+                device: "gpu-0".into(),
+                share_id: None,
+            }],
+            configs: Vec::new(),
+        },
+    );
+    let gpu = gpu_agent::inventory::Gpu {
+        index: Some(0),
+        minor: Some(0),
+        uuid: Some(UUID.into()),
+        model: Some("NVIDIA H100 80GB HBM3".into()),
+        bus_id: "0000:18:00.0".parse().unwrap(),
+        numa_node: None,
+        pci: None,
+        memory_mib: Some(81559),
+        compute_capability: None,
+        mig: None,
+        nvlinks: 0,
+        telemetry: Default::default(),
+        mig_devices: Vec::new(),
+        vgpu: None,
+        fabric: None,
+    };
+    let inv = gpu_agent::Inventory {
+        machine: None,
+        driver: Default::default(),
+        backend: gpu_agent::inventory::BackendInfo {
+            name: "test".into(),
+            driver_version: Some("550.127.08".into()),
+            error: None,
+            lost: Vec::new(),
+        },
+        cuda_version: None,
+        gpus: vec![gpu],
+        pairs: Vec::new(),
+        warnings: Vec::new(),
+        unreadable: Vec::new(),
+    };
+    let claims = NodeClaims::open(HostRoot::system(), opts, allocations, &inv).unwrap();
+    let claim = ClaimRef {
+        namespace: "default".into(),
+        name: "one-gpu".into(),
+        uid: uid.into(),
+    };
+    let prepared = claims.prepare(std::slice::from_ref(&claim));
+    let devices = prepared[uid]
+        .clone()
+        .unwrap_or_else(|e| panic!("prepare: {e}"));
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    let id = devices[0].cdi_device_ids[0].clone();
+    assert_eq!(id, format!("k8s.gpu.nvidia.com/claim={uid}-gpu-0"));
+
+    let mut ok = check(host, c, &id);
+    // What the claim's spec promises, read back as containerd reads it.
+    let spec_file = d
+        .join("cdi")
+        .join(gpu_dra::claims::cdi::spec_file_name(uid));
+    let claim_spec: cdi::Spec =
+        serde_yaml_ng::from_str(&fs::read_to_string(&spec_file).unwrap()).unwrap();
+    assert!(ok.expect_from_spec(&claim_spec), "{claim_spec:?}");
+    assert_eq!(
+        ok.expect_nodes,
+        ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    );
+    assert_eq!(ok.expect_paths, [LIB]);
+    let report = rt
+        .block_on(ok.run())
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+    assert_eq!(report.output, ["gpu-agent-check: ok"], "{report:?}");
+    assert_eq!(report.paths, [LIB]);
+    assert!(
+        report
+            .summary()
+            .contains("3 device node(s), 1 driver file(s) and 1 environment variable(s)"),
+        "{}",
+        report.summary()
+    );
+    eprintln!("DRA claim {id}: {}", report.summary());
+
+    let undone = claims.unprepare(std::slice::from_ref(&claim));
+    assert_eq!(undone[uid], Ok(()));
+    assert!(
+        !spec_file.exists(),
+        "{} left after unprepare",
+        spec_file.display()
+    );
+    let mut gone = check(host, c, &id);
+    gone.expect_nodes = vec!["/dev/nvidia0".into()];
+    let e = rt.block_on(gone.run()).unwrap_err();
+    assert!(
+        e.to_string().contains("unresolvable CDI devices"),
+        "{e}\n{}",
+        c.log()
+    );
+}
+
 #[test]
 fn a_gpu_injected_by_cdi_is_checked_inside_a_container_of_a_real_containerd_2() {
     if let Some(why) = cannot_run_here() {
@@ -656,7 +787,15 @@ fn a_gpu_injected_by_cdi_is_checked_inside_a_container_of_a_real_containerd_2() 
     assert!(matches!(e, WorkloadError::TimedOut { .. }), "{e:?}");
     nothing_left(&c, "timed out");
 
-    // 6. Can this node run it? This one can; a missing socket is named.
+    // 6. A DRA claim: prepared by the node's claims (gpu-dra, as the
+    // kubelet's NodePrepareResources does), its CDI ID handed to containerd
+    // through the CRI puts the GPU's device nodes, the spec's control nodes
+    // and the driver's files in the container; after unprepare the ID is
+    // unknown to containerd.
+    dra_claim(&rt, &host, &c);
+    nothing_left(&c, "DRA claim");
+
+    // 7. Can this node run it? This one can; a missing socket is named.
     assert_eq!(rt.block_on(workload::cannot_run_reason(&c.socket)), None);
     let nowhere = c.path().join("no-such.sock");
     let why = rt

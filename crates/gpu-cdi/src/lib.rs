@@ -405,7 +405,10 @@ impl Generated {
 }
 
 fn node(path: String) -> DeviceNode {
-    DeviceNode { path }
+    DeviceNode {
+        path,
+        host_path: None,
+    }
 }
 
 /// Generates the spec for the node's GPUs. `host` is where the driver's

@@ -51,6 +51,11 @@ pub struct ContainerEdits {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeviceNode {
     pub path: String,
+    /// The node on the host, where it is not `path` (CDI's `hostPath`).
+    /// gpu-agent's own specs never need it; a spec that has it is kept
+    /// whole (a claim's spec copies the node spec's edits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -53,6 +53,13 @@ for _gpu_agent_check in "$@"; do
       _gpu_agent_failed=1
     fi
     ;;
+  path:*)
+    _gpu_agent_path=${_gpu_agent_check#path:}
+    if [ ! -e "$_gpu_agent_path" ]; then
+      printf 'gpu-agent-check: %s is missing\n' "$_gpu_agent_path"
+      _gpu_agent_failed=1
+    fi
+    ;;
   env:*)
     _gpu_agent_kv=${_gpu_agent_check#env:}
     _gpu_agent_name=${_gpu_agent_kv%%=*}
@@ -154,6 +161,8 @@ pub struct WorkloadReport {
     pub sandbox: String,
     /// Device nodes found to be character devices.
     pub nodes: Vec<String>,
+    /// Paths found (the spec's mounts: the driver's files).
+    pub paths: Vec<String>,
     /// Environment variables found with their values.
     pub env: Vec<(String, String)>,
     /// True when the image had to be pulled.
@@ -174,8 +183,13 @@ pub struct WorkloadReport {
 impl WorkloadReport {
     /// One line for logs and `gpu-agent status`.
     pub fn summary(&self) -> String {
+        let paths = if self.paths.is_empty() {
+            String::new()
+        } else {
+            format!(", {} driver file(s)", self.paths.len())
+        };
         format!(
-            "{} in a container ({}): {} device node(s) and {} environment variable(s) as expected ({} ms)",
+            "{} in a container ({}): {} device node(s){paths} and {} environment variable(s) as expected ({} ms)",
             self.cdi_device,
             self.image,
             self.nodes.len(),
@@ -200,6 +214,9 @@ pub struct WorkloadCheck<'a> {
     pub expect_nodes: Vec<String>,
     /// Environment variables that must have these values.
     pub expect_env: Vec<(String, String)>,
+    /// Paths that must exist in the container (the spec's mounts: the
+    /// driver's libraries and programs).
+    pub expect_paths: Vec<String>,
     /// The whole check's limit, an image pull included.
     pub timeout: Duration,
     /// Host directory under which the check's log directory is made.
@@ -219,6 +236,7 @@ impl<'a> WorkloadCheck<'a> {
             cdi_device: cdi_device.into(),
             expect_nodes: Vec::new(),
             expect_env: Vec::new(),
+            expect_paths: Vec::new(),
             timeout: DEFAULT_TIMEOUT,
             log_root: DEFAULT_LOG_ROOT.into(),
             runtime_handler: String::new(),
@@ -226,7 +244,8 @@ impl<'a> WorkloadCheck<'a> {
     }
 
     /// Expects what `spec` promises for the device named by `cdi_device`:
-    /// the device's and the spec's device nodes and environment variables.
+    /// the device's and the spec's device nodes, mounts (the paths they
+    /// put in the container) and environment variables.
     /// False (and nothing changed) when the spec is of another kind or has no
     /// such device.
     pub fn expect_from_spec(&mut self, spec: &cdi::Spec) -> bool {
@@ -243,6 +262,11 @@ impl<'a> WorkloadCheck<'a> {
             for n in &edits.device_nodes {
                 if !self.expect_nodes.contains(&n.path) {
                     self.expect_nodes.push(n.path.clone());
+                }
+            }
+            for m in &edits.mounts {
+                if !self.expect_paths.contains(&m.container_path) {
+                    self.expect_paths.push(m.container_path.clone());
                 }
             }
             for e in &edits.env {
@@ -276,6 +300,12 @@ impl<'a> WorkloadCheck<'a> {
                 )));
             }
             args.push(format!("node:{n}"));
+        }
+        for p in &self.expect_paths {
+            if !p.starts_with('/') {
+                return Err(invalid(format!("path {p:?} is not an absolute path")));
+            }
+            args.push(format!("path:{p}"));
         }
         for (k, v) in &self.expect_env {
             let mut chars = k.chars();

@@ -114,6 +114,7 @@ impl WorkloadCheck<'_> {
             cdi_device: self.cdi_device.clone(),
             sandbox: name,
             nodes: self.expect_nodes.clone(),
+            paths: self.expect_paths.clone(),
             env: self.expect_env.clone(),
             pulled,
             output: ran.output,

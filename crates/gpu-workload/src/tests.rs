@@ -58,6 +58,7 @@ fn expectations_come_from_our_spec_and_bad_ones_are_refused() {
             container_edits: cdi::ContainerEdits {
                 device_nodes: vec![cdi::DeviceNode {
                     path: "/dev/nvidia0".into(),
+                    host_path: None,
                 }],
                 ..Default::default()
             },
@@ -66,6 +67,12 @@ fn expectations_come_from_our_spec_and_bad_ones_are_refused() {
             env: vec!["NVIDIA_VISIBLE_DEVICES=void".into()],
             device_nodes: vec![cdi::DeviceNode {
                 path: "/dev/nvidiactl".into(),
+                host_path: None,
+            }],
+            mounts: vec![cdi::Mount {
+                host_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.127.08".into(),
+                container_path: "/usr/lib/x86_64-linux-gnu/libcuda.so.550.127.08".into(),
+                options: vec!["ro".into(), "nosuid".into(), "nodev".into(), "bind".into()],
             }],
             ..Default::default()
         },
@@ -82,6 +89,7 @@ fn expectations_come_from_our_spec_and_bad_ones_are_refused() {
         [
             "node:/dev/nvidia0",
             "node:/dev/nvidiactl",
+            "path:/usr/lib/x86_64-linux-gnu/libcuda.so.550.127.08",
             "env:NVIDIA_VISIBLE_DEVICES=void"
         ]
     );
@@ -102,6 +110,12 @@ fn expectations_come_from_our_spec_and_bad_ones_are_refused() {
         let e = c.checks().unwrap_err();
         assert!(matches!(e, WorkloadError::Invalid { .. }), "{e}");
     }
+    let mut relative = WorkloadCheck::new(&host, "/x".into(), "busybox", "nvidia.com/gpu=0");
+    relative.expect_paths = vec!["usr/lib/libcuda.so.1".into()];
+    assert!(matches!(
+        relative.checks(),
+        Err(WorkloadError::Invalid { .. })
+    ));
     let c = WorkloadCheck::new(&host, "/x".into(), "busybox", "gpu0");
     assert!(c.checks().is_err());
 }

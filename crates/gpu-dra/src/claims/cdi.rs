@@ -138,9 +138,10 @@ pub(crate) fn claim_spec(
     })
 }
 
-/// Every device node `spec` names (devices' and common), once, in order.
-pub(crate) fn device_nodes(spec: &Spec) -> Vec<String> {
-    let mut nodes: Vec<String> = Vec::new();
+/// The device nodes `spec` names that do not exist on the host (where a
+/// node has a `hostPath`, that is the one the runtime opens).
+pub(crate) fn missing_device_nodes(host: &HostRoot, spec: &Spec) -> Vec<String> {
+    let mut missing: Vec<String> = Vec::new();
     let all = spec
         .devices
         .iter()
@@ -148,20 +149,13 @@ pub(crate) fn device_nodes(spec: &Spec) -> Vec<String> {
         .chain(std::iter::once(&spec.container_edits));
     for edits in all {
         for n in &edits.device_nodes {
-            if !nodes.contains(&n.path) {
-                nodes.push(n.path.clone());
+            let on_host = n.host_path.as_deref().unwrap_or(&n.path);
+            if !host.exists(on_host) && !missing.iter().any(|m| m == on_host) {
+                missing.push(on_host.to_string());
             }
         }
     }
-    nodes
-}
-
-/// The device nodes `spec` names that do not exist on the host.
-pub(crate) fn missing_device_nodes(host: &HostRoot, spec: &Spec) -> Vec<String> {
-    device_nodes(spec)
-        .into_iter()
-        .filter(|n| !host.exists(n))
-        .collect()
+    missing
 }
 
 /// The spec as written: YAML.
@@ -222,17 +216,23 @@ mod tests {
     }
 
     #[test]
-    fn device_nodes_once_each_devices_first() {
+    fn missing_nodes_are_looked_for_where_the_runtime_opens_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        for n in ["dev/nvidia0", "dev/nvidiactl", "dev/stand-in"] {
+            std::fs::create_dir_all(dir.path().join(n).parent().unwrap()).unwrap();
+            std::fs::write(dir.path().join(n), "").unwrap();
+        }
         let mut spec = crate::claims::tests_support::node_spec();
         spec.devices.truncate(3);
+        // Each once, devices' first; /dev/nvidia1 twice in the spec.
         assert_eq!(
-            device_nodes(&spec),
-            [
-                "/dev/nvidia0",
-                "/dev/nvidia1",
-                "/dev/nvidiactl",
-                "/dev/nvidia-uvm"
-            ]
+            missing_device_nodes(&host, &spec),
+            ["/dev/nvidia1", "/dev/nvidia-uvm"]
         );
+        // A hostPath is what must exist, not the path in the container.
+        spec.container_edits.device_nodes[1].host_path = Some("/dev/stand-in".into());
+        spec.devices[2].container_edits.device_nodes[0].host_path = Some("/dev/gone".into());
+        assert_eq!(missing_device_nodes(&host, &spec), ["/dev/gone"]);
     }
 }

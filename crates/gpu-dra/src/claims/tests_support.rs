@@ -59,6 +59,7 @@ fn nodes(paths: &[&str]) -> Vec<DeviceNode> {
         .iter()
         .map(|p| DeviceNode {
             path: p.to_string(),
+            host_path: None,
         })
         .collect()
 }
