@@ -98,7 +98,10 @@ impl RunningDra {
             changed.clone(),
         ));
         let (stop, stopped) = oneshot::channel::<()>();
-        let served: Arc<dyn gpu_dra::claim::Claims> = claims.clone();
+        let served: Arc<dyn gpu_dra::claim::Claims> = Arc::new(Told {
+            claims: claims.clone(),
+            changed: changed.clone(),
+        });
         let health = gpu_dra::kubelet::HealthSource::from_claims(&claims, health);
         let task = tokio::spawn(async move {
             let r = gpu_dra::kubelet::serve(&dirs, served, health, reg_tx, async {
@@ -183,6 +186,33 @@ impl RunningDra {
                 Ok(Ok(())) => {}
             }
         }
+    }
+}
+
+/// The node's claims as the kubelet's calls reach them: `status` and the
+/// report hear of every prepare and unprepare.
+struct Told {
+    claims: Arc<NodeClaims>,
+    changed: Arc<Notify>,
+}
+
+impl gpu_dra::claim::Claims for Told {
+    fn prepare(
+        &self,
+        claims: &[gpu_dra::claim::ClaimRef],
+    ) -> std::collections::BTreeMap<String, gpu_dra::claim::PrepareOutcome> {
+        let r = self.claims.prepare(claims);
+        self.changed.notify_one();
+        r
+    }
+
+    fn unprepare(
+        &self,
+        claims: &[gpu_dra::claim::ClaimRef],
+    ) -> std::collections::BTreeMap<String, Result<(), String>> {
+        let r = self.claims.unprepare(claims);
+        self.changed.notify_one();
+        r
     }
 }
 
