@@ -19,7 +19,7 @@
 //! 4. The workers, each a task or a server over the fleet and the API;
 //!    none uses another: [`server`], [`writer`], [`drift`], [`upgrade`],
 //!    [`cluster_policy`], [`config_maps`], [`mig_label`],
-//!    [`dra_claims`], [`events`], [`page`], [`uninstall`].
+//!    [`dra_claims`], [`dra_slices`], [`events`], [`page`], [`uninstall`].
 //! 5. This file: [`run`] starts them and wires them together (channels,
 //!    the fleet, the leadership watch).
 
@@ -35,6 +35,7 @@ pub mod lease;
 pub mod cluster_policy;
 pub mod config_maps;
 pub mod dra_claims;
+pub mod dra_slices;
 pub mod drift;
 pub mod events;
 pub mod mig_label;
@@ -87,6 +88,9 @@ pub struct Options {
     /// the new driver validated before the node is `upgrade-failed`
     /// (`None`: no limit).
     pub upgrade_validation_timeout: Option<Duration>,
+    /// Publish the ResourceSlices of nodes whose agent's DRA plugin is
+    /// registered, and the DeviceClasses (issue 31).
+    pub dra_slices: bool,
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
@@ -134,7 +138,14 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     };
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(events::QUEUE);
-    let fleet = Arc::new(fleet.with_events(events_tx));
+    let fleet = fleet.with_events(events_tx);
+    let (fleet, dra_nodes) = if opts.dra_slices {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (fleet.with_dra_slices(tx), Some(rx))
+    } else {
+        (fleet, None)
+    };
+    let fleet = Arc::new(fleet);
     let events_written = Arc::new(std::sync::atomic::AtomicU64::new(0));
     tokio::spawn(events::run(
         client.clone(),
@@ -157,6 +168,11 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     }
     tokio::spawn(writer.run(fleet.clone(), queue));
     tokio::spawn(drift::run(client.clone(), fleet.clone(), leader.clone()));
+    if let Some(nodes) = dra_nodes {
+        let publisher =
+            Arc::new(dra_slices::Publisher::new(client.clone()).with_leader(leader.clone()));
+        tokio::spawn(publisher.run(fleet.clone(), nodes));
+    }
     if let Some(addr) = opts.http_listen {
         let listener =
             tokio::net::TcpListener::bind(addr)

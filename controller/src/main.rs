@@ -80,6 +80,16 @@ struct Cli {
         default_value_t = 1800
     )]
     upgrade_validation_timeout_seconds: u64,
+    /// Publish the ResourceSlices of the nodes whose agent's DRA plugin is
+    /// registered with the kubelet, and the gpu.nvidia.com and
+    /// mig.nvidia.com DeviceClasses (`--dra-publish=false`: neither).
+    #[arg(
+        long,
+        env = "GPU_CONTROLLER_DRA_PUBLISH",
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    dra_publish: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -194,6 +204,7 @@ fn main() -> ExitCode {
         handshake_within: Duration::from_secs(cli.tls_handshake_seconds),
         upgrade_validation_timeout: (cli.upgrade_validation_timeout_seconds > 0)
             .then(|| Duration::from_secs(cli.upgrade_validation_timeout_seconds)),
+        dra_slices: cli.dra_publish,
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

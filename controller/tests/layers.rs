@@ -71,6 +71,7 @@ const LAYERS: &[Layer] = &[
             "cluster_policy",
             "config_maps",
             "dra_claims",
+            "dra_slices",
             "drift",
             "events",
             "mig_label",

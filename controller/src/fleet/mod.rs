@@ -32,6 +32,7 @@ use crate::model::upgrade_state::NodeUpgrade;
 
 mod agents;
 mod dra_claims;
+mod dra_slices;
 mod rollout;
 mod view;
 mod writes;
@@ -120,6 +121,8 @@ pub struct Fleet {
     /// Each node's ResourceClaims, from the claims watch (`None` until it
     /// listed them all once; dra_claims.rs). Kept through `reset`.
     dra_claims: Mutex<Option<std::collections::BTreeMap<String, pb::DraClaims>>>,
+    /// Told the name of each node the writer is told of (dra_slices.rs).
+    dra_slices: Option<mpsc::UnboundedSender<String>>,
 }
 
 impl Fleet {
@@ -141,6 +144,7 @@ impl Fleet {
                 upgrade_changed: tokio::sync::Notify::new(),
                 upgrade_moves: AtomicU64::new(0),
                 dra_claims: Mutex::new(None),
+                dra_slices: None,
             },
             rx,
         )

@@ -9,6 +9,7 @@ use crate::model::node::{self, Applied, Desired, Observed};
 impl Fleet {
     /// The node needs writing: queued for the writer unless it is already.
     pub fn mark_dirty(&self, node: &str) {
+        self.tell_dra_slices(node);
         let send = self.with(node, |e| {
             e.write.queued = true;
             if e.write.writing || e.write.in_queue {

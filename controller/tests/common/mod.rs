@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 pub mod claims;
+mod dra;
 pub mod schema;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -89,6 +90,8 @@ struct Inner {
     pdb_refusals: BTreeMap<String, u32>,
     /// ResourceClaims and their watches (claims.rs).
     claims: claims::Claims,
+    /// ResourceSlices and DeviceClasses, and their watches (dra.rs).
+    dra: dra::Store,
 }
 
 fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response<Body> {
@@ -562,6 +565,9 @@ impl MockApi {
                     .collect()
             })
             .unwrap_or_default();
+        if let Some(answer) = dra::handle(&mut i, &method, &path, &query, &body) {
+            return answer;
+        }
         if let Some(answer) = claims::route(&mut i, &method, &path, &query) {
             return answer;
         }
