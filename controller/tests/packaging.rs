@@ -2301,6 +2301,80 @@ fn gpu_pod(node: &str) -> Value {
     })
 }
 
+/// A report of one GPU that DRA hands out (registered or not), unhealthy
+/// by `xid` when given.
+fn dra_report(registered: bool, xid: Option<u64>) -> gpu_agent_proto::report::v1::NodeReport {
+    use gpu_agent_proto::report::v1 as pb;
+    pb::NodeReport {
+        inventory: Some(pb::Inventory {
+            driver_version: "580.95.05".into(),
+            gpus: vec![pb::Gpu {
+                uuid: "GPU-dra-0".into(),
+                minor: Some(0),
+                model: "NVIDIA H100 80GB HBM3".into(),
+                memory_mib: 81559,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        health: Some(pb::Health {
+            gpus: vec![pb::GpuHealth {
+                uuid: "GPU-dra-0".into(),
+                healthy: xid.is_none(),
+                xid,
+                ..Default::default()
+            }],
+        }),
+        dra: Some(pb::DraState {
+            registered,
+            gpu_uuids: vec!["GPU-dra-0".into()],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The chart's and the kustomize base's rules for `resource.k8s.io` are
+/// the model's (`model::dra::rbac_rules`), verb for verb.
+#[test]
+fn the_dra_rbac_is_the_models() {
+    let want: BTreeSet<(String, BTreeSet<String>)> = gpu_controller::model::dra::rbac_rules()
+        .into_iter()
+        .map(|r| {
+            (
+                r.resources.unwrap().join(","),
+                r.verbs.into_iter().collect(),
+            )
+        })
+        .collect();
+    for (what, objs) in [
+        ("the chart", render_with(&operator_values())),
+        ("the kustomize base", kustomize("packaging/kustomize/base")),
+    ] {
+        let role = find(&objs, "ClusterRole", "gpu-controller");
+        let have: BTreeSet<(String, BTreeSet<String>)> = role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["apiGroups"] == json!(["resource.k8s.io"]))
+            .map(|r| {
+                let strings = |v: &Value| -> Vec<String> {
+                    v.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_str().unwrap().to_string())
+                        .collect()
+                };
+                (
+                    strings(&r["resources"]).join(","),
+                    strings(&r["verbs"]).into_iter().collect(),
+                )
+            })
+            .collect();
+        assert_eq!(have, want, "{what}'s resource.k8s.io rules");
+    }
+}
+
 #[test]
 fn the_controller_rbac_allows_what_it_does_and_no_more() {
     let objs = render_with(&operator_values());
@@ -2349,6 +2423,18 @@ fn the_controller_rbac_allows_what_it_does_and_no_more() {
         "py-node",
     );
     api.add_pod("ml", "train-py", gpu_pod("py-node"));
+    // A node whose agent serves DRA (issue 31), and the MIG DeviceClass as
+    // someone changed it: the controller puts it back.
+    api.add_node("dra-node", kubelet_node());
+    api.add_token(
+        "dra-token",
+        &format!("system:serviceaccount:{agent_account}"),
+        "dra-node",
+    );
+    let mut mig_class =
+        serde_json::to_value(&gpu_controller::model::dra::device_classes()[1]).unwrap();
+    mig_class["spec"]["selectors"] = json!([{"cel": {"expression": "true"}}]);
+    api.add_device_class(mig_class);
     let cp = find(&objs, "ClusterPolicy", "cluster-policy");
     let target = cp["spec"]["driver"]["version"].as_str().unwrap();
     // The device-plugin config in the operator's shape (a ConfigMap named,
@@ -2412,6 +2498,52 @@ fn the_controller_rbac_allows_what_it_does_and_no_more() {
                         .starts_with(&format!("/api/v1/namespaces/{NS}/configmaps?"))
                         && r.uri.contains("watch=true")
                 })
+        },
+    );
+    // DRA: the node's ResourceSlices made while its agent's plugin is
+    // registered, updated when a GPU turns unhealthy, deleted when the
+    // plugin is no longer registered (each a new stream of a stand-in
+    // agent, whose snapshot replaces the report).
+    let dra_slices = || {
+        api.resource_slices()
+            .into_iter()
+            .filter(|s| s["spec"]["nodeName"] == "dra-node")
+            .collect::<Vec<_>>()
+    };
+    for (registered, xid, what) in [
+        (true, None, "the DRA node's ResourceSlices made"),
+        (true, Some(48), "its ResourceSlices updated"),
+        (false, None, "its ResourceSlices deleted"),
+    ] {
+        let agent = rt
+            .block_on(common::fake_agent(
+                port,
+                &ca,
+                "dra-token",
+                "dra-node",
+                dra_report(registered, xid),
+                vec![],
+            ))
+            .unwrap();
+        wait_for(what, Duration::from_secs(30), &[&controller], || {
+            let s = dra_slices();
+            match (registered, xid) {
+                (true, None) => s.len() == 1,
+                (true, Some(_)) => s.len() == 1 && s[0]["spec"]["pool"]["generation"] == 2,
+                _ => s.is_empty(),
+            }
+        });
+        drop(agent);
+    }
+    wait_for(
+        "the MIG DeviceClass put back",
+        Duration::from_secs(30),
+        &[&controller],
+        || {
+            api.device_classes().iter().any(|c| {
+                c["metadata"]["name"] == "mig.nvidia.com"
+                    && c["spec"]["selectors"][0]["cel"]["expression"] != "true"
+            })
         },
     );
     controller.term();

@@ -51,8 +51,10 @@ pub fn device_classes() -> Vec<DeviceClass> {
 }
 
 /// What the controller may do with the DRA objects: write its nodes'
-/// ResourceSlices, read the claims allocated on them, keep the
-/// DeviceClasses.
+/// ResourceSlices (`dra_slices.rs`), follow the claims allocated on them
+/// (`dra_claims.rs`), keep the DeviceClasses: the verbs they use, as the
+/// chart's and the kustomize base's ClusterRole grant them
+/// (tests/packaging.rs holds the three together).
 pub fn rbac_rules() -> Vec<PolicyRule> {
     let rule = |resource: &str, verbs: &[&str]| PolicyRule {
         api_groups: Some(vec!["resource.k8s.io".into()]),
@@ -65,10 +67,7 @@ pub fn rbac_rules() -> Vec<PolicyRule> {
             "resourceslices",
             &["create", "update", "delete", "list", "watch"],
         ),
-        rule("resourceclaims", &["get", "list", "watch"]),
-        rule(
-            "deviceclasses",
-            &["get", "list", "watch", "create", "update"],
-        ),
+        rule("resourceclaims", &["list", "watch"]),
+        rule("deviceclasses", &["get", "create", "update"]),
     ]
 }
