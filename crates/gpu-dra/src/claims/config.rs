@@ -1,6 +1,19 @@
 //! The opaque configurations of a claim's allocation (NVIDIA's `GpuConfig`
-//! / `MigDeviceConfig`): which are understood, and refusing what this node
-//! cannot apply yet (sharing) rather than preparing without it.
+//! / `MigDeviceConfig`, `resource.nvidia.com/v1beta1`): which are
+//! understood, and refusing what this node cannot apply rather than
+//! preparing without it.
+//!
+//! Sharing, as NVIDIA's driver reads it (`sharing.strategy`):
+//! - `TimeSlicing` with the `Default` interval (or none): taken. The GPU's
+//!   own time-slicing is what shares it between the containers of the
+//!   claim's pods; nothing is changed on the GPU.
+//! - `TimeSlicing` with `Short`, `Medium` or `Long`: these change the GPU's
+//!   time slice (NVIDIA's driver runs `nvidia-smi compute-policy
+//!   --set-timeslice`), which gpu-agent does not do yet: refused, naming
+//!   the interval.
+//! - `MPS`: a control daemon per claim, not built yet: refused.
+
+use serde_json::Value;
 
 use super::allocation::OpaqueConfig;
 
@@ -8,9 +21,23 @@ use super::allocation::OpaqueConfig;
 pub const CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";
 const KINDS: &[&str] = &["GpuConfig", "MigDeviceConfig"];
 const FIELDS: &[&str] = &["apiVersion", "kind", "sharing"];
+const SHARING_FIELDS: &[&str] = &["strategy", "timeSlicingConfig", "mpsConfig"];
+const INTERVALS: &[&str] = &["Default", "Short", "Medium", "Long"];
 
-/// Checks every configuration: `Err` says which one and why.
-pub fn check(configs: &[OpaqueConfig]) -> Result<(), String> {
+/// How a claim's devices are shared, as its configuration says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharing {
+    /// No sharing configured.
+    #[default]
+    None,
+    /// Time-slicing at the GPU's default interval.
+    TimeSlicing,
+}
+
+/// Checks every configuration and says how the claim is shared: `Err`
+/// says which configuration and why.
+pub fn check(configs: &[OpaqueConfig]) -> Result<Sharing, String> {
+    let mut sharing = Sharing::None;
     for (i, c) in configs.iter().enumerate() {
         let at = |why: String| format!("opaque configuration #{i} ({:?}): {why}", c.source);
         let Some(obj) = c.parameters.as_object() else {
@@ -28,16 +55,70 @@ pub fn check(configs: &[OpaqueConfig]) -> Result<(), String> {
             return Err(at(format!("unknown field {unknown:?} in {kind}")));
         }
         match obj.get("sharing") {
-            None | Some(serde_json::Value::Null) => {}
+            None | Some(Value::Null) => {}
             Some(s) => {
-                let strategy = s.get("strategy").and_then(|v| v.as_str()).unwrap_or("?");
-                return Err(at(format!(
-                    "{kind} asks for sharing (strategy {strategy}), which gpu-agent does not apply to claims yet"
-                )));
+                if sharing_of(kind, s).map_err(at)? == Sharing::TimeSlicing {
+                    sharing = Sharing::TimeSlicing;
+                }
             }
         }
     }
-    Ok(())
+    Ok(sharing)
+}
+
+/// `sharing` of a `kind` configuration.
+fn sharing_of(kind: &str, s: &Value) -> Result<Sharing, String> {
+    let Some(obj) = s.as_object() else {
+        return Err(format!("{kind}.sharing is not an object"));
+    };
+    if let Some(unknown) = obj.keys().find(|k| !SHARING_FIELDS.contains(&k.as_str())) {
+        return Err(format!("unknown field {unknown:?} in {kind}.sharing"));
+    }
+    let strategy = obj.get("strategy").and_then(|v| v.as_str()).unwrap_or("");
+    match strategy {
+        "TimeSlicing" => {
+            if obj.get("mpsConfig").is_some_and(|v| !v.is_null()) {
+                return Err(format!(
+                    "{kind}.sharing.mpsConfig cannot go with strategy TimeSlicing"
+                ));
+            }
+            let interval = match obj.get("timeSlicingConfig") {
+                None | Some(Value::Null) => "Default",
+                Some(t) => {
+                    let Some(t) = t.as_object() else {
+                        return Err(format!("{kind}.sharing.timeSlicingConfig is not an object"));
+                    };
+                    if let Some(unknown) = t.keys().find(|k| k.as_str() != "interval") {
+                        return Err(format!(
+                            "unknown field {unknown:?} in {kind}.sharing.timeSlicingConfig"
+                        ));
+                    }
+                    match t.get("interval") {
+                        None | Some(Value::Null) => "Default",
+                        Some(v) => v.as_str().unwrap_or("?"),
+                    }
+                }
+            };
+            if !INTERVALS.contains(&interval) {
+                return Err(format!(
+                    "{kind}.sharing.timeSlicingConfig.interval {interval:?} is not one of {}",
+                    INTERVALS.join(", ")
+                ));
+            }
+            if interval != "Default" {
+                return Err(format!(
+                    "{kind} asks for time-slicing with interval {interval}, which changes the GPU's time slice (nvidia-smi compute-policy); gpu-agent does not change it yet: use interval Default"
+                ));
+            }
+            Ok(Sharing::TimeSlicing)
+        }
+        "MPS" => Err(format!(
+            "{kind} asks for sharing with strategy MPS, which gpu-agent does not apply to claims yet (the device plugin's MPS sharing works)"
+        )),
+        other => Err(format!(
+            "{kind}.sharing.strategy {other:?} is not TimeSlicing or MPS"
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -55,22 +136,75 @@ mod tests {
         }
     }
 
+    fn gpu(sharing: serde_json::Value) -> OpaqueConfig {
+        cfg(json!({"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig", "sharing": sharing}))
+    }
+
     #[test]
-    fn plain_configs_pass_sharing_and_strangers_fail() {
-        assert!(check(&[]).is_ok());
+    fn plain_configs_pass_and_strangers_fail() {
+        assert_eq!(check(&[]), Ok(Sharing::None));
         let plain = cfg(json!({"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig"}));
-        assert!(check(&[plain]).is_ok());
-        let mps = cfg(
-            json!({"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig",
-            "sharing": {"strategy": "MPS"}}),
-        );
-        let err = check(&[mps]).unwrap_err();
-        assert!(err.contains("strategy MPS"), "{err}");
+        assert_eq!(check(&[plain]), Ok(Sharing::None));
         let other = cfg(json!({"apiVersion": "example.com/v1", "kind": "GpuConfig"}));
         assert!(check(&[other]).unwrap_err().contains("example.com/v1"));
         let extra =
             cfg(json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig", "x": 1}));
         assert!(check(&[extra]).unwrap_err().contains("unknown field \"x\""));
         assert!(check(&[cfg(json!("text"))]).is_err());
+    }
+
+    #[test]
+    fn time_slicing_at_the_default_interval_is_taken() {
+        // NVIDIA's examples: no config, an empty one, Default spelled out.
+        for s in [
+            json!({"strategy": "TimeSlicing"}),
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}}),
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}}),
+        ] {
+            assert_eq!(check(&[gpu(s.clone())]), Ok(Sharing::TimeSlicing), "{s}");
+        }
+        let mig = cfg(
+            json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
+            "sharing": {"strategy": "TimeSlicing"}}),
+        );
+        assert_eq!(check(&[mig]), Ok(Sharing::TimeSlicing));
+    }
+
+    #[test]
+    fn what_would_change_the_gpu_or_is_not_built_is_refused_naming_it() {
+        let long = check(&[gpu(
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}),
+        )])
+        .unwrap_err();
+        assert!(
+            long.contains("#0") && long.contains("interval Long"),
+            "{long}"
+        );
+        let bad = check(&[gpu(
+            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Forever"}}),
+        )])
+        .unwrap_err();
+        assert!(
+            bad.contains("\"Forever\" is not one of Default, Short, Medium, Long"),
+            "{bad}"
+        );
+        let mps = check(&[gpu(json!({"strategy": "MPS", "mpsConfig": {}}))]).unwrap_err();
+        assert!(mps.contains("strategy MPS"), "{mps}");
+        let mixed = check(&[gpu(json!({"strategy": "TimeSlicing", "mpsConfig": {}}))]).unwrap_err();
+        assert!(
+            mixed.contains("mpsConfig cannot go with strategy TimeSlicing"),
+            "{mixed}"
+        );
+        let unknown = check(&[gpu(json!({"strategy": "Spatial"}))]).unwrap_err();
+        assert!(
+            unknown.contains("\"Spatial\" is not TimeSlicing or MPS"),
+            "{unknown}"
+        );
+        let typo =
+            check(&[gpu(json!({"strategy": "TimeSlicing", "timeSlicing": {}}))]).unwrap_err();
+        assert!(
+            typo.contains("unknown field \"timeSlicing\" in GpuConfig.sharing"),
+            "{typo}"
+        );
     }
 }

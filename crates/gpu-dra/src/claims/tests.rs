@@ -143,7 +143,7 @@ fn a_node_spec_without_control_nodes_or_at_all_fails_the_claim() {
 }
 
 #[test]
-fn foreign_pools_unknown_devices_and_sharing_configs_fail_by_name() {
+fn foreign_pools_unknown_devices_and_sharing_not_built_fail_by_name() {
     let n = Node::new();
     let claims = n.open();
     n.allocate(U1, &[("gpu-7", None)]);
@@ -166,12 +166,19 @@ fn foreign_pools_unknown_devices_and_sharing_configs_fail_by_name() {
         source: super::ConfigSource::FromClaim,
         requests: Vec::new(),
         parameters: serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1",
-            "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}),
+            "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}),
     });
-    n.allocs.insert(U1, a);
+    n.allocs.insert(U1, a.clone());
     let err = claims.prepare(&[claim(U1)])[U1].clone().unwrap_err();
-    assert!(err.contains("strategy TimeSlicing"), "{err}");
+    assert!(err.contains("strategy MPS"), "{err}");
     assert!(n.checkpoint().claims.is_empty());
+    // Time-slicing at the GPU's default interval changes nothing: taken.
+    a.configs[0].parameters = serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing",
+        "timeSlicingConfig": {"interval": "Default"}}});
+    n.allocs.insert(U1, a);
+    let ok = claims.prepare(&[claim(U1)])[U1].clone().unwrap();
+    assert_eq!(ok[0].device_name, "gpu-0");
 }
 
 #[test]
