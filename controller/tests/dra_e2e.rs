@@ -145,6 +145,63 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
         ])
     );
 
+    // The controller publishes the node's devices once the agent says the
+    // kubelet registered its plugin: one slice, eight GPUs, NVIDIA's
+    // attributes, as the 1.36 API server takes it.
+    let registered = Instant::now();
+    let deadline = registered + Duration::from_secs(20);
+    let slices = loop {
+        let s: Vec<Value> = api
+            .resource_slices()
+            .into_iter()
+            .filter(|s| s["spec"]["nodeName"] == NODE)
+            .collect();
+        if !s.is_empty() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no ResourceSlice; {}",
+            logs(&agent, &controller)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!(
+        "the node's ResourceSlices in the API {:.0} ms after the kubelet registered the plugin",
+        registered.elapsed().as_secs_f64() * 1e3
+    );
+    let schemas = common::schema::load();
+    for s in &slices {
+        let mut body = s.clone();
+        body["metadata"] = json!({"name": s["metadata"]["name"], "ownerReferences": s["metadata"]["ownerReferences"]});
+        let errs = common::schema::check(
+            &schemas,
+            "io.k8s.api.resource.v1.ResourceSlice",
+            &body,
+            false,
+        );
+        assert!(errs.is_empty(), "{s}: {errs:?}");
+    }
+    let devices = slices[0]["spec"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 8, "{:#}", slices[0]);
+    let gpu0 = devices.iter().find(|d| d["name"] == "gpu-0").unwrap();
+    assert_eq!(gpu0["attributes"]["type"]["string"], "gpu", "{gpu0:#}");
+    assert_eq!(
+        gpu0["attributes"]["productName"]["string"],
+        "NVIDIA H100 80GB HBM3"
+    );
+    assert_eq!(
+        gpu0["attributes"]["cudaComputeCapability"]["version"],
+        "9.0.0"
+    );
+    assert!(
+        gpu0["attributes"]["uuid"]["string"]
+            .as_str()
+            .unwrap()
+            .starts_with("GPU-")
+    );
+    assert!(gpu0["capacity"]["memory"]["value"].is_string(), "{gpu0:#}");
+
     // The scheduler's allocation: gpu-0 of this node's pool.
     api.set_claim(claim(
         "c1",
