@@ -312,6 +312,16 @@ impl MockApi {
             .collect()
     }
 
+    /// How many ResourceSlices of `node` the API has now.
+    pub fn node_slice_count(&self, node: &str) -> usize {
+        let i = self.inner.lock().unwrap();
+        i.dra
+            .slices
+            .values()
+            .filter(|s| s["spec"]["nodeName"] == node)
+            .count()
+    }
+
     /// Deletes every ResourceSlice of `node` as a starting kubelet does;
     /// watches hear. Returns how many.
     pub fn delete_node_slices(&self, node: &str) -> usize {
