@@ -185,6 +185,7 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
     let devices = slices[0]["spec"]["devices"].as_array().unwrap();
     assert_eq!(devices.len(), 8, "{:#}", slices[0]);
     let gpu0 = devices.iter().find(|d| d["name"] == "gpu-0").unwrap();
+    eprintln!("gpu-0 as published: {gpu0:#}");
     assert_eq!(gpu0["attributes"]["type"]["string"], "gpu", "{gpu0:#}");
     assert_eq!(
         gpu0["attributes"]["productName"]["string"],
@@ -272,6 +273,13 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
     assert_eq!(st["dra"]["claims"][0]["state"], "prepared");
     assert_eq!(st["dra"]["claims"][0]["devices"], json!(["gpu-0"]));
 
+    let text = Command::new(common::agent_bin())
+        .arg("--host-root")
+        .arg(&host)
+        .arg("status")
+        .output()
+        .unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&text.stdout));
     let undone = kubelet.step("unprepare", &[&agent, &controller]);
     assert_eq!(undone["error"], "", "{undone}");
     assert!(!spec.exists(), "the spec outlived unprepare");

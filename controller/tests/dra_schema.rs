@@ -498,3 +498,90 @@ fn show_a_mig_slice() {
     v["spec"]["devices"].as_array_mut().unwrap().truncate(1);
     println!("{}", serde_json::to_string_pretty(&v).unwrap());
 }
+
+/// The ResourceClaims and templates docs/dra.md shows users: each validates
+/// against the 1.36 schema, names one of our DeviceClasses, and its CEL
+/// selectors ask only for attributes and capacities our slices publish
+/// (for an H100 node with MIG and one without).
+#[test]
+fn the_claims_in_the_docs_validate_and_ask_for_what_we_publish() {
+    let schemas = schema::load();
+    let doc =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/dra.md"))
+            .unwrap();
+    let blocks: Vec<Value> = doc
+        .split("```yaml\n")
+        .skip(1)
+        .filter_map(|b| b.split("```").next())
+        .filter_map(|y| serde_yaml_ng::from_str::<Value>(y).ok())
+        .filter(|v| {
+            v["apiVersion"] == "resource.k8s.io/v1"
+                && matches!(
+                    v["kind"].as_str(),
+                    Some("ResourceClaim" | "ResourceClaimTemplate")
+                )
+        })
+        .collect();
+    assert_eq!(blocks.len(), 3, "the three claims of docs/dra.md");
+    // What our slices carry, over every simulated node.
+    let mut published = BTreeSet::new();
+    for desc in descriptions().values() {
+        let (devices, _) = dra::devices(&full_facts(desc));
+        for d in devices {
+            for k in d.attributes.unwrap_or_default().keys() {
+                published.insert(format!("attributes.{k}"));
+            }
+            for k in d.capacity.unwrap_or_default().keys() {
+                published.insert(format!("capacity.{k}"));
+            }
+        }
+    }
+    let classes: Vec<String> = device_classes()
+        .into_iter()
+        .map(|c| c.metadata.name.unwrap())
+        .collect();
+    for claim in &blocks {
+        let kind = claim["kind"].as_str().unwrap();
+        let errs = schema::check(
+            &schemas,
+            &format!("io.k8s.api.resource.v1.{kind}"),
+            claim,
+            false,
+        );
+        assert!(errs.is_empty(), "{claim}: {errs:?}");
+        let spec = if kind == "ResourceClaimTemplate" {
+            &claim["spec"]["spec"]
+        } else {
+            &claim["spec"]
+        };
+        for r in spec["devices"]["requests"].as_array().unwrap() {
+            let class = r["exactly"]["deviceClassName"].as_str().unwrap();
+            assert!(classes.iter().any(|c| c == class), "{class}");
+            for s in r["exactly"]["selectors"].as_array().into_iter().flatten() {
+                let cel = s["cel"]["expression"].as_str().unwrap();
+                for (what, prefix) in [
+                    ("attributes", "device.attributes['gpu.nvidia.com']."),
+                    ("capacity", "device.capacity['gpu.nvidia.com']."),
+                ] {
+                    for part in cel.split(prefix).skip(1) {
+                        let name: String = part
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric())
+                            .collect();
+                        assert!(
+                            published.contains(&format!("{what}.{name}")),
+                            "{cel}: {what} {name} is not published (we publish {published:?})"
+                        );
+                    }
+                }
+            }
+        }
+        for c in spec["devices"]["config"].as_array().into_iter().flatten() {
+            assert_eq!(c["opaque"]["driver"], "gpu.nvidia.com");
+            assert_eq!(
+                c["opaque"]["parameters"]["apiVersion"],
+                "resource.nvidia.com/v1beta1"
+            );
+        }
+    }
+}

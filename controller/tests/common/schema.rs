@@ -90,7 +90,13 @@ fn walk(
         }
         return;
     }
-    let preserve = s["x-kubernetes-preserve-unknown-fields"] == Value::Bool(true);
+    // An object schema with neither properties nor additionalProperties is
+    // free-form: the API server keeps what it is given (RawExtension, such
+    // as a DRA config's opaque `parameters`; FieldsV1).
+    let free_form = s["type"] == "object"
+        && s.get("properties").is_none()
+        && s.get("additionalProperties").is_none();
+    let preserve = free_form || s["x-kubernetes-preserve-unknown-fields"] == Value::Bool(true);
     match s["type"].as_str() {
         Some("object") => {
             let Some(obj) = v.as_object() else {
