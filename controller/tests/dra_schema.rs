@@ -499,16 +499,26 @@ fn show_a_mig_slice() {
     println!("{}", serde_json::to_string_pretty(&v).unwrap());
 }
 
-/// The ResourceClaims and templates docs/dra.md shows users: each validates
+/// The ResourceClaims and templates docs/dra.md and the README show users:
+/// each validates
 /// against the 1.36 schema, names one of our DeviceClasses, and its CEL
 /// selectors ask only for attributes and capacities our slices publish
 /// (for an H100 node with MIG and one without).
 #[test]
 fn the_claims_in_the_docs_validate_and_ask_for_what_we_publish() {
+    for doc in ["docs/dra.md", "README.md"] {
+        claims_in(doc);
+    }
+}
+
+fn claims_in(file: &str) {
     let schemas = schema::load();
-    let doc =
-        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../docs/dra.md"))
-            .unwrap();
+    let doc = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(file),
+    )
+    .unwrap();
     let blocks: Vec<Value> = doc
         .split("```yaml\n")
         .skip(1)
@@ -522,7 +532,7 @@ fn the_claims_in_the_docs_validate_and_ask_for_what_we_publish() {
                 )
         })
         .collect();
-    assert_eq!(blocks.len(), 3, "the three claims of docs/dra.md");
+    assert_eq!(blocks.len(), 3, "the three claims of {file}");
     // What our slices carry, over every simulated node.
     let mut published = BTreeSet::new();
     for desc in descriptions().values() {
