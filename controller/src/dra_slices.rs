@@ -51,6 +51,10 @@ use crate::model::node::FIELD_MANAGER;
 pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
 /// A failed write is tried again after this.
 const RETRY: Duration = Duration::from_secs(10);
+/// The DeviceClasses are tried again after RETRY, twice as long each time
+/// up to this (an API server without `resource.k8s.io/v1` is not asked
+/// every few seconds).
+const CLASSES_RETRY_MAX: Duration = Duration::from_secs(300);
 /// A write that met a change under way is looked at again after this (the
 /// watch brings what the API has meanwhile).
 const RACED: Duration = Duration::from_secs(1);
@@ -648,13 +652,15 @@ impl Publisher {
                 return;
             }
             let mut said = None;
+            let mut pause = RETRY;
             while let Err(e) = self.ensure_classes().await {
                 let text = error_chain(&e);
                 if said.as_deref() != Some(text.as_str()) {
                     tracing::warn!(error = %text, "cannot write the DeviceClasses");
                     said = Some(text);
                 }
-                tokio::time::sleep(RETRY).await;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(CLASSES_RETRY_MAX);
                 if self.standing_by() {
                     break;
                 }
