@@ -59,6 +59,11 @@ fn h100_same_inventory_through_nvml_and_simulation() {
         serde_json::json!({"current": false, "pending": false})
     );
     assert_eq!(gpus[3]["nvlinks"], 18);
+    // nvmlDeviceGetBrand / nvmlDeviceGetArchitecture in NVIDIA's DRA
+    // driver's spellings; the root from the fixture's sysfs link.
+    assert_eq!(gpus[3]["brand"], "Nvidia");
+    assert_eq!(gpus[3]["architecture"], "Hopper");
+    assert_eq!(gpus[3]["pcie_root"], "pci0000:00");
     assert_eq!(gpus[3]["telemetry"]["temperature_c"], 34);
     // 28 pairs, each with 18 NVLinks through the NVSwitches.
     let pairs = inv["pairs"].as_array().unwrap();
@@ -84,6 +89,10 @@ fn a10g_same_inventory_and_unsupported_is_absent_not_invented() {
     assert!(g.as_object().unwrap().contains_key("numa_node"));
     assert_eq!(g["numa_node"], Value::Null);
     assert_eq!(g["pci"]["iommu_group"], 6);
+    assert_eq!(
+        (&g["brand"], &g["architecture"]),
+        (&"Nvidia".into(), &"Ampere".into())
+    );
 }
 
 #[test]
@@ -107,6 +116,12 @@ fn t4_same_inventory_with_pcie_topology() {
     assert_eq!(level(0, 1), "single-switch");
     assert_eq!(level(2, 3), "single-switch");
     assert_eq!(level(0, 2), "cross-numa");
+    // NVML says NVML_BRAND_TESLA for a T4, NVIDIA's DRA driver "Tesla".
+    let g = &inv["gpus"][0];
+    assert_eq!(
+        (&g["brand"], &g["architecture"]),
+        (&"Tesla".into(), &"Turing".into())
+    );
 }
 
 #[test]

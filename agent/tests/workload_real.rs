@@ -585,6 +585,9 @@ fn dra_claim(rt: &tokio::runtime::Runtime, host: &HostRoot, c: &Containerd) {
         mig_devices: Vec::new(),
         vgpu: None,
         fabric: None,
+        brand: None,
+        architecture: None,
+        pcie_root: None,
     };
     let inv = gpu_agent::Inventory {
         machine: None,

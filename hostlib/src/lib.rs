@@ -10,6 +10,7 @@ pub mod driver;
 pub mod fsutil;
 pub mod managed;
 pub mod pci;
+pub mod pcie_root;
 pub mod process;
 pub mod procfiles;
 pub mod root;

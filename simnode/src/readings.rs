@@ -150,6 +150,10 @@ pub struct Board {
     /// NVML's `nvmlBrandType_t`: 14 (`NVML_BRAND_NVIDIA`), or 2
     /// (`NVML_BRAND_TESLA`) for a GPU named `Tesla …`.
     pub brand: u32,
+    /// NVML's `nvmlDeviceArchitecture_t`, from the compute capability
+    /// ([`nvml_architecture`]): 9 (Hopper) for an H100, 7 (Ampere) for an
+    /// A100 or A10G, 6 (Turing) for a T4.
+    pub architecture: u32,
     /// The board's serial number (13 digits, from the UUID).
     pub serial: String,
     pub vbios: String,
@@ -164,6 +168,29 @@ pub struct Board {
 /// `NVML_BRAND_TESLA`, `NVML_BRAND_NVIDIA`.
 pub const BRAND_TESLA: u32 = 2;
 pub const BRAND_NVIDIA: u32 = 14;
+
+/// `NVML_DEVICE_ARCH_UNKNOWN`.
+pub const ARCH_UNKNOWN: u32 = 0xffff_ffff;
+
+/// The architecture NVML reports for a GPU of this compute capability
+/// (`NVML_DEVICE_ARCH_*`): each architecture has its own major version,
+/// but for Volta (7.0, 7.2) and Turing (7.5), Ampere (8.0, 8.6), Jetson
+/// Orin (8.7, `T23X`) and Ada (8.9). Blackwell is 10.x and 12.x.
+pub fn nvml_architecture(compute_capability: Option<(u32, u32)>) -> u32 {
+    match compute_capability {
+        Some((3, _)) => 2,
+        Some((5, _)) => 3,
+        Some((6, _)) => 4,
+        Some((7, 0..=4)) => 5,
+        Some((7, _)) => 6,
+        Some((8, 7)) => 11,
+        Some((8, 9)) => 8,
+        Some((8, _)) => 7,
+        Some((9, _)) => 9,
+        Some((10 | 12, _)) => 10,
+        _ => ARCH_UNKNOWN,
+    }
+}
 
 /// GPU performance-monitoring figures over the last interval.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -319,6 +346,7 @@ impl GpuDesc {
             } else {
                 BRAND_NVIDIA
             },
+            architecture: nvml_architecture(self.compute_capability()),
             serial: format!("16549{:08}", tail % 100_000_000),
             vbios: vbios.to_string(),
             inforom_image: image.to_string(),
@@ -381,6 +409,13 @@ mod tests {
         assert!(r.retired.is_some(), "Turing retires pages");
         assert_eq!(r.nvlink_errors, None);
         assert_eq!(t4.gpus[0].board().brand, super::BRAND_TESLA);
+        assert_eq!(t4.gpus[0].board().architecture, 6, "Turing");
+        assert_eq!(board.architecture, 9, "Hopper");
+        let a10g = NodeDescription::load("a10g-1").unwrap();
+        assert_eq!(a10g.gpus[0].board().architecture, 7, "Ampere");
+        assert_eq!(super::nvml_architecture(Some((8, 9))), 8, "Ada");
+        assert_eq!(super::nvml_architecture(Some((10, 0))), 10, "Blackwell");
+        assert_eq!(super::nvml_architecture(None), super::ARCH_UNKNOWN);
         assert_eq!(t4.gpus[0].instance_gpm(0), None);
     }
 }

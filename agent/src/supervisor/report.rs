@@ -49,12 +49,10 @@ pub fn node_report(st: &AgentState, labels: &BTreeMap<String, String>) -> pb::No
                     })
                     .collect(),
                 minor: g.minor,
-                // The inventory reads neither NVML's brand nor its
-                // architecture, nor the PCIe root's sysfs link: unset.
-                brand: None,
-                architecture: None,
+                brand: g.brand.clone(),
+                architecture: g.architecture.clone(),
                 compute_capability: g.compute_capability.map(|c| c.to_string()),
-                pcie_root: None,
+                pcie_root: g.pcie_root.clone(),
                 numa_node: g.numa_node,
             })
             .collect(),
@@ -200,11 +198,11 @@ mod tests {
             assert_eq!(g.minor, Some(i as u32), "{}", g.uuid);
             assert_eq!(g.compute_capability.as_deref(), Some("9.0"));
             assert_eq!(g.numa_node, Some(0));
-            // Not in the inventory: unset, never guessed.
-            assert_eq!(
-                (&g.brand, &g.architecture, &g.pcie_root),
-                (&None, &None, &None)
-            );
+            // NVIDIA's DRA driver's spellings; the root from sysfs's link
+            // (the simulated host puts every device under pci0000:00).
+            assert_eq!(g.brand.as_deref(), Some("Nvidia"));
+            assert_eq!(g.architecture.as_deref(), Some("Hopper"));
+            assert_eq!(g.pcie_root.as_deref(), Some("pci0000:00"));
         }
         let m = &gpus[0].mig_devices[0];
         assert_eq!(m.profile, "3g.40gb");
@@ -242,5 +240,29 @@ mod tests {
         assert!(g.mig_devices.is_empty());
         assert_eq!(g.minor, Some(0));
         assert_eq!(g.compute_capability.as_deref(), Some("7.5"));
+        assert_eq!(g.brand.as_deref(), Some("Tesla"));
+        assert_eq!(g.architecture.as_deref(), Some("Turing"));
+    }
+
+    /// `--simulate h100-sxm-8`: every GPU of the report carries what
+    /// NVIDIA's DRA driver publishes as `brand`, `architecture` and
+    /// `resource.kubernetes.io/pcieRoot`.
+    #[test]
+    fn a_simulated_h100_node_reports_brand_architecture_and_pcie_root() {
+        let r = node_report(&state_of("h100-sxm-8", healthy), &BTreeMap::new());
+        let gpus = &r.inventory.as_ref().unwrap().gpus;
+        assert_eq!(gpus.len(), 8);
+        for g in gpus {
+            assert_eq!(
+                (
+                    g.brand.as_deref(),
+                    g.architecture.as_deref(),
+                    g.pcie_root.as_deref()
+                ),
+                (Some("Nvidia"), Some("Hopper"), Some("pci0000:00")),
+                "{}",
+                g.uuid
+            );
+        }
     }
 }

@@ -36,6 +36,7 @@ pub fn discover(sys: &HostRoot, backend: &dyn GpuBackend) -> Inventory {
     let snapshot = backend.snapshot();
     let mut inv = build(machine, scan.functions, driver, backend.name(), snapshot);
     read_vgpu(sys, &mut inv, &mut unreadable);
+    read_pcie_roots(sys, &mut inv, &mut unreadable);
     for u in &unreadable {
         inv.warnings.push(format!(
             "cannot read {u}; what it holds is unknown, the rest of the node was read"
@@ -64,6 +65,29 @@ fn read_vgpu(sys: &HostRoot, inv: &mut Inventory, unreadable: &mut Vec<hostlib::
                 "GPU {} is an NVIDIA vGPU, but its vGPU capability does not name the host's driver version and branch readably; no nvidia.com/vgpu.host-driver-* labels",
                 g.id()
             ));
+        }
+    }
+}
+
+/// Each GPU's PCIe root complex from its sysfs link ([`Gpu::pcie_root`]),
+/// as the Kubernetes attribute `resource.kubernetes.io/pcieRoot` has it. A
+/// link that cannot be read is named in `unreadable`; one that does not
+/// lead into `/sys/devices/pci…` is a warning (NVIDIA's DRA driver warns
+/// too): the root stays unknown, never guessed.
+///
+/// [`Gpu::pcie_root`]: gpu_model::inventory::Gpu::pcie_root
+fn read_pcie_roots(sys: &HostRoot, inv: &mut Inventory, unreadable: &mut Vec<hostlib::Unreadable>) {
+    use hostlib::pcie_root::{PcieRootError, pcie_root};
+    for g in inv.gpus.iter_mut().filter(|g| g.pci.is_some()) {
+        match pcie_root(sys, g.bus_id) {
+            Ok(root) => g.pcie_root = Some(root),
+            Err(PcieRootError::Read { link, source }) => unreadable.push(
+                hostlib::Unreadable::from_host_error(sys, &link.to_string_lossy(), &source),
+            ),
+            Err(e) => inv.warnings.push(format!(
+                "GPU {}: its PCIe root is unknown ({e}); its DRA device has no resource.kubernetes.io/pcieRoot attribute",
+                g.id()
+            )),
         }
     }
 }
@@ -101,6 +125,67 @@ mod tests {
         );
         assert_eq!(inv.models_summary(), "8x NVIDIA H100 80GB HBM3");
         assert_eq!(inv.cuda_version.unwrap().to_string(), "12.4");
+    }
+
+    /// What NVIDIA's DRA driver publishes as `brand`, `architecture` and
+    /// `resource.kubernetes.io/pcieRoot`, in its spellings.
+    #[test]
+    fn gpus_carry_brand_architecture_and_pcie_root() {
+        for (node, brand, architecture) in [
+            ("h100-sxm-8", "Nvidia", "Hopper"),
+            ("t4-4", "Tesla", "Turing"),
+            ("a10g-1", "Nvidia", "Ampere"),
+        ] {
+            let inv = inventory_of(node);
+            assert!(!inv.gpus.is_empty());
+            for g in &inv.gpus {
+                assert_eq!(
+                    (
+                        g.brand.as_deref(),
+                        g.architecture.as_deref(),
+                        g.pcie_root.as_deref()
+                    ),
+                    // simnode puts every device directly under pci0000:00.
+                    (Some(brand), Some(architecture), Some("pci0000:00")),
+                    "{node} {}",
+                    g.bus_id
+                );
+            }
+        }
+    }
+
+    /// A sysfs entry that is a directory, not a link into /sys/devices:
+    /// the root is unknown, said once, never guessed.
+    #[test]
+    fn a_pci_entry_that_is_not_a_link_leaves_the_pcie_root_unknown() {
+        let dir = tempfile::tempdir().unwrap();
+        NodeDescription::load("a10g-1")
+            .unwrap()
+            .materialize(dir.path())
+            .unwrap();
+        let entry = dir.path().join("sys/bus/pci/devices/0000:00:1e.0");
+        std::fs::remove_file(&entry).unwrap();
+        std::fs::rename(
+            dir.path().join("sys/devices/pci0000:00/0000:00:1e.0"),
+            &entry,
+        )
+        .unwrap();
+        let root = HostRoot::new(dir.path()).unwrap();
+        let desc = NodeDescription::load("a10g-1").unwrap();
+        let inv = discover(&root, &SimulatedBackend::new(desc));
+        assert_eq!(inv.gpus.len(), 1);
+        let g = &inv.gpus[0];
+        assert!(g.pci.is_some(), "sysfs still lists the GPU");
+        assert_eq!(g.pcie_root, None);
+        assert_eq!(g.architecture.as_deref(), Some("Ampere"));
+        assert_eq!(
+            inv.warnings,
+            [format!(
+                "GPU {}: its PCIe root is unknown (/sys/bus/pci/devices/0000:00:1e.0 is not a symbolic link, so the device's place under /sys/devices is unknown); its DRA device has no resource.kubernetes.io/pcieRoot attribute",
+                g.id()
+            )]
+        );
+        assert!(inv.unreadable.is_empty(), "{:?}", inv.unreadable);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 
 pub mod discover;
 pub mod nvml;
+mod nvml_identity;
 mod nvml_mig;
 mod nvml_sample;
 pub mod sim;

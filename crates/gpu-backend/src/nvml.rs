@@ -453,6 +453,7 @@ fn describe_device(
             });
         }
     }
+    let (brand, architecture) = super::nvml_identity::brand_and_architecture(&device, &mut notes);
     let gpu = BackendGpu {
         index,
         uuid: device.uuid().map_err(dev_err("nvmlDeviceGetUUID"))?,
@@ -487,6 +488,8 @@ fn describe_device(
         },
         mig_devices,
         fabric: fabric_info(nvml, &device, &mut notes),
+        brand,
+        architecture,
         notes,
     };
     Ok((device, gpu))

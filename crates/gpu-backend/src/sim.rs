@@ -179,6 +179,10 @@ impl GpuBackend for SimulatedBackend {
                         f.state.nvml(),
                     )
                 }),
+                // As the fake libnvidia-ml answers for the same node.
+                brand: gpu_model::nvlib::brand_name(g.board().brand).map(str::to_string),
+                architecture: gpu_model::nvlib::architecture_name(g.board().architecture)
+                    .map(str::to_string),
                 notes: Vec::new(),
             })
             .collect();

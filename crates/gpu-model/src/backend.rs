@@ -268,6 +268,15 @@ pub struct BackendGpu {
     /// GPU has none (NVML: not supported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<GpuFabric>,
+    /// NVML's brand as NVIDIA's DRA driver spells it (`Nvidia`, `Tesla`:
+    /// [`crate::nvlib::brand_name`]); `None`: NVML could not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub brand: Option<String>,
+    /// NVML's architecture as NVIDIA's DRA driver spells it (`Hopper`,
+    /// `Ada Lovelace`: [`crate::nvlib::architecture_name`]); `None`: NVML
+    /// could not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
     /// Facts the backend could not read about this GPU, in words (a call
     /// that failed, a reply it could not parse): discovery's warnings, said
     /// once while they hold, never a log line per reconcile.

@@ -88,6 +88,21 @@ pub struct Gpu {
     /// (NVML: not supported, as on every PCIe GPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fabric: Option<GpuFabric>,
+    /// NVML's brand as NVIDIA's DRA driver spells it (`Nvidia`, `Tesla`);
+    /// `None`: not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub brand: Option<String>,
+    /// NVML's architecture as NVIDIA's DRA driver spells it (`Hopper`,
+    /// `Ampere`, `Ada Lovelace`); `None`: not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+    /// The PCIe root complex the GPU sits under, `pci<domain>:<bus>`
+    /// (`pci0000:00`), as the Kubernetes attribute
+    /// `resource.kubernetes.io/pcieRoot` has it (hostlib's
+    /// [`pcie_root`](hostlib::pcie_root::pcie_root)); `None`: sysfs does not
+    /// say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_root: Option<String>,
 }
 
 impl Gpu {
@@ -180,6 +195,10 @@ pub fn build(
                 mig_devices: g.mig_devices.clone(),
                 vgpu: None,
                 fabric: g.fabric.clone(),
+                brand: g.brand.clone(),
+                architecture: g.architecture.clone(),
+                // Discovery reads it from sysfs.
+                pcie_root: None,
             });
         }
         let pcie: BTreeMap<(u32, u32), PcieLevel> =
@@ -234,6 +253,9 @@ pub fn build(
             mig_devices: Vec::new(),
             vgpu: None,
             fabric: None,
+            brand: None,
+            architecture: None,
+            pcie_root: None,
         });
     }
     if let Some(w) = clique_disagreement(&gpus) {

@@ -11,6 +11,7 @@ pub mod fields;
 pub mod health;
 pub mod inventory;
 pub mod mig;
+pub mod nvlib;
 pub mod series;
 pub mod util;
 pub mod xid;

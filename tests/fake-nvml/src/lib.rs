@@ -64,10 +64,10 @@
 //! Readings (clocks, temperatures, power, energy, utilisations, framebuffer,
 //! field values — NVLink traffic per link or over all links (`scopeId`),
 //! NVLink error counters, ECC counts, retired pages, clock-throttle time —,
-//! the board's brand, serial, VBIOS and InfoROM versions, NVML's version,
-//! the vGPU licence, GPM per GPU and per GPU instance) come from
-//! `simnode::readings`: gauges as described, counters growing with the time
-//! since the library was first initialised; see `metrics.rs`.
+//! the board's brand, architecture, serial, VBIOS and InfoROM versions,
+//! NVML's version, the vGPU licence, GPM per GPU and per GPU instance) come
+//! from `simnode::readings`: gauges as described, counters growing with the
+//! time since the library was first initialised; see `metrics.rs`.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 

@@ -1,10 +1,11 @@
 //! The readings the metrics exporter samples: clocks, energy, PCIe replays,
 //! encoder/decoder utilisation, field values (memory temperature, NVLink
 //! traffic and error counters, ECC counts, retired pages, clock-throttle
-//! time), the board's facts (brand, serial, VBIOS and InfoROM versions),
-//! NVML's version, the vGPU licence and GPM (Hopper and newer, per GPU and
-//! per GPU instance). Numbers come from [`simnode::readings`]: gauges as
-//! described, counters growing with the time since the library was loaded.
+//! time), the board's facts (brand, architecture, serial, VBIOS and InfoROM
+//! versions), NVML's version, the vGPU licence and GPM (Hopper and newer,
+//! per GPU and per GPU instance). Numbers come from [`simnode::readings`]:
+//! gauges as described, counters growing with the time since the library
+//! was loaded.
 
 use crate::costs;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
@@ -261,6 +262,18 @@ pub unsafe extern "C" fn nvmlDeviceGetBrand(
     // SAFETY: `brand` is the caller's out-pointer.
     with_gpu(device, |_, _, g| unsafe {
         answer(brand, Some(g.board().brand))
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
+    device: nvmlDevice_t,
+    arch: *mut c_uint,
+) -> nvmlReturn_t {
+    let _cost = costs::charge("nvmlDeviceGetArchitecture");
+    // SAFETY: `arch` is the caller's out-pointer.
+    with_gpu(device, |_, _, g| unsafe {
+        answer(arch, Some(g.board().architecture))
     })
 }
 

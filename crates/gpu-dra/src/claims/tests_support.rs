@@ -33,6 +33,9 @@ pub(crate) fn gpu(minor: u32, uuid: &str) -> Gpu {
         mig_devices: Vec::new(),
         vgpu: None,
         fabric: None,
+        brand: None,
+        architecture: None,
+        pcie_root: None,
     }
 }
 
