@@ -361,4 +361,35 @@ mod tests {
         let n = nvlinks_between(&[b, b, b, b], &[a, a, a, a], b, a, &[a, b]);
         assert_eq!(n, 4);
     }
+
+    /// A GPU written before brand, architecture and the PCIe root were
+    /// known (an old state file) still reads, without them; unknown ones
+    /// are not written.
+    #[test]
+    fn brand_architecture_and_pcie_root_are_optional_in_files() {
+        let old = serde_json::json!({
+            "index": 0, "minor": 0, "uuid": "GPU-1", "model": "NVIDIA H100 80GB HBM3",
+            "bus_id": "0000:18:00.0", "numa_node": null, "pci": null,
+            "memory_mib": 81559, "compute_capability": {"major": 9, "minor": 0},
+            "mig": null, "nvlinks": 0,
+            "telemetry": {"temperature_c": null, "power_mw": null,
+                "utilization_gpu_pct": null, "utilization_memory_pct": null,
+                "memory_used_mib": null}
+        });
+        let mut g: Gpu = serde_json::from_value(old.clone()).unwrap();
+        assert_eq!(
+            (&g.brand, &g.architecture, &g.pcie_root),
+            (&None, &None, &None)
+        );
+        let written = serde_json::to_value(&g).unwrap();
+        for key in ["brand", "architecture", "pcie_root"] {
+            assert!(written.get(key).is_none(), "{key}: {written}");
+        }
+        g.brand = Some("Nvidia".into());
+        g.architecture = Some("Hopper".into());
+        g.pcie_root = Some("pci0000:00".into());
+        let written = serde_json::to_value(&g).unwrap();
+        assert_eq!(written["pcie_root"], "pci0000:00");
+        assert_eq!(serde_json::from_value::<Gpu>(written).unwrap(), g);
+    }
 }
