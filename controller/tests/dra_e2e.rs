@@ -202,6 +202,13 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
             .starts_with("GPU-")
     );
     assert!(gpu0["capacity"]["memory"]["value"].is_string(), "{gpu0:#}");
+    // From NVML (as NVIDIA's driver spells them) and sysfs.
+    assert_eq!(gpu0["attributes"]["brand"]["string"], "Nvidia");
+    assert_eq!(gpu0["attributes"]["architecture"]["string"], "Hopper");
+    assert_eq!(
+        gpu0["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
+        "pci0000:00"
+    );
 
     // The scheduler's allocation: gpu-0 of this node's pool.
     api.set_claim(claim(

@@ -92,8 +92,8 @@ fn h100_engines(slices: u32) -> pb::MigEngines {
 /// capability and NUMA node from the description, MIG devices with their
 /// GPU-instance profile ID, a placement (here the slices in the order
 /// listed), memory, multiprocessors and engines. Brand, architecture and
-/// PCIe root are not in the agent's inventory, so the report leaves them
-/// unset.
+/// PCIe root are left unset here and given by [`full_facts`] (the
+/// descriptions do not hold them; the agent fills them from NVML and sysfs).
 fn report_of(desc: &Value) -> pb::NodeReport {
     let gpus = desc["gpus"].as_array().cloned().unwrap_or_default();
     pb::NodeReport {
@@ -160,9 +160,9 @@ fn report_of(desc: &Value) -> pb::NodeReport {
     }
 }
 
-/// The node's devices from its report, with the three facts the agent's
-/// inventory lacks (brand, architecture, PCIe root) made up for the
-/// schema's sake, so their attributes are validated too.
+/// The node's devices from its report, with brand, architecture and PCIe
+/// root as the agent reports them for an H100 node, so their attributes
+/// are validated too.
 fn full_facts(desc: &Value) -> NodeDevices {
     let mut facts = NodeDevices::from_report(&report_of(desc));
     for f in &mut facts.gpus {
