@@ -107,6 +107,24 @@ pub struct DaemonPlan {
     pub gpus: Vec<DaemonGpu>,
     /// Replicas of each GPU (clients one GPU is divided between).
     pub replicas: u32,
+    /// Limits set explicitly (a DRA claim's `mpsConfig`), in place of
+    /// those derived from `replicas`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub explicit: Option<ExplicitLimits>,
+    /// A shared-memory directory of its own (a host path), in place of the
+    /// root's `shm` that every resource of the device plugin shares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm: Option<String>,
+}
+
+/// What a daemon is told when its limits are set explicitly (NVIDIA's DRA
+/// `MpsConfig`): only what is set is sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExplicitLimits {
+    /// `set_default_active_thread_percentage`, when set.
+    pub thread_percentage: Option<u32>,
+    /// `set_default_device_pinned_mem_limit`, in MiB, by the GPU's ordinal.
+    pub pinned_mib: BTreeMap<u32, u64>,
 }
 
 impl DaemonPlan {
@@ -119,7 +137,7 @@ impl DaemonPlan {
     }
 
     pub fn shm_dir(&self) -> String {
-        shm_dir(&self.root)
+        self.shm.clone().unwrap_or_else(|| shm_dir(&self.root))
     }
 
     /// The daemon's (and its clients' on the host) whole environment:
@@ -135,16 +153,34 @@ impl DaemonPlan {
     }
 
     /// Each client's share of the GPU's threads, in percent (as NVIDIA's
-    /// plugin: 100 / replicas, rounded down).
+    /// plugin: 100 / replicas, rounded down; explicit limits: as set, or
+    /// 100 when not set).
     pub fn thread_percentage(&self) -> u32 {
-        100 / self.replicas.max(1)
+        match &self.explicit {
+            Some(e) => e.thread_percentage.unwrap_or(100),
+            None => 100 / self.replicas.max(1),
+        }
     }
 
     /// What the daemon is told once it answers, in order: each client's
     /// thread share, then each GPU's pinned-memory limit per client (its
     /// memory divided by the replicas, in MiB, rounded down; GPUs whose
     /// memory NVML did not report get none).
+    /// With explicit limits: only those set, in the same order.
     pub fn setup_commands(&self) -> Vec<String> {
+        if let Some(e) = &self.explicit {
+            let mut out: Vec<String> = e
+                .thread_percentage
+                .iter()
+                .map(|p| format!("set_default_active_thread_percentage {p}"))
+                .collect();
+            for (ordinal, mib) in &e.pinned_mib {
+                out.push(format!(
+                    "set_default_device_pinned_mem_limit {ordinal} {mib}M"
+                ));
+            }
+            return out;
+        }
         let mut out = vec![format!(
             "set_default_active_thread_percentage {}",
             self.thread_percentage()
@@ -211,6 +247,8 @@ pub fn plans(
             root: settings.mps_root.clone(),
             gpus,
             replicas,
+            explicit: None,
+            shm: None,
         });
     }
     out
@@ -300,6 +338,41 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn explicit_limits_and_an_own_shm_replace_the_derived_ones() {
+        let gpu = |ordinal: u32| DaemonGpu {
+            uuid: format!("GPU-{ordinal}"),
+            index: ordinal + 4,
+            ordinal,
+            memory_mib: Some(81559),
+        };
+        let mut p = DaemonPlan {
+            resource: "dra-claim-abc".into(),
+            root: "/run/nvidia/mps".into(),
+            gpus: vec![gpu(0), gpu(1)],
+            replicas: 1,
+            explicit: Some(ExplicitLimits {
+                thread_percentage: Some(40),
+                pinned_mib: BTreeMap::from([(1, 2048)]),
+            }),
+            shm: Some("/run/nvidia/mps/dra-claim-abc/shm".into()),
+        };
+        assert_eq!(
+            p.setup_commands(),
+            [
+                "set_default_active_thread_percentage 40",
+                "set_default_device_pinned_mem_limit 1 2048M",
+            ]
+        );
+        assert_eq!(p.thread_percentage(), 40);
+        assert_eq!(p.shm_dir(), "/run/nvidia/mps/dra-claim-abc/shm");
+        assert_eq!(p.pipe_dir(), "/run/nvidia/mps/dra-claim-abc/pipe");
+        // Nothing set: nothing sent (the daemon's own defaults).
+        p.explicit = Some(ExplicitLimits::default());
+        assert!(p.setup_commands().is_empty());
+        assert_eq!(p.thread_percentage(), 100);
     }
 
     #[test]

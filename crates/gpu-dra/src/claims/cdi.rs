@@ -172,6 +172,20 @@ pub(crate) fn parse_claim_spec(text: &str) -> Result<Spec, String> {
     Ok(spec)
 }
 
+/// A claim's spec written with MPS edits (the pipe directory in a
+/// device's environment) says the claim had a daemon; its settings are
+/// not in the spec, so it is started again with none set.
+pub(crate) fn mps_of_spec(spec: &Spec) -> Option<super::sharing::MpsSettings> {
+    let env = format!(
+        "CUDA_MPS_PIPE_DIRECTORY={}",
+        super::sharing::CONTAINER_PIPE_DIR
+    );
+    spec.devices
+        .iter()
+        .any(|d| d.container_edits.env.contains(&env))
+        .then(super::sharing::MpsSettings::default)
+}
+
 /// The device names (`gpu-0`) of a claim's spec, from its CDI device names.
 pub(crate) fn spec_device_names(uid: &str, spec: &Spec) -> Vec<String> {
     let prefix = format!("{uid}-");

@@ -9,6 +9,7 @@ use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
 
 use super::error::StateError;
+use super::sharing::MpsSettings;
 use crate::claim::{ClaimRef, PreparedDevice};
 
 /// The checkpoint's file name in the state directory.
@@ -53,6 +54,11 @@ pub struct Entry {
     /// names and pools are not known until the allocation is seen again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recovered: bool,
+    /// The claim's GPUs are shared through an MPS control daemon with these
+    /// settings: started before its spec is written, started again on
+    /// start-up, stopped by unprepare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<MpsSettings>,
 }
 
 /// One device of a claim, as answered to the kubelet.

@@ -11,11 +11,15 @@
 //!   time slice (NVIDIA's driver runs `nvidia-smi compute-policy
 //!   --set-timeslice`), which gpu-agent does not do yet: refused, naming
 //!   the interval.
-//! - `MPS`: a control daemon per claim, not built yet: refused.
+//! - `MPS` (`GpuConfig`): a control daemon per claim, with the claim's
+//!   `mpsConfig` ([`super::sharing`]). The claim's configurations must
+//!   agree: one daemon serves all of its GPUs.
+//! - `MPS` on MIG devices (`MigDeviceConfig`): refused, naming why.
 
 use serde_json::Value;
 
 use super::allocation::OpaqueConfig;
+use super::sharing::{self, MpsSettings};
 
 /// The API version of NVIDIA's configuration kinds.
 pub const CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";
@@ -25,19 +29,23 @@ const SHARING_FIELDS: &[&str] = &["strategy", "timeSlicingConfig", "mpsConfig"];
 const INTERVALS: &[&str] = &["Default", "Short", "Medium", "Long"];
 
 /// How a claim's devices are shared, as its configuration says.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Sharing {
     /// No sharing configured.
     #[default]
     None,
     /// Time-slicing at the GPU's default interval.
     TimeSlicing,
+    /// An MPS control daemon for the claim's GPUs, with these settings.
+    Mps(MpsSettings),
 }
 
 /// Checks every configuration and says how the claim is shared: `Err`
 /// says which configuration and why.
 pub fn check(configs: &[OpaqueConfig]) -> Result<Sharing, String> {
     let mut sharing = Sharing::None;
+    let mut mps: Option<(usize, MpsSettings)> = None;
+    let mut others: Option<usize> = None;
     for (i, c) in configs.iter().enumerate() {
         let at = |why: String| format!("opaque configuration #{i} ({:?}): {why}", c.source);
         let Some(obj) = c.parameters.as_object() else {
@@ -55,15 +63,35 @@ pub fn check(configs: &[OpaqueConfig]) -> Result<Sharing, String> {
             return Err(at(format!("unknown field {unknown:?} in {kind}")));
         }
         match obj.get("sharing") {
-            None | Some(Value::Null) => {}
-            Some(s) => {
-                if sharing_of(kind, s).map_err(at)? == Sharing::TimeSlicing {
-                    sharing = Sharing::TimeSlicing;
-                }
+            None | Some(Value::Null) => {
+                others.get_or_insert(i);
             }
+            Some(s) => match sharing_of(kind, s).map_err(at)? {
+                Sharing::Mps(m) => match &mps {
+                    Some((first, seen)) if *seen != m => {
+                        return Err(at(format!(
+                            "its mpsConfig differs from configuration #{first}'s; gpu-agent runs one MPS control daemon per claim, so a claim's configurations must agree"
+                        )));
+                    }
+                    Some(_) => {}
+                    None => mps = Some((i, m)),
+                },
+                other => {
+                    others.get_or_insert(i);
+                    if other == Sharing::TimeSlicing {
+                        sharing = Sharing::TimeSlicing;
+                    }
+                }
+            },
         }
     }
-    Ok(sharing)
+    match (mps, others) {
+        (Some((m, _)), Some(o)) => Err(format!(
+            "opaque configuration #{m} asks for MPS and #{o} does not; gpu-agent runs one MPS control daemon for all of a claim's devices, so a claim's configurations must agree"
+        )),
+        (Some((_, settings)), None) => Ok(Sharing::Mps(settings)),
+        (None, _) => Ok(sharing),
+    }
 }
 
 /// `sharing` of a `kind` configuration.
@@ -112,9 +140,22 @@ fn sharing_of(kind: &str, s: &Value) -> Result<Sharing, String> {
             }
             Ok(Sharing::TimeSlicing)
         }
-        "MPS" => Err(format!(
-            "{kind} asks for sharing with strategy MPS, which gpu-agent does not apply to claims yet (the device plugin's MPS sharing works)"
-        )),
+        "MPS" => {
+            if obj.get("timeSlicingConfig").is_some_and(|v| !v.is_null()) {
+                return Err(format!(
+                    "{kind}.sharing.timeSlicingConfig cannot go with strategy MPS"
+                ));
+            }
+            if kind == "MigDeviceConfig" {
+                return Err(format!(
+                    "{kind} asks for MPS on MIG devices, which gpu-agent does not run yet (its MPS daemon sets the compute mode of the devices it serves, and a MIG device's is its GPU's): use MPS on full GPUs (GpuConfig)"
+                ));
+            }
+            Ok(Sharing::Mps(sharing::parse_mps_config(
+                kind,
+                obj.get("mpsConfig"),
+            )?))
+        }
         other => Err(format!(
             "{kind}.sharing.strategy {other:?} is not TimeSlicing or MPS"
         )),
@@ -188,8 +229,18 @@ mod tests {
             bad.contains("\"Forever\" is not one of Default, Short, Medium, Long"),
             "{bad}"
         );
-        let mps = check(&[gpu(json!({"strategy": "MPS", "mpsConfig": {}}))]).unwrap_err();
-        assert!(mps.contains("strategy MPS"), "{mps}");
+        let mig_mps = check(&[cfg(
+            json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
+            "sharing": {"strategy": "MPS"}}),
+        )])
+        .unwrap_err();
+        assert!(mig_mps.contains("MPS on MIG devices"), "{mig_mps}");
+        let mps_ts =
+            check(&[gpu(json!({"strategy": "MPS", "timeSlicingConfig": {}}))]).unwrap_err();
+        assert!(
+            mps_ts.contains("timeSlicingConfig cannot go with strategy MPS"),
+            "{mps_ts}"
+        );
         let mixed = check(&[gpu(json!({"strategy": "TimeSlicing", "mpsConfig": {}}))]).unwrap_err();
         assert!(
             mixed.contains("mpsConfig cannot go with strategy TimeSlicing"),
@@ -206,5 +257,33 @@ mod tests {
             typo.contains("unknown field \"timeSlicing\" in GpuConfig.sharing"),
             "{typo}"
         );
+    }
+
+    #[test]
+    fn mps_is_taken_with_its_settings_when_the_configs_agree() {
+        let mps =
+            gpu(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}}));
+        let want = Sharing::Mps(MpsSettings {
+            default_active_thread_percentage: Some(30),
+            ..Default::default()
+        });
+        assert_eq!(check(std::slice::from_ref(&mps)), Ok(want.clone()));
+        assert_eq!(check(&[mps.clone(), mps.clone()]), Ok(want));
+        assert_eq!(
+            check(&[gpu(json!({"strategy": "MPS"}))]),
+            Ok(Sharing::Mps(MpsSettings::default()))
+        );
+        let other =
+            gpu(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 60}}));
+        let e = check(&[mps.clone(), other]).unwrap_err();
+        assert!(
+            e.contains("#1") && e.contains("differs from configuration #0's"),
+            "{e}"
+        );
+        let plain = cfg(json!({"apiVersion": CONFIG_API_VERSION, "kind": "GpuConfig"}));
+        let e = check(&[plain, mps.clone()]).unwrap_err();
+        assert!(e.contains("#1 asks for MPS and #0 does not"), "{e}");
+        let e = check(&[mps, gpu(json!({"strategy": "TimeSlicing"}))]).unwrap_err();
+        assert!(e.contains("#0 asks for MPS and #1 does not"), "{e}");
     }
 }

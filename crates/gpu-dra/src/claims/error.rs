@@ -79,6 +79,8 @@ pub enum ClaimError {
         #[source]
         source: hostlib::HostError,
     },
+    #[error("{claim}: its MPS control daemon: {why}")]
+    Mps { claim: Named, why: String },
     #[error("{claim}: the checkpoint {path} could not be written: {why}")]
     Checkpoint {
         claim: Named,

@@ -16,12 +16,16 @@ pub mod config;
 pub mod devices;
 pub mod error;
 pub mod feed;
+mod mps;
 pub mod options;
 mod prepare;
 pub mod recovery;
+pub mod sharing;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_mps;
 #[cfg(test)]
 pub(crate) mod tests_support;
 
@@ -43,12 +47,15 @@ pub use devices::NodeDevice;
 pub use error::{ClaimError, StateError};
 pub use options::{DEFAULT_ALLOCATION_WAIT, DEFAULT_CDI_DIR, DEFAULT_STATE_DIR, Options};
 pub use recovery::Recovery;
+pub use sharing::{MpsDirs, MpsGpu, MpsPort, MpsSettings};
 
 /// The node's claims (see the module docs).
 pub struct NodeClaims {
     host: HostRoot,
     opts: Options,
     allocations: Arc<dyn Allocations>,
+    /// Who runs MPS daemons for claims that ask for MPS (none: refused).
+    mps: Option<Arc<dyn MpsPort>>,
     state: Mutex<State>,
     /// The device table, for those who follow it (the health stream); sent
     /// under the state's lock, only when it changed.
@@ -92,6 +99,8 @@ pub struct ClaimStatus {
     pub name: String,
     pub state: EntryState,
     pub devices: Vec<String>,
+    /// Its GPUs are shared through an MPS control daemon.
+    pub mps: bool,
 }
 
 /// What the agent shows of its claims.
@@ -113,6 +122,21 @@ impl NodeClaims {
         allocations: Arc<dyn Allocations>,
         inv: &Inventory,
     ) -> Result<Self, StateError> {
+        Self::open_with_mps(host, opts, allocations, inv, None)
+    }
+
+    /// [`open`](Self::open), with `mps` running the MPS daemons of claims
+    /// that ask for MPS sharing (`None`: those claims are refused). The
+    /// daemons of claims still prepared are started by
+    /// [`restore_mps`](Self::restore_mps), which blocks: call it off the
+    /// async threads.
+    pub fn open_with_mps(
+        host: HostRoot,
+        opts: Options,
+        allocations: Arc<dyn Allocations>,
+        inv: &Inventory,
+        mps: Option<Arc<dyn MpsPort>>,
+    ) -> Result<Self, StateError> {
         let boot_id = checkpoint::read_boot_id(&host)?;
         let (checkpoint, recovery) = recovery::recover(&host, &opts, &boot_id)?;
         let table = devices::device_table(inv);
@@ -120,6 +144,7 @@ impl NodeClaims {
             host,
             opts,
             allocations,
+            mps,
             devices_tx: watch::Sender::new(table.clone()),
             state: Mutex::new(State {
                 checkpoint,
@@ -181,6 +206,7 @@ impl NodeClaims {
                     name: e.name.clone(),
                     state: e.state,
                     devices: e.devices.iter().map(|d| d.device.clone()).collect(),
+                    mps: e.mps.is_some(),
                 })
                 .collect(),
         }

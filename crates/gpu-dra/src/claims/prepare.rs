@@ -11,8 +11,9 @@ use gpu_model::cdi::Spec;
 use super::allocation::ClaimAllocation;
 use super::cdi;
 use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState};
-use super::config;
+use super::config::{self, Sharing};
 use super::error::{ClaimError, Named};
+use super::sharing::MpsGpu;
 use super::{NodeClaims, State, Waiter};
 use crate::claim::{ClaimRef, PreparedDevice};
 
@@ -20,6 +21,8 @@ use crate::claim::{ClaimRef, PreparedDevice};
 struct Plan {
     uid: String,
     entry: Entry,
+    /// Its MPS daemon's GPUs, in the allocation's order (none: no MPS).
+    mps_gpus: Vec<MpsGpu>,
 }
 
 /// The node spec, read once per batch and only when a claim needs it.
@@ -109,9 +112,10 @@ impl NodeClaims {
                 None => self.allocations.wait_for(&c.uid, Instant::now()),
             };
             match self.plan(&st, &named, alloc, &plans, &mut node_spec) {
-                Ok(entry) => plans.push(Plan {
+                Ok((entry, mps_gpus)) => plans.push(Plan {
                     uid: c.uid.clone(),
                     entry,
+                    mps_gpus,
                 }),
                 Err(e) => {
                     tracing::warn!(claim = %named, error = %e, "prepare failed");
@@ -136,7 +140,7 @@ impl NodeClaims {
         alloc: Option<ClaimAllocation>,
         planned: &[Plan],
         node_spec: &mut NodeSpec,
-    ) -> Result<Entry, ClaimError> {
+    ) -> Result<(Entry, Vec<MpsGpu>), ClaimError> {
         let uid = &named.0.uid;
         let Some(alloc) = alloc else {
             return Err(ClaimError::NoAllocation {
@@ -173,10 +177,24 @@ impl NodeClaims {
             };
             devices.insert(d.device.clone(), dev.clone());
         }
-        config::check(&alloc.configs).map_err(|why| ClaimError::Config {
+        let sharing = config::check(&alloc.configs).map_err(|why| ClaimError::Config {
             claim: named.clone(),
             why,
         })?;
+        let (mps, mps_gpus) = match sharing {
+            Sharing::Mps(settings) => {
+                let gpus = self.mps_gpus(named, &alloc, &devices)?;
+                let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid.as_str()).collect();
+                settings
+                    .pinned_limits(&uuids)
+                    .map_err(|why| ClaimError::Config {
+                        claim: named.clone(),
+                        why,
+                    })?;
+                (Some(settings), gpus)
+            }
+            Sharing::None | Sharing::TimeSlicing => (None, Vec::new()),
+        };
         let others = st
             .checkpoint
             .claims
@@ -217,7 +235,7 @@ impl NodeClaims {
                 missing,
             });
         }
-        Ok(Entry {
+        let entry = Entry {
             namespace: named.0.namespace.clone(),
             name: named.0.name.clone(),
             state: EntryState::Preparing,
@@ -234,7 +252,9 @@ impl NodeClaims {
                 .collect(),
             spec,
             recovered: false,
-        })
+            mps,
+        };
+        Ok((entry, mps_gpus))
     }
 
     /// Checkpoint `preparing`, the specs, checkpoint `prepared`; a claim
@@ -261,14 +281,21 @@ impl NodeClaims {
             return;
         }
         let mut written = Vec::new();
-        for p in plans {
+        for mut p in plans {
             let claim = Named::new(p.entry.claim_ref(&p.uid));
+            if let Err(e) = self.start_mps(st, &claim, &mut p.entry, &p.mps_gpus) {
+                self.undo(st, &before, &p.uid, false);
+                tracing::warn!(claim = %claim, error = %e, "prepare failed: MPS");
+                out.insert(p.uid, Err(e));
+                continue;
+            }
             let spec_path = cdi::spec_path(&self.opts.cdi_dir, &p.uid);
             let yaml = cdi::to_yaml(&p.entry.spec);
             match self.host.write_atomic(&spec_path, yaml.as_bytes(), 0o644) {
                 Ok(_) => written.push(p),
                 Err(source) => {
                     // The old file, if any, is untouched (an atomic write).
+                    self.stop_mps_after_failure(&claim, &p.entry);
                     self.undo(st, &before, &p.uid, false);
                     tracing::warn!(claim = %claim, path = %spec_path, error = %source, "prepare failed: spec");
                     out.insert(
@@ -291,8 +318,9 @@ impl NodeClaims {
             // Not recorded as prepared: undo, so the kubelet's retry starts clean.
             let why = write_why(e);
             for p in written {
-                self.undo(st, &before, &p.uid, true);
                 let claim = Named::new(p.entry.claim_ref(&p.uid));
+                self.stop_mps_after_failure(&claim, &p.entry);
+                self.undo(st, &before, &p.uid, true);
                 tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
                 out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
             }
@@ -361,6 +389,15 @@ impl NodeClaims {
                 // No file or entry can carry it: nothing to undo.
                 out.insert(c.uid.clone(), Ok(()));
                 continue;
+            }
+            if let Some(e) = st.checkpoint.claims.get(&c.uid) {
+                // The daemon first: one that will not stop keeps the claim,
+                // so the kubelet's retry finds it.
+                if let Err(e) = self.stop_mps(c, e) {
+                    tracing::warn!(claim = %Named::new(c.clone()), error = %e, "unprepare failed: MPS");
+                    out.insert(c.uid.clone(), Err(e));
+                    continue;
+                }
             }
             if let Some(e) = st.checkpoint.claims.remove(&c.uid) {
                 dropped.push((c.clone(), e.state));

@@ -47,8 +47,11 @@ pub struct Recovery {
     pub rewritten: Vec<String>,
     /// Spec files of claims the checkpoint does not hold, removed.
     pub removed: Vec<String>,
-    /// What could not be done (each names its file).
+    /// What could not be done (each names its file or claim).
     pub problems: Vec<String>,
+    /// Prepared claims whose MPS control daemon was started again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mps_restarted: Vec<String>,
 }
 
 impl Recovery {
@@ -74,6 +77,7 @@ impl Recovery {
             ("rolled back", &self.rolled_back),
             ("specs rewritten", &self.rewritten),
             ("stray specs removed", &self.removed),
+            ("MPS daemons started again", &self.mps_restarted),
             ("problems", &self.problems),
         ] {
             if !list.is_empty() {
@@ -240,6 +244,7 @@ fn rebuild(
                 name: String::new(),
                 state: EntryState::Prepared,
                 devices,
+                mps: cdi::mps_of_spec(&spec),
                 spec,
                 recovered: true,
             },

@@ -1,0 +1,203 @@
+//! A claim's MPS control daemon through the [`MpsPort`]: which GPUs it
+//! serves, started before the claim's spec is written (the spec gets the
+//! daemon's directories), stopped before the claim is unprepared, and
+//! started again at start-up for the claims still prepared
+//! ([`NodeClaims::restore_mps`]).
+
+use std::collections::BTreeMap;
+
+use super::allocation::ClaimAllocation;
+use super::cdi;
+use super::checkpoint::{self, Entry, EntryState};
+use super::devices::NodeDevice;
+use super::error::{ClaimError, Named};
+use super::sharing::{self, MpsDirs, MpsGpu};
+use super::{NodeClaims, State};
+use crate::claim::ClaimRef;
+
+impl NodeClaims {
+    /// The GPUs of an MPS claim's daemon, in the allocation's order; MIG
+    /// devices and a node without MPS daemons are refused in words.
+    pub(super) fn mps_gpus(
+        &self,
+        named: &Named,
+        alloc: &ClaimAllocation,
+        devices: &BTreeMap<String, NodeDevice>,
+    ) -> Result<Vec<MpsGpu>, ClaimError> {
+        let refuse = |why: String| ClaimError::Config {
+            claim: named.clone(),
+            why,
+        };
+        if self.mps.is_none() {
+            return Err(refuse(
+                "it asks for sharing with strategy MPS, and this node's DRA plugin runs without MPS control daemons".into(),
+            ));
+        }
+        let mut out: Vec<MpsGpu> = Vec::new();
+        for d in &alloc.devices {
+            let Some(dev) = devices.get(&d.device) else {
+                continue;
+            };
+            if dev.uuid != dev.gpu_uuid {
+                return Err(refuse(format!(
+                    "it asks for MPS sharing of {}, a MIG device, which gpu-agent does not run yet (its MPS daemon sets the compute mode of the devices it serves, and a MIG device's is its GPU's)",
+                    d.device
+                )));
+            }
+            if !out.iter().any(|g| g.uuid == dev.uuid) {
+                out.push(MpsGpu {
+                    uuid: dev.uuid.clone(),
+                    minor: dev.minor,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Starts the daemon of `entry` (a claim being prepared) when it has
+    /// MPS, and gives every device of its spec the daemon's edits (in the
+    /// checkpoint's entry too).
+    pub(super) fn start_mps(
+        &self,
+        st: &mut State,
+        claim: &Named,
+        entry: &mut Entry,
+        gpus: &[MpsGpu],
+    ) -> Result<(), ClaimError> {
+        let Some(settings) = &entry.mps else {
+            return Ok(());
+        };
+        let Some(port) = &self.mps else {
+            return Err(ClaimError::Mps {
+                claim: claim.clone(),
+                why: "this node's DRA plugin runs without MPS control daemons".into(),
+            });
+        };
+        let dirs = port
+            .start(&claim.0.uid, gpus, settings)
+            .map_err(|why| ClaimError::Mps {
+                claim: claim.clone(),
+                why,
+            })?;
+        tracing::info!(claim = %claim, pipe_dir = %dirs.pipe_dir, "MPS control daemon of the claim serves");
+        set_edits(&mut entry.spec, &dirs);
+        if let Some(e) = st.checkpoint.claims.get_mut(&claim.0.uid) {
+            e.spec = entry.spec.clone();
+        }
+        Ok(())
+    }
+
+    /// Stops the daemon of a claim whose prepare failed after it started
+    /// (a failure is logged: the claim is not prepared either way).
+    pub(super) fn stop_mps_after_failure(&self, claim: &Named, entry: &Entry) {
+        if let Err(e) = self.stop_mps(&claim.0, entry) {
+            tracing::warn!(claim = %claim, error = %e, "the MPS control daemon of a claim that failed to prepare did not stop");
+        }
+    }
+
+    /// Stops the daemon of `entry` when it has MPS.
+    pub(super) fn stop_mps(&self, c: &ClaimRef, entry: &Entry) -> Result<(), ClaimError> {
+        let (Some(_), Some(port)) = (&entry.mps, &self.mps) else {
+            return Ok(());
+        };
+        port.stop(&c.uid).map_err(|why| ClaimError::Mps {
+            claim: Named::new(c.clone()),
+            why,
+        })
+    }
+
+    /// Starts the daemons of the claims still prepared (after
+    /// [`NodeClaims::open_with_mps`]: the kubelet does not prepare running
+    /// pods' claims again). Blocks until each serves or fails; what fails
+    /// is a problem in `status`'s recovery. Returns the claims whose daemon
+    /// serves.
+    pub fn restore_mps(&self) -> Vec<String> {
+        let Some(port) = self.mps.clone() else {
+            return Vec::new();
+        };
+        let mut st = self.lock();
+        let wanted: Vec<(String, Entry)> = st
+            .checkpoint
+            .claims
+            .iter()
+            .filter(|(_, e)| e.state == EntryState::Prepared && e.mps.is_some())
+            .map(|(u, e)| (u.clone(), e.clone()))
+            .collect();
+        let mut restarted = Vec::new();
+        let mut changed = false;
+        for (uid, mut entry) in wanted {
+            let claim = Named::new(entry.claim_ref(&uid));
+            let mut gpus: Vec<MpsGpu> = Vec::new();
+            let mut unknown = Vec::new();
+            for d in &entry.devices {
+                match st.devices.get(&d.device) {
+                    Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(MpsGpu {
+                        uuid: dev.uuid.clone(),
+                        minor: dev.minor,
+                    }),
+                    Some(_) => {}
+                    None => unknown.push(d.device.clone()),
+                }
+            }
+            if !unknown.is_empty() {
+                let why = format!(
+                    "the MPS control daemon of {claim} was not started again: its devices {} are not on this node now",
+                    unknown.join(", ")
+                );
+                tracing::warn!(claim = %claim, error = %why, "MPS control daemon not started again");
+                st.recovery.problems.push(why);
+                continue;
+            }
+            let settings = entry.mps.clone().unwrap_or_default();
+            match port.start(&uid, &gpus, &settings) {
+                Ok(dirs) => {
+                    let before = entry.spec.clone();
+                    set_edits(&mut entry.spec, &dirs);
+                    if entry.spec != before {
+                        let path = cdi::spec_path(&self.opts.cdi_dir, &uid);
+                        if let Err(e) = self.host.write_atomic(
+                            &path,
+                            cdi::to_yaml(&entry.spec).as_bytes(),
+                            0o644,
+                        ) {
+                            st.recovery.problems.push(format!("writing {path}: {e}"));
+                        }
+                        st.checkpoint.claims.insert(uid.clone(), entry);
+                        changed = true;
+                    }
+                    tracing::info!(claim = %claim, "MPS control daemon of a prepared claim started again");
+                    restarted.push(uid);
+                }
+                Err(why) => {
+                    tracing::warn!(claim = %claim, error = %why, "MPS control daemon not started again");
+                    st.recovery.problems.push(format!(
+                        "the MPS control daemon of {claim} was not started again: {why}"
+                    ));
+                }
+            }
+        }
+        if changed {
+            let path = checkpoint::checkpoint_path(&self.opts.state_dir);
+            if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
+                st.recovery.problems.push(e.to_string());
+            }
+        }
+        st.recovery.mps_restarted = restarted.clone();
+        restarted
+    }
+}
+
+/// Gives every device of `spec` the edits of a daemon at `dirs`, in place
+/// of those of an earlier daemon of the claim.
+pub(crate) fn set_edits(spec: &mut gpu_model::cdi::Spec, dirs: &MpsDirs) {
+    let edits = sharing::container_edits(dirs);
+    for d in &mut spec.devices {
+        let e = &mut d.container_edits;
+        e.env.retain(|v| !v.starts_with("CUDA_MPS_PIPE_DIRECTORY="));
+        e.mounts.retain(|m| {
+            m.container_path != sharing::CONTAINER_PIPE_DIR
+                && m.container_path != sharing::CONTAINER_SHM_DIR
+        });
+        sharing::add_edits(e, &edits);
+    }
+}
