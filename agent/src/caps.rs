@@ -78,6 +78,7 @@ fn widest_policy() -> Policy {
     p.mig_manager.enabled = true;
     p.mig_manager.reboot = true;
     p.health.kernel_log = true;
+    p.dra.enabled = true;
     p
 }
 
@@ -157,6 +158,16 @@ fn chroot_mps(s: &Setting<'_>) -> Option<&'static str> {
         .then_some("the host root is /: MPS control daemons run without chroot")
 }
 
+/// DRA claims with MPS sharing run a control daemon each (the claims'
+/// CDI specs are the cdi stage's work: their uses are listed under it).
+fn dra_mps(s: &Setting<'_>) -> Option<&'static str> {
+    (!s.policy.dra.enabled).then_some("spec.dra.enabled is false")
+}
+
+fn chroot_dra_mps(s: &Setting<'_>) -> Option<&'static str> {
+    dra_mps(s).or_else(|| chroot_mps(s))
+}
+
 /// The stages that write host files (runtime configs, CDI specs, labels,
 /// validation files, the kubelet's plugin directory, module settings).
 macro_rules! host_files {
@@ -233,6 +244,11 @@ pub const GRANTS: &[Grant] = &[
                 unless: always,
             },
             Use {
+                stage: Stage::Cdi,
+                why: "give a DRA claim's MPS control daemon a mount namespace with its own /dev/shm (unshare, mount)",
+                unless: dra_mps,
+            },
+            Use {
                 stage: Stage::Metrics,
                 why: "sample the profiling fields through NVML's GPM (the driver keeps GPU profiling to CAP_SYS_ADMIN unless NVreg_RestrictProfilingToAdminUsers=0)",
                 unless: always,
@@ -262,23 +278,42 @@ pub const GRANTS: &[Grant] = &[
                 why: "run the host's MPS control daemon (chroot into the host root)",
                 unless: chroot_mps,
             },
+            Use {
+                stage: Stage::Cdi,
+                why: "run the host's MPS control daemon for a DRA claim (chroot into the host root)",
+                unless: chroot_dra_mps,
+            },
         ],
     },
     Grant {
         cap: Capability::CAP_SETUID,
-        uses: &[Use {
-            stage: Stage::Plugin,
-            why: "let an MPS control daemon start each client's MPS server as that client's user (the daemon runs as root and starts servers with the client's uid)",
-            unless: always,
-        }],
+        uses: &[
+            Use {
+                stage: Stage::Plugin,
+                why: "let an MPS control daemon start each client's MPS server as that client's user (the daemon runs as root and starts servers with the client's uid)",
+                unless: always,
+            },
+            Use {
+                stage: Stage::Cdi,
+                why: "let a DRA claim's MPS control daemon start each client's MPS server as that client's user",
+                unless: dra_mps,
+            },
+        ],
     },
     Grant {
         cap: Capability::CAP_SETGID,
-        uses: &[Use {
-            stage: Stage::Plugin,
-            why: "let an MPS control daemon start each client's MPS server with that client's groups",
-            unless: always,
-        }],
+        uses: &[
+            Use {
+                stage: Stage::Plugin,
+                why: "let an MPS control daemon start each client's MPS server with that client's groups",
+                unless: always,
+            },
+            Use {
+                stage: Stage::Cdi,
+                why: "let a DRA claim's MPS control daemon start each client's MPS server with that client's groups",
+                unless: dra_mps,
+            },
+        ],
     },
     Grant {
         cap: Capability::CAP_SYSLOG,
@@ -408,6 +443,8 @@ fn why_not_wanted(cap: Capability, setting: &Setting<'_>) -> Option<String> {
             // A policy switch turned this use off; a fact of the host
             // (the host root is `/`) means the stage never needs it.
             None => match (u.unless)(setting)? {
+                // DRA is no stage: its uses sit under the cdi stage.
+                off if off.starts_with("spec.dra.") => format!("dra was disabled ({off})"),
                 off if off.starts_with("spec.") => {
                     format!("{} was disabled ({off})", u.stage.name())
                 }

@@ -134,6 +134,9 @@ pub struct DraStatus {
     /// Why the plugin is not serving, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Why claims asking for MPS sharing fail on this node, if they do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_unavailable: Option<String>,
 }
 
 /// One claim on the node.
@@ -146,6 +149,10 @@ pub struct DraClaimStatus {
     /// `preparing` or `prepared`.
     pub state: String,
     pub devices: Vec<String>,
+    /// Its MPS control daemon (`starting`, `serving`, `failed: …`), when
+    /// the claim shares its GPUs through MPS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<String>,
 }
 
 /// A state file that cannot be used.

@@ -178,10 +178,16 @@ fn a_disabled_driver_drops_sys_module_and_says_why() {
         "labels still use it (a GPU's whole PCI configuration space)"
     );
     p.gfd.enabled = false;
+    p.dra.enabled = true;
+    assert!(
+        has(&setting(&p, true), Capability::CAP_SYS_ADMIN),
+        "DRA claims with MPS sharing still use it"
+    );
+    p.dra.enabled = false;
     let s = setting(&p, true);
     assert_eq!(
         why_not_wanted(Capability::CAP_SYS_ADMIN, &s).unwrap(),
-        "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false) and metrics was disabled (spec.dcgmExporter.enabled is false) and labels was disabled (spec.gfd.enabled is false)"
+        "mig was disabled (spec.migManager.enabled is false) and plugin was disabled (spec.devicePlugin.enabled is false) and dra was disabled (spec.dra.enabled is false) and metrics was disabled (spec.dcgmExporter.enabled is false) and labels was disabled (spec.gfd.enabled is false)"
     );
     let held = HeldCaps::from_caps(&[]).with_dropped(
         [("CAP_SYS_MODULE".to_string(), because)]

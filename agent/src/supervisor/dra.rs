@@ -10,6 +10,7 @@ use gpu_dra::kubelet::{Dirs, Registration};
 use hostlib::HostRoot;
 use tokio::sync::{Notify, oneshot, watch};
 
+use super::dra_mps::{DraMps, DraMpsSetup};
 use crate::inventory::Inventory;
 use crate::policy::Policy;
 use crate::state::{DraClaimStatus, DraStatus};
@@ -50,12 +51,17 @@ pub(super) struct RunningDra {
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<Result<(), String>>>,
     feeder: tokio::task::JoinHandle<()>,
+    /// The claims' MPS daemons, or why this node runs none.
+    mps: Result<DraMps, String>,
 }
 
 impl RunningDra {
-    /// Opens the node's claims (`inv`: DRA's GPUs only) and serves them.
-    /// An error: the checkpoint or the sockets' directories could not be
-    /// used (it names the file).
+    /// Opens the node's claims (`inv`: DRA's GPUs only) and serves them;
+    /// `mps` runs the daemons of claims with MPS sharing (`Err`: why this
+    /// node runs none; those claims are refused). The daemons of claims
+    /// still prepared are started again in the background. An error: the
+    /// checkpoint or the sockets' directories could not be used (it names
+    /// the file).
     pub(super) fn start(
         host: &HostRoot,
         setting: DraSetting,
@@ -63,6 +69,7 @@ impl RunningDra {
         feed: watch::Receiver<Option<Arc<pb::DraClaims>>>,
         health: watch::Receiver<gpu_model::health::HealthView>,
         changed: Arc<Notify>,
+        mps: Result<DraMpsSetup, String>,
     ) -> Result<Self, String> {
         let mut opts = gpu_dra::claims::Options::new(setting.node_name.clone());
         opts.cdi_dir = setting.cdi_dir.clone();
@@ -72,9 +79,20 @@ impl RunningDra {
             gpu_dra::claims::cdi::NODE_SPEC_FILE
         );
         let allocations = Arc::new(MemoryAllocations::new());
-        let claims = NodeClaims::open(host.clone(), opts, allocations.clone(), inv)
+        let mps = mps.map(|setup| DraMps::start(setup, Some(changed.clone())));
+        let port = mps.as_ref().ok().map(DraMps::port);
+        let claims = NodeClaims::open_with_mps(host.clone(), opts, allocations.clone(), inv, port)
             .map_err(|e| e.to_string())?;
         let claims = Arc::new(claims);
+        if mps.is_ok() {
+            let (claims, changed) = (claims.clone(), changed.clone());
+            // Blocks until each daemon serves: off the async threads.
+            tokio::task::spawn_blocking(move || {
+                if !claims.restore_mps().is_empty() {
+                    changed.notify_one();
+                }
+            });
+        }
         let recovery = claims.status().recovery;
         tracing::info!(task = TASK, recovery = %recovery.summary(), "DRA claims opened");
         let root = &setting.kubelet_root_dir;
@@ -121,6 +139,7 @@ impl RunningDra {
             stop: Some(stop),
             task: Some(task),
             feeder,
+            mps,
         })
     }
 
@@ -142,6 +161,10 @@ impl RunningDra {
     pub(super) fn status(&self, gpus: Vec<String>, unmatched: Vec<String>) -> DraStatus {
         let reg = self.registration.borrow().clone();
         let s = self.claims.status();
+        let phases = match &self.mps {
+            Ok(m) => m.phases(),
+            Err(_) => Default::default(),
+        };
         DraStatus {
             registered: reg.is_registered(),
             registration: match reg {
@@ -159,6 +182,12 @@ impl RunningDra {
                 .claims
                 .into_iter()
                 .map(|c| DraClaimStatus {
+                    mps: c.mps.then(|| {
+                        phases
+                            .get(&c.uid)
+                            .cloned()
+                            .unwrap_or_else(|| "not running".into())
+                    }),
                     uid: c.uid,
                     namespace: c.namespace,
                     name: c.name,
@@ -170,6 +199,10 @@ impl RunningDra {
                 })
                 .collect(),
             error: None,
+            mps_unavailable: match &self.mps {
+                Ok(m) => m.unavailable(),
+                Err(why) => Some(why.clone()),
+            },
         }
     }
 
@@ -185,6 +218,10 @@ impl RunningDra {
                 Err(e) => tracing::error!(task = TASK, error = %e, "the DRA plugin task failed"),
                 Ok(Ok(())) => {}
             }
+        }
+        // The kubelet is gone: every claim's daemon quits.
+        if let Ok(m) = self.mps {
+            m.stop().await;
         }
     }
 }

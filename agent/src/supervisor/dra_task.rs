@@ -3,7 +3,10 @@
 //! the report show of it.
 
 use super::core::Supervisor;
+use std::sync::Arc;
+
 use super::dra::{DraSetting, RunningDra, TASK};
+use super::dra_mps::{DraMpsSetup, SharedBackend};
 use crate::inventory::Inventory;
 use crate::state::DraStatus;
 use gpu_agent_proto::report::v1 as pb;
@@ -79,6 +82,7 @@ impl Supervisor {
             Some(h) => h.view(),
             None => tokio::sync::watch::channel(Default::default()).1,
         };
+        let mps = self.dra_mps_setup();
         match RunningDra::start(
             &self.opts.host,
             setting,
@@ -86,6 +90,7 @@ impl Supervisor {
             self.dra_feed.clone(),
             health,
             self.changed.clone(),
+            mps,
         ) {
             Ok(d) => {
                 self.dra = Some(d);
@@ -93,6 +98,53 @@ impl Supervisor {
             }
             Err(e) => self.task_ended(TASK, Err(e)),
         }
+    }
+
+    /// What DRA's MPS daemons run with: the node's backend (shared from now
+    /// on), `host-exec` for the host's control program, the device
+    /// plugin's MPS root; `Err` on a simulated node, which has no MPS.
+    fn dra_mps_setup(&mut self) -> Result<DraMpsSetup, String> {
+        if self.opts.view.simulated.is_some() {
+            return Err(
+                "a simulated node runs no MPS control daemon: claims with MPS sharing are refused"
+                    .into(),
+            );
+        }
+        let backend = match &self.dra_backend {
+            Some(b) => b.clone(),
+            None => {
+                let placeholder: Box<dyn crate::backend::GpuBackend> =
+                    Box::new(SharedBackend(Arc::new(Unset)));
+                let own = std::mem::replace(&mut self.opts.view.backend, placeholder);
+                let shared: Arc<dyn crate::backend::GpuBackend> = Arc::from(own);
+                self.opts.view.backend = Box::new(SharedBackend(shared.clone()));
+                self.dra_backend = Some(shared.clone());
+                shared
+            }
+        };
+        let exe = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
+        let needs: Vec<crate::caps::Capability> = super::mps::NEEDS
+            .iter()
+            .copied()
+            .filter(|c| {
+                !(self.opts.host.is_system() && *c == crate::caps::Capability::CAP_SYS_CHROOT)
+            })
+            .collect();
+        let root = self
+            .plugin_plan
+            .as_ref()
+            .map(|p| p.settings.mps_root.clone())
+            .unwrap_or_else(|| crate::plugin::resources::DEFAULT_MPS_ROOT.to_string());
+        Ok(DraMpsSetup {
+            host: self.opts.host.clone(),
+            spawner: Arc::new(hostlib::process::HostSpawner::new(
+                exe,
+                self.opts.host.clone(),
+            )),
+            backend,
+            root,
+            missing_caps: self.opts.caps.missing(&needs),
+        })
     }
 
     /// The plugin's state for `status`, now.
@@ -151,5 +203,20 @@ pub(super) fn dra_report(st: Option<&DraStatus>) -> pb::DraState {
             (None, false) => d.registration.clone(),
             (None, true) => String::new(),
         },
+    }
+}
+
+/// What the view's backend is for the instant it is moved into an `Arc`.
+#[derive(Debug)]
+struct Unset;
+
+impl crate::backend::GpuBackend for Unset {
+    fn name(&self) -> &'static str {
+        "unset"
+    }
+    fn snapshot(&self) -> Result<crate::backend::BackendSnapshot, crate::backend::BackendError> {
+        Err(crate::backend::BackendError::Unavailable(
+            "the backend is being shared".into(),
+        ))
     }
 }

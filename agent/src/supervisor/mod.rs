@@ -14,6 +14,7 @@
 mod controller;
 mod core;
 mod dra;
+pub mod dra_mps;
 mod dra_task;
 mod exporter;
 mod health;

@@ -161,7 +161,6 @@ impl MpsDaemons {
     }
 
     /// Each daemon's resource and phase (`None`: waiting to start again).
-    #[cfg(test)]
     pub fn phases(&self) -> Vec<(String, Option<Phase>)> {
         self.daemons
             .iter()

@@ -1,0 +1,485 @@
+//! The MPS control daemons of DRA claims ([`DraMps`]): gpu-dra's
+//! [`MpsPort`] served by an [`MpsDaemons`] of their own (not the device
+//! plugin's), one daemon per claim, run by one async task that takes start
+//! and stop requests over a channel. Per claim `<uid>` the daemon's
+//! resource is `dra-claim-<uid>` under the MPS root (default
+//! `/run/nvidia/mps`): pipe, log and shm directories of its own, its GPUs
+//! in EXCLUSIVE_PROCESS while it runs; the limits are the claim's
+//! `mpsConfig` only (nothing derived from replicas). A daemon that exits is
+//! started again with backoff; each claim's phase is in `status`. The
+//! directories outlive an agent restart (running containers have them
+//! mounted) and go when the claim is unprepared.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpu_dra::claims::{MpsDirs, MpsGpu, MpsPort, MpsSettings};
+use hostlib::HostRoot;
+use hostlib::process::Spawner;
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
+
+use super::mps::{MpsDaemons, Phase};
+use crate::backend::{BackendError, BackendSnapshot, ComputeMode, GpuBackend};
+use crate::plugin::mps::{DaemonGpu, DaemonPlan, ExplicitLimits};
+
+/// The log field of these daemons.
+pub const TASK: &str = "dra-mps";
+/// How long a start waits for the daemon to serve (the kubelet gives a
+/// prepare 45 s), and how long the port's caller waits for the answer.
+const START_WAIT: Duration = Duration::from_secs(38);
+const ANSWER_WAIT: Duration = Duration::from_secs(40);
+/// Restarts of a daemon that exited: 1 s, doubling, at most a minute.
+const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// How often the phases are looked at while a daemon is starting.
+const PHASE_POLL: Duration = Duration::from_millis(100);
+
+/// The resource name (and directory under the MPS root) of claim `uid`.
+pub fn resource_of(uid: &str) -> String {
+    format!("dra-claim-{uid}")
+}
+
+/// What the daemons run with.
+pub struct DraMpsSetup {
+    pub host: HostRoot,
+    /// Runs the host's `nvidia-cuda-mps-control` (through `host-exec`).
+    pub spawner: Arc<dyn Spawner>,
+    /// Sets the compute modes.
+    pub backend: Arc<dyn GpuBackend>,
+    /// The MPS root on the host.
+    pub root: String,
+    /// Capabilities the daemons need that this process lacks: every start
+    /// fails naming them.
+    pub missing_caps: Vec<String>,
+}
+
+impl std::fmt::Debug for DraMpsSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraMpsSetup")
+            .field("root", &self.root)
+            .field("backend", &self.backend)
+            .field("missing_caps", &self.missing_caps)
+            .finish_non_exhaustive()
+    }
+}
+
+type Reply<T> = std::sync::mpsc::SyncSender<Result<T, String>>;
+
+enum Request {
+    Start {
+        uid: String,
+        gpus: Vec<MpsGpu>,
+        settings: MpsSettings,
+        reply: Reply<MpsDirs>,
+    },
+    Stop {
+        uid: String,
+        reply: Reply<()>,
+    },
+    Shutdown {
+        done: tokio::sync::oneshot::Sender<()>,
+    },
+}
+
+/// The claims' daemons, served by a task of their own.
+pub struct DraMps {
+    tx: mpsc::UnboundedSender<Request>,
+    phases: Arc<Mutex<BTreeMap<String, String>>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    missing_caps: Vec<String>,
+}
+
+impl std::fmt::Debug for DraMps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraMps")
+            .field("phases", &self.phases())
+            .field("missing_caps", &self.missing_caps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// gpu-dra's side: blocking calls, answered by the task.
+struct Port {
+    tx: mpsc::UnboundedSender<Request>,
+}
+
+impl MpsPort for Port {
+    fn start(
+        &self,
+        claim_uid: &str,
+        gpus: &[MpsGpu],
+        settings: &MpsSettings,
+    ) -> Result<MpsDirs, String> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.ask(
+            Request::Start {
+                uid: claim_uid.to_string(),
+                gpus: gpus.to_vec(),
+                settings: settings.clone(),
+                reply,
+            },
+            answer,
+        )
+    }
+
+    fn stop(&self, claim_uid: &str) -> Result<(), String> {
+        let (reply, answer) = std::sync::mpsc::sync_channel(1);
+        self.ask(
+            Request::Stop {
+                uid: claim_uid.to_string(),
+                reply,
+            },
+            answer,
+        )
+    }
+}
+
+impl Port {
+    fn ask<T>(
+        &self,
+        request: Request,
+        answer: std::sync::mpsc::Receiver<Result<T, String>>,
+    ) -> Result<T, String> {
+        self.tx
+            .send(request)
+            .map_err(|_| "the DRA plugin's MPS task has stopped".to_string())?;
+        match answer.recv_timeout(ANSWER_WAIT) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(format!(
+                "the DRA plugin's MPS task did not answer within {ANSWER_WAIT:?}"
+            )),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err("the DRA plugin's MPS task has stopped".into())
+            }
+        }
+    }
+}
+
+impl DraMps {
+    /// Starts the task (on the current runtime); `changed` hears of every
+    /// change of a daemon's phase.
+    pub fn start(setup: DraMpsSetup, changed: Option<Arc<Notify>>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let phases = Arc::new(Mutex::new(BTreeMap::new()));
+        let missing_caps = setup.missing_caps.clone();
+        let daemons = MpsDaemons::new(setup.host.clone(), setup.spawner.clone())
+            .with_missing_caps(setup.missing_caps.clone());
+        let task = Task {
+            daemons,
+            host: setup.host,
+            backend: setup.backend,
+            root: setup.root,
+            plans: BTreeMap::new(),
+            failed: BTreeMap::new(),
+            attempts: BTreeMap::new(),
+            restart_at: None,
+            starting: false,
+            phases: phases.clone(),
+            changed,
+        };
+        DraMps {
+            tx,
+            phases,
+            task: Some(tokio::spawn(task.run(rx))),
+            missing_caps,
+        }
+    }
+
+    /// What gpu-dra's claims start and stop daemons through.
+    pub fn port(&self) -> Arc<dyn MpsPort> {
+        Arc::new(Port {
+            tx: self.tx.clone(),
+        })
+    }
+
+    /// Each claim's daemon, by claim UID: `starting`, `serving`, or
+    /// `failed: …` (with when it starts again).
+    pub fn phases(&self) -> BTreeMap<String, String> {
+        self.phases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Why claims asking for MPS fail on this node, if they all do.
+    pub fn unavailable(&self) -> Option<String> {
+        (!self.missing_caps.is_empty()).then(|| {
+            format!(
+                "claims with MPS sharing fail: the MPS control daemon needs {}",
+                self.missing_caps.join(", ")
+            )
+        })
+    }
+
+    /// Tells every daemon to quit and puts their GPUs back to DEFAULT.
+    pub async fn stop(mut self) {
+        let (done, wait) = tokio::sync::oneshot::channel();
+        if self.tx.send(Request::Shutdown { done }).is_ok() {
+            let _ = wait.await;
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for DraMps {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+struct Task {
+    daemons: MpsDaemons,
+    host: HostRoot,
+    backend: Arc<dyn GpuBackend>,
+    root: String,
+    /// By claim UID.
+    plans: BTreeMap<String, DaemonPlan>,
+    /// Claims whose daemon exited, and why, until it runs again.
+    failed: BTreeMap<String, String>,
+    /// Restarts since the claim's daemon was asked for.
+    attempts: BTreeMap<String, u32>,
+    restart_at: Option<Instant>,
+    /// A daemon is starting (its phase is looked at until it is not).
+    starting: bool,
+    phases: Arc<Mutex<BTreeMap<String, String>>>,
+    changed: Option<Arc<Notify>>,
+}
+
+impl Task {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+        loop {
+            let restart_at = self.restart_at;
+            tokio::select! {
+                req = rx.recv() => match req {
+                    Some(Request::Start { uid, gpus, settings, reply }) => {
+                        let r = self.start(&uid, &gpus, &settings).await;
+                        let _ = reply.try_send(r);
+                    }
+                    Some(Request::Stop { uid, reply }) => {
+                        self.stop(&uid).await;
+                        let _ = reply.try_send(Ok(()));
+                    }
+                    Some(Request::Shutdown { done }) => {
+                        self.daemons.stop_all(self.backend.as_ref()).await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    None => {
+                        self.daemons.stop_all(self.backend.as_ref()).await;
+                        return;
+                    }
+                },
+                (resource, why) = self.daemons.ended() => {
+                    let uid = resource.strip_prefix("dra-claim-").unwrap_or(&resource).to_string();
+                    let n = self.attempts.entry(uid.clone()).or_insert(0);
+                    let delay = BACKOFF_FIRST
+                        .saturating_mul(2u32.saturating_pow(*n))
+                        .min(BACKOFF_MAX);
+                    *n = n.saturating_add(1);
+                    tracing::info!(task = TASK, claim = %uid, after = ?delay, "the claim's MPS control daemon starts again");
+                    self.failed.insert(uid, format!("{why}; starting again in {delay:?}"));
+                    let at = Instant::now() + delay;
+                    self.restart_at = Some(self.restart_at.map_or(at, |r| r.min(at)));
+                }
+                // A daemon started again says it serves on its own run's
+                // channel: looked at while one is starting.
+                _ = tokio::time::sleep(PHASE_POLL), if self.starting => {}
+                _ = tokio::time::sleep_until(restart_at.unwrap_or_else(Instant::now)), if restart_at.is_some() => {
+                    self.restart_at = None;
+                    self.failed.clear();
+                    self.daemons.start_missing(self.backend.as_ref());
+                }
+            }
+            self.publish();
+        }
+    }
+
+    /// The plan of claim `uid`'s daemon.
+    fn plan(
+        &self,
+        uid: &str,
+        gpus: &[MpsGpu],
+        settings: &MpsSettings,
+    ) -> Result<DaemonPlan, String> {
+        let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid.as_str()).collect();
+        let resource = resource_of(uid);
+        Ok(DaemonPlan {
+            shm: Some(format!(
+                "{}/{resource}/shm",
+                self.root.trim_end_matches('/')
+            )),
+            resource,
+            root: self.root.clone(),
+            gpus: gpus
+                .iter()
+                .enumerate()
+                .map(|(ordinal, g)| DaemonGpu {
+                    uuid: g.uuid.clone(),
+                    // The device minor: DRA names GPUs by it.
+                    index: g.minor,
+                    ordinal: ordinal as u32,
+                    memory_mib: None,
+                })
+                .collect(),
+            replicas: 1,
+            explicit: Some(ExplicitLimits {
+                thread_percentage: settings.default_active_thread_percentage,
+                pinned_mib: settings.pinned_limits(&uuids)?,
+            }),
+        })
+    }
+
+    fn phase(&self, resource: &str) -> Option<Option<Phase>> {
+        self.daemons
+            .phases()
+            .into_iter()
+            .find(|(r, _)| r == resource)
+            .map(|(_, p)| p)
+    }
+
+    async fn start(
+        &mut self,
+        uid: &str,
+        gpus: &[MpsGpu],
+        settings: &MpsSettings,
+    ) -> Result<MpsDirs, String> {
+        let plan = self.plan(uid, gpus, settings)?;
+        let resource = plan.resource.clone();
+        let dirs = MpsDirs {
+            pipe_dir: plan.pipe_dir(),
+            shm_dir: plan.shm_dir(),
+        };
+        if self.plans.get(uid) == Some(&plan) && self.phase(&resource) == Some(Some(Phase::Serving))
+        {
+            return Ok(dirs);
+        }
+        let claim_dir = format!("{}/{resource}", self.root.trim_end_matches('/'));
+        let new_dirs = !self.host.exists(&claim_dir);
+        self.plans.insert(uid.to_string(), plan);
+        self.failed.remove(uid);
+        self.attempts.remove(uid);
+        let all: Vec<DaemonPlan> = self.plans.values().cloned().collect();
+        self.daemons.update(all, self.backend.as_ref()).await;
+        self.publish();
+        let deadline = Instant::now() + START_WAIT;
+        let why = loop {
+            match self.phase(&resource) {
+                Some(Some(Phase::Serving)) => return Ok(dirs),
+                Some(Some(Phase::Starting)) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Some(Some(Phase::Starting)) => {
+                    break format!("it did not serve within {START_WAIT:?}");
+                }
+                Some(Some(Phase::Ended(why))) => {
+                    break why.unwrap_or_else(|| "it stopped".into());
+                }
+                Some(None) | None => break "it stopped".to_string(),
+            }
+        };
+        // Nothing left running, its GPUs back to DEFAULT.
+        self.plans.remove(uid);
+        let all: Vec<DaemonPlan> = self.plans.values().cloned().collect();
+        self.daemons.update(all, self.backend.as_ref()).await;
+        if new_dirs {
+            self.remove_dirs(uid);
+        }
+        Err(why)
+    }
+
+    async fn stop(&mut self, uid: &str) {
+        self.failed.remove(uid);
+        self.attempts.remove(uid);
+        if self.plans.remove(uid).is_some() {
+            let all: Vec<DaemonPlan> = self.plans.values().cloned().collect();
+            self.daemons.update(all, self.backend.as_ref()).await;
+            tracing::info!(task = TASK, claim = %uid, "the claim's MPS control daemon stopped");
+        }
+        self.remove_dirs(uid);
+    }
+
+    /// The claim's directories (no container has them any more).
+    fn remove_dirs(&self, uid: &str) {
+        let dir = format!("{}/{}", self.root.trim_end_matches('/'), resource_of(uid));
+        let Ok(real) = self.host.resolve(&dir) else {
+            return;
+        };
+        match std::fs::remove_dir_all(&real) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(task = TASK, claim = %uid, path = %dir, error = %e, "cannot remove the claim's MPS directories")
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        self.starting = self
+            .daemons
+            .phases()
+            .iter()
+            .any(|(_, p)| *p == Some(Phase::Starting));
+        let mut now: BTreeMap<String, String> = BTreeMap::new();
+        for (resource, phase) in self.daemons.phases() {
+            let uid = resource
+                .strip_prefix("dra-claim-")
+                .unwrap_or(&resource)
+                .to_string();
+            let words = match phase {
+                Some(Phase::Starting) => "starting".to_string(),
+                Some(Phase::Serving) => "serving".to_string(),
+                Some(Phase::Ended(Some(why))) => format!("failed: {why}"),
+                Some(Phase::Ended(None)) => "stopped".to_string(),
+                None => format!(
+                    "failed: {}",
+                    self.failed
+                        .get(&uid)
+                        .map_or("waiting to start again", |w| w)
+                ),
+            };
+            now.insert(uid, words);
+        }
+        let mut p = self.phases.lock().unwrap_or_else(|e| e.into_inner());
+        if *p != now {
+            *p = now;
+            if let Some(c) = &self.changed {
+                c.notify_one();
+            }
+        }
+    }
+}
+
+/// The node's backend shared with the DRA MPS task: the supervisor's view
+/// keeps one of these in place of the box it had, every call passed on.
+#[derive(Debug)]
+pub struct SharedBackend(pub Arc<dyn GpuBackend>);
+
+impl GpuBackend for SharedBackend {
+    fn sampler(&self) -> Result<Box<dyn crate::backend::Sampler>, BackendError> {
+        self.0.sampler()
+    }
+    fn mig_control(&self) -> Option<&dyn gpu_model::mig::MigControl> {
+        self.0.mig_control()
+    }
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+        self.0.snapshot()
+    }
+    fn watch_health(&self, events: crate::backend::HealthSender) -> Result<(), BackendError> {
+        self.0.watch_health(events)
+    }
+    fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
+        self.0.set_compute_mode(uuid, mode)
+    }
+    fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
+        self.0.compute_mode(uuid)
+    }
+}
