@@ -6,13 +6,13 @@
 
 use std::collections::BTreeMap;
 
+use super::NodeClaims;
 use super::allocation::ClaimAllocation;
 use super::cdi;
 use super::checkpoint::{self, Entry, EntryState};
 use super::devices::NodeDevice;
 use super::error::{ClaimError, Named};
 use super::sharing::{self, MpsDirs, MpsGpu};
-use super::{NodeClaims, State};
 use crate::claim::ClaimRef;
 
 impl NodeClaims {
@@ -54,37 +54,29 @@ impl NodeClaims {
         Ok(out)
     }
 
-    /// Starts the daemon of `entry` (a claim being prepared) when it has
-    /// MPS, and gives every device of its spec the daemon's edits (in the
-    /// checkpoint's entry too).
+    /// Starts the daemon of `entry` (a claim being prepared, with MPS):
+    /// its directories, for the spec's edits. Called without the lock.
     pub(super) fn start_mps(
         &self,
-        st: &mut State,
-        claim: &Named,
-        entry: &mut Entry,
+        c: &ClaimRef,
+        entry: &Entry,
         gpus: &[MpsGpu],
-    ) -> Result<(), ClaimError> {
-        let Some(settings) = &entry.mps else {
-            return Ok(());
-        };
-        let Some(port) = &self.mps else {
+    ) -> Result<MpsDirs, ClaimError> {
+        let claim = Named::new(c.clone());
+        let (Some(settings), Some(port)) = (&entry.mps, &self.mps) else {
             return Err(ClaimError::Mps {
-                claim: claim.clone(),
+                claim,
                 why: "this node's DRA plugin runs without MPS control daemons".into(),
             });
         };
         let dirs = port
-            .start(&claim.0.uid, gpus, settings)
+            .start(&c.uid, gpus, settings)
             .map_err(|why| ClaimError::Mps {
                 claim: claim.clone(),
                 why,
             })?;
         tracing::info!(claim = %claim, pipe_dir = %dirs.pipe_dir, "MPS control daemon of the claim serves");
-        set_edits(&mut entry.spec, &dirs);
-        if let Some(e) = st.checkpoint.claims.get_mut(&claim.0.uid) {
-            e.spec = entry.spec.clone();
-        }
-        Ok(())
+        Ok(dirs)
     }
 
     /// Stops the daemon of a claim whose prepare failed after it started
@@ -115,22 +107,26 @@ impl NodeClaims {
         let Some(port) = self.mps.clone() else {
             return Vec::new();
         };
-        let mut st = self.lock();
-        let wanted: Vec<(String, Entry)> = st
-            .checkpoint
-            .claims
-            .iter()
-            .filter(|(_, e)| e.state == EntryState::Prepared && e.mps.is_some())
-            .map(|(u, e)| (u.clone(), e.clone()))
-            .collect();
-        let mut restarted = Vec::new();
-        let mut changed = false;
-        for (uid, mut entry) in wanted {
+        // Started outside the lock: the kubelet's calls go on meanwhile.
+        let (wanted, devices) = {
+            let st = self.lock();
+            let wanted: Vec<(String, Entry)> = st
+                .checkpoint
+                .claims
+                .iter()
+                .filter(|(_, e)| e.state == EntryState::Prepared && e.mps.is_some())
+                .map(|(u, e)| (u.clone(), e.clone()))
+                .collect();
+            (wanted, st.devices.clone())
+        };
+        let mut problems: Vec<String> = Vec::new();
+        let mut served: Vec<(String, Named, MpsDirs)> = Vec::new();
+        for (uid, entry) in wanted {
             let claim = Named::new(entry.claim_ref(&uid));
             let mut gpus: Vec<MpsGpu> = Vec::new();
             let mut unknown = Vec::new();
             for d in &entry.devices {
-                match st.devices.get(&d.device) {
+                match devices.get(&d.device) {
                     Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(MpsGpu {
                         uuid: dev.uuid.clone(),
                         minor: dev.minor,
@@ -139,49 +135,52 @@ impl NodeClaims {
                     None => unknown.push(d.device.clone()),
                 }
             }
-            if !unknown.is_empty() {
-                let why = format!(
-                    "the MPS control daemon of {claim} was not started again: its devices {} are not on this node now",
+            let started = if unknown.is_empty() {
+                port.start(&uid, &gpus, &entry.mps.clone().unwrap_or_default())
+            } else {
+                Err(format!(
+                    "its devices {} are not on this node now",
                     unknown.join(", ")
-                );
-                tracing::warn!(claim = %claim, error = %why, "MPS control daemon not started again");
-                st.recovery.problems.push(why);
-                continue;
-            }
-            let settings = entry.mps.clone().unwrap_or_default();
-            match port.start(&uid, &gpus, &settings) {
-                Ok(dirs) => {
-                    let before = entry.spec.clone();
-                    set_edits(&mut entry.spec, &dirs);
-                    if entry.spec != before {
-                        let path = cdi::spec_path(&self.opts.cdi_dir, &uid);
-                        if let Err(e) = self.host.write_atomic(
-                            &path,
-                            cdi::to_yaml(&entry.spec).as_bytes(),
-                            0o644,
-                        ) {
-                            st.recovery.problems.push(format!("writing {path}: {e}"));
-                        }
-                        st.checkpoint.claims.insert(uid.clone(), entry);
-                        changed = true;
-                    }
-                    tracing::info!(claim = %claim, "MPS control daemon of a prepared claim started again");
-                    restarted.push(uid);
-                }
+                ))
+            };
+            match started {
+                Ok(dirs) => served.push((uid, claim, dirs)),
                 Err(why) => {
                     tracing::warn!(claim = %claim, error = %why, "MPS control daemon not started again");
-                    st.recovery.problems.push(format!(
+                    problems.push(format!(
                         "the MPS control daemon of {claim} was not started again: {why}"
                     ));
                 }
             }
         }
+        let mut st = self.lock();
+        let mut restarted = Vec::new();
+        let mut changed = false;
+        for (uid, claim, dirs) in served {
+            let Some(e) = st.checkpoint.claims.get_mut(&uid) else {
+                // Unprepared meanwhile (its stop came after this start).
+                continue;
+            };
+            let before = e.spec.clone();
+            set_edits(&mut e.spec, &dirs);
+            if e.spec != before {
+                let path = cdi::spec_path(&self.opts.cdi_dir, &uid);
+                let yaml = cdi::to_yaml(&e.spec);
+                if let Err(err) = self.host.write_atomic(&path, yaml.as_bytes(), 0o644) {
+                    problems.push(format!("writing {path}: {err}"));
+                }
+                changed = true;
+            }
+            tracing::info!(claim = %claim, "MPS control daemon of a prepared claim started again");
+            restarted.push(uid);
+        }
         if changed {
             let path = checkpoint::checkpoint_path(&self.opts.state_dir);
             if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
-                st.recovery.problems.push(e.to_string());
+                problems.push(e.to_string());
             }
         }
+        st.recovery.problems.extend(problems);
         st.recovery.mps_restarted = restarted.clone();
         restarted
     }

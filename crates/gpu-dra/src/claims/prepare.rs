@@ -13,7 +13,7 @@ use super::cdi;
 use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState};
 use super::config::{self, Sharing};
 use super::error::{ClaimError, Named};
-use super::sharing::MpsGpu;
+use super::sharing::{MpsDirs, MpsGpu};
 use super::{NodeClaims, State, Waiter};
 use crate::claim::{ClaimRef, PreparedDevice};
 
@@ -126,7 +126,23 @@ impl NodeClaims {
         if plans.is_empty() {
             return out;
         }
-        self.write_plans(&mut st, plans, &mut out);
+        let Some(before) = self.begin_plans(&mut st, &plans, &mut out) else {
+            return out;
+        };
+        // MPS daemons start outside the lock: one may take seconds to
+        // answer, and `status` and other claims go on meanwhile. Their
+        // claims are `preparing` in the checkpoint, so no other claim takes
+        // their devices; an unprepare meanwhile stops the daemon.
+        let mut started = BTreeMap::new();
+        if plans.iter().any(|p| p.entry.mps.is_some()) {
+            drop(st);
+            for p in plans.iter().filter(|p| p.entry.mps.is_some()) {
+                let r = self.start_mps(&p.entry.claim_ref(&p.uid), &p.entry, &p.mps_gpus);
+                started.insert(p.uid.clone(), r);
+            }
+            st = self.lock();
+        }
+        self.write_plans(&mut st, &before, plans, started, &mut out);
         out
     }
 
@@ -257,17 +273,18 @@ impl NodeClaims {
         Ok((entry, mps_gpus))
     }
 
-    /// Checkpoint `preparing`, the specs, checkpoint `prepared`; a claim
-    /// whose step fails is rolled back and answered with the error.
-    fn write_plans(
+    /// Checkpoint `preparing` for every plan; `None` (each plan answered
+    /// with the error) when it cannot be written. Returns the checkpoint as
+    /// it was before.
+    fn begin_plans(
         &self,
         st: &mut State,
-        plans: Vec<Plan>,
+        plans: &[Plan],
         out: &mut BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>>,
-    ) {
+    ) -> Option<Checkpoint> {
         let path = checkpoint::checkpoint_path(&self.opts.state_dir);
         let before = st.checkpoint.clone();
-        for p in &plans {
+        for p in plans {
             st.checkpoint.claims.insert(p.uid.clone(), p.entry.clone());
         }
         if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
@@ -276,18 +293,62 @@ impl NodeClaims {
             for p in plans {
                 let claim = Named::new(p.entry.claim_ref(&p.uid));
                 tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
-                out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
+                out.insert(p.uid.clone(), Err(checkpoint_error(claim, &path, &why)));
             }
-            return;
+            return None;
         }
+        Some(before)
+    }
+
+    /// After [`begin_plans`](Self::begin_plans) (and the MPS daemons,
+    /// `started`): the specs, checkpoint `prepared`; a claim whose step
+    /// fails is rolled back and answered with the error.
+    fn write_plans(
+        &self,
+        st: &mut State,
+        before: &Checkpoint,
+        plans: Vec<Plan>,
+        mut started: BTreeMap<String, Result<MpsDirs, ClaimError>>,
+        out: &mut BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>>,
+    ) {
+        let path = checkpoint::checkpoint_path(&self.opts.state_dir);
         let mut written = Vec::new();
         for mut p in plans {
             let claim = Named::new(p.entry.claim_ref(&p.uid));
-            if let Err(e) = self.start_mps(st, &claim, &mut p.entry, &p.mps_gpus) {
-                self.undo(st, &before, &p.uid, false);
-                tracing::warn!(claim = %claim, error = %e, "prepare failed: MPS");
-                out.insert(p.uid, Err(e));
-                continue;
+            if p.entry.mps.is_some() {
+                let r = started.remove(&p.uid).unwrap_or_else(|| {
+                    Err(ClaimError::Mps {
+                        claim: claim.clone(),
+                        why: "not started".into(),
+                    })
+                });
+                if !st.checkpoint.claims.contains_key(&p.uid) {
+                    if r.is_ok() {
+                        self.stop_mps_after_failure(&claim, &p.entry);
+                    }
+                    out.insert(
+                        p.uid,
+                        Err(ClaimError::Mps {
+                            claim,
+                            why: "the claim was unprepared while its daemon started".into(),
+                        }),
+                    );
+                    continue;
+                }
+                match r {
+                    Ok(dirs) => {
+                        super::mps::set_edits(&mut p.entry.spec, &dirs);
+                        if let Some(e) = st.checkpoint.claims.get_mut(&p.uid) {
+                            e.spec = p.entry.spec.clone();
+                        }
+                    }
+                    Err(e) => {
+                        self.undo(st, before, &p.uid, false);
+                        tracing::warn!(claim = %claim, error = %e, "prepare failed: MPS");
+                        out.insert(p.uid, Err(e));
+                        continue;
+                    }
+                }
             }
             let spec_path = cdi::spec_path(&self.opts.cdi_dir, &p.uid);
             let yaml = cdi::to_yaml(&p.entry.spec);
@@ -296,7 +357,7 @@ impl NodeClaims {
                 Err(source) => {
                     // The old file, if any, is untouched (an atomic write).
                     self.stop_mps_after_failure(&claim, &p.entry);
-                    self.undo(st, &before, &p.uid, false);
+                    self.undo(st, before, &p.uid, false);
                     tracing::warn!(claim = %claim, path = %spec_path, error = %source, "prepare failed: spec");
                     out.insert(
                         p.uid,
@@ -320,7 +381,7 @@ impl NodeClaims {
             for p in written {
                 let claim = Named::new(p.entry.claim_ref(&p.uid));
                 self.stop_mps_after_failure(&claim, &p.entry);
-                self.undo(st, &before, &p.uid, true);
+                self.undo(st, before, &p.uid, true);
                 tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
                 out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
             }

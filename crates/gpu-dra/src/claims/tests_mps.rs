@@ -36,6 +36,8 @@ struct FakePort {
     calls: Mutex<Vec<Call>>,
     fail_start: Mutex<Option<String>>,
     fail_stop: Mutex<Option<String>>,
+    /// When set, start waits for a word on it (after recording the call).
+    gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
 }
 
 impl FakePort {
@@ -46,6 +48,7 @@ impl FakePort {
             calls: Mutex::new(Vec::new()),
             fail_start: Mutex::new(None),
             fail_stop: Mutex::new(None),
+            gate: Mutex::new(None),
         })
     }
 
@@ -78,6 +81,9 @@ impl MpsPort for FakePort {
             settings: settings.clone(),
             spec_there: self.spec_there(claim_uid),
         });
+        if let Some(gate) = self.gate.lock().unwrap().take() {
+            gate.recv().unwrap();
+        }
         match self.fail_start.lock().unwrap().clone() {
             Some(why) => Err(why),
             None => Ok(dirs(claim_uid)),
@@ -361,4 +367,40 @@ fn without_a_port_mps_claims_are_refused_in_words() {
         "{err}"
     );
     assert!(claims.restore_mps().is_empty());
+}
+
+#[test]
+fn a_starting_daemon_holds_up_no_one_and_an_unprepare_meanwhile_wins() {
+    let n = Node::new();
+    let port = FakePort::new(&n);
+    let (open_gate, gate) = std::sync::mpsc::channel();
+    *port.gate.lock().unwrap() = Some(gate);
+    let claims = Arc::new(open(&n, &port));
+    allocate_mps(&n, config());
+    let preparing = {
+        let claims = claims.clone();
+        std::thread::spawn(move || claims.prepare(&[claim(U1)]))
+    };
+    while port.calls().is_empty() {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The daemon is starting: status answers, the claim is `preparing`.
+    let st = claims.status();
+    assert_eq!(st.claims[0].state, super::EntryState::Preparing);
+    // The kubelet gives up and unprepares: the daemon is told to stop.
+    assert_eq!(claims.unprepare(&[claim(U1)])[U1], Ok(()));
+    open_gate.send(()).unwrap();
+    let err = preparing.join().unwrap()[U1].clone().unwrap_err();
+    assert!(
+        err.ends_with("its MPS control daemon: the claim was unprepared while its daemon started"),
+        "{err}"
+    );
+    assert!(!n.exists(&n.spec_path(U1)));
+    assert!(n.checkpoint().claims.is_empty());
+    let stops = port
+        .calls()
+        .iter()
+        .filter(|c| matches!(c, Call::Stop { .. }))
+        .count();
+    assert!(stops >= 1, "{:?}", port.calls());
 }
