@@ -68,6 +68,10 @@ struct State {
     checkpoint: Checkpoint,
     devices: BTreeMap<String, NodeDevice>,
     recovery: Recovery,
+    /// Claims with MPS whose prepare never finished (rolled back at start):
+    /// a daemon an agent killed meanwhile left is stopped by
+    /// [`NodeClaims::restore_mps`].
+    unfinished_mps: Vec<(String, checkpoint::Entry)>,
     /// Prepares waiting for allocations outside the lock, by ticket.
     waiting: BTreeMap<u64, Waiter>,
     next_ticket: u64,
@@ -138,6 +142,10 @@ impl NodeClaims {
         mps: Option<Arc<dyn MpsPort>>,
     ) -> Result<Self, StateError> {
         let boot_id = checkpoint::read_boot_id(&host)?;
+        let unfinished_mps = match &mps {
+            Some(_) => mps::unfinished(&host, &opts, &boot_id),
+            None => Vec::new(),
+        };
         let (checkpoint, recovery) = recovery::recover(&host, &opts, &boot_id)?;
         let table = devices::device_table(inv);
         Ok(NodeClaims {
@@ -152,6 +160,7 @@ impl NodeClaims {
                 recovery,
                 waiting: BTreeMap::new(),
                 next_ticket: 0,
+                unfinished_mps,
             }),
         })
     }

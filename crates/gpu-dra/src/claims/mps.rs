@@ -108,8 +108,13 @@ impl NodeClaims {
             return Vec::new();
         };
         // Started outside the lock: the kubelet's calls go on meanwhile.
-        let (wanted, devices) = {
-            let st = self.lock();
+        let (wanted, devices, unfinished) = {
+            let mut st = self.lock();
+            // One prepared again since is not touched.
+            let unfinished: Vec<(String, Entry)> = std::mem::take(&mut st.unfinished_mps)
+                .into_iter()
+                .filter(|(u, _)| !st.checkpoint.claims.contains_key(u))
+                .collect();
             let wanted: Vec<(String, Entry)> = st
                 .checkpoint
                 .claims
@@ -117,32 +122,31 @@ impl NodeClaims {
                 .filter(|(_, e)| e.state == EntryState::Prepared && e.mps.is_some())
                 .map(|(u, e)| (u.clone(), e.clone()))
                 .collect();
-            (wanted, st.devices.clone())
+            (wanted, st.devices.clone(), unfinished)
         };
         let mut problems: Vec<String> = Vec::new();
+        // A prepare cut short (the agent killed) may have left its daemon
+        // running, its GPUs in EXCLUSIVE_PROCESS: a start tells whatever
+        // serves on the claim's pipe directory to quit, the stop ends ours
+        // and puts the GPUs back to DEFAULT.
+        for (uid, entry) in unfinished {
+            let claim = Named::new(entry.claim_ref(&uid));
+            let gpus = gpus_of(&entry, &devices).unwrap_or_default();
+            let _ = port.start(&uid, &gpus, &entry.mps.clone().unwrap_or_default());
+            match port.stop(&uid) {
+                Ok(()) => {
+                    tracing::info!(claim = %claim, "MPS control daemon of an unfinished prepare stopped")
+                }
+                Err(why) => problems.push(format!(
+                    "the MPS control daemon of {claim}, whose prepare never finished, did not stop: {why}"
+                )),
+            }
+        }
         let mut served: Vec<(String, Named, MpsDirs)> = Vec::new();
         for (uid, entry) in wanted {
             let claim = Named::new(entry.claim_ref(&uid));
-            let mut gpus: Vec<MpsGpu> = Vec::new();
-            let mut unknown = Vec::new();
-            for d in &entry.devices {
-                match devices.get(&d.device) {
-                    Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(MpsGpu {
-                        uuid: dev.uuid.clone(),
-                        minor: dev.minor,
-                    }),
-                    Some(_) => {}
-                    None => unknown.push(d.device.clone()),
-                }
-            }
-            let started = if unknown.is_empty() {
-                port.start(&uid, &gpus, &entry.mps.clone().unwrap_or_default())
-            } else {
-                Err(format!(
-                    "its devices {} are not on this node now",
-                    unknown.join(", ")
-                ))
-            };
+            let started = gpus_of(&entry, &devices)
+                .and_then(|gpus| port.start(&uid, &gpus, &entry.mps.clone().unwrap_or_default()));
             match started {
                 Ok(dirs) => served.push((uid, claim, dirs)),
                 Err(why) => {
@@ -183,6 +187,49 @@ impl NodeClaims {
         st.recovery.problems.extend(problems);
         st.recovery.mps_restarted = restarted.clone();
         restarted
+    }
+}
+
+/// The GPUs of a claim's daemon, from its entry's devices; `Err` names
+/// those not on this node now.
+fn gpus_of(entry: &Entry, devices: &BTreeMap<String, NodeDevice>) -> Result<Vec<MpsGpu>, String> {
+    let mut gpus: Vec<MpsGpu> = Vec::new();
+    let mut unknown = Vec::new();
+    for d in &entry.devices {
+        match devices.get(&d.device) {
+            Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(MpsGpu {
+                uuid: dev.uuid.clone(),
+                minor: dev.minor,
+            }),
+            Some(_) => {}
+            None => unknown.push(d.device.clone()),
+        }
+    }
+    if unknown.is_empty() {
+        Ok(gpus)
+    } else {
+        Err(format!(
+            "its devices {} are not on this node now",
+            unknown.join(", ")
+        ))
+    }
+}
+
+/// This boot's claims with MPS whose prepare never finished, as the
+/// checkpoint holds them before start-up rolls them back.
+pub(super) fn unfinished(
+    host: &hostlib::HostRoot,
+    opts: &super::Options,
+    boot_id: &str,
+) -> Vec<(String, Entry)> {
+    let path = checkpoint::checkpoint_path(&opts.state_dir);
+    match checkpoint::load(host, &path) {
+        Ok(checkpoint::Loaded::Found(c)) if c.boot_id == boot_id => c
+            .claims
+            .into_iter()
+            .filter(|(_, e)| e.state == EntryState::Preparing && e.mps.is_some())
+            .collect(),
+        _ => Vec::new(),
     }
 }
 

@@ -404,3 +404,40 @@ fn a_starting_daemon_holds_up_no_one_and_an_unprepare_meanwhile_wins() {
         .count();
     assert!(stops >= 1, "{:?}", port.calls());
 }
+
+#[test]
+fn a_daemon_left_by_a_prepare_cut_short_is_stopped_at_start_up() {
+    let n = Node::new();
+    let port = FakePort::new(&n);
+    {
+        let claims = open(&n, &port);
+        allocate_mps(&n, config());
+        claims.prepare(&[claim(U1)])[U1].as_ref().unwrap();
+    }
+    // As if the agent was killed between its daemon's start and the
+    // `prepared` checkpoint.
+    let mut ckpt = n.checkpoint();
+    ckpt.claims.get_mut(U1).unwrap().state = super::EntryState::Preparing;
+    n.write(&n.checkpoint_path(), &serde_json::to_string(&ckpt).unwrap());
+    let again = FakePort::new(&n);
+    let claims = open(&n, &again);
+    assert_eq!(claims.status().recovery.rolled_back, [U1]);
+    assert!(claims.restore_mps().is_empty());
+    // Whatever serves on its pipe directory is told to quit (the start),
+    // then ours stops and the GPUs go back to DEFAULT (the stop).
+    let calls = again.calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(
+        matches!(&calls[0], Call::Start { uid, gpus, .. } if uid == U1 && *gpus == both_gpus())
+    );
+    assert_eq!(
+        calls[1],
+        Call::Stop {
+            uid: U1.into(),
+            spec_there: false
+        }
+    );
+    // Only once.
+    assert!(claims.restore_mps().is_empty());
+    assert_eq!(again.calls().len(), 2);
+}
