@@ -14,6 +14,8 @@
 //! GPUs back to DEFAULT and removes the claim's directories and spec.
 //!
 //! The daemon runs in a mount namespace of its own, chrooted: root only.
+//! Beside it, `gpu-agent run` with DRA on says in `status` whether claims
+//! can have MPS here (on the real NVML path and on a simulated node).
 
 mod common;
 
@@ -334,4 +336,92 @@ fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
     assert!(!root.exists(&spec_path));
     assert!(mps.phases().is_empty());
     rt.block_on(mps.stop());
+}
+
+/// `gpu-agent run` with DRA on: `status` after the DRA plugin serves.
+fn serving_dra(host: &Path, args: &[&str], env: &[(&str, &Path)]) -> serde_json::Value {
+    let policy = host.join("policy.yaml");
+    fs::write(
+        &policy,
+        "spec:\n  reconcileIntervalSeconds: 0\n  driver: {enabled: false}\n  toolkit: {enabled: false}\n  devicePlugin: {enabled: false}\n  dra: {enabled: true}\n",
+    )
+    .unwrap();
+    let mut cmd = common::at(host);
+    cmd.args(args)
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--log-format", "text", "run"])
+        .stdout(std::process::Stdio::null())
+        .stderr(fs::File::create(host.join("agent.log")).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut agent = cmd.spawn().unwrap();
+    let dra = until(30, "the DRA plugin serving", || {
+        let (_, out, _) = common::run(common::at(host).args(["status", "-o", "json"]));
+        let st = common::json(&out);
+        (st["dra"]["registration"] == "waiting for the kubelet"
+            && st["inventory"]["gpus"]
+                .as_array()
+                .is_some_and(|g| g.len() == 8))
+        .then(|| st["dra"].clone())
+    });
+    assert_eq!(
+        common::sigterm(&mut agent),
+        Some(0),
+        "{}",
+        fs::read_to_string(host.join("agent.log")).unwrap_or_default()
+    );
+    dra
+}
+
+/// On the real NVML path the agent shares its backend with the claims'
+/// daemons (and goes on reconciling with it); without the capabilities a
+/// daemon needs, `status` says claims with MPS fail and why. A simulated
+/// node runs none.
+#[test]
+fn status_says_whether_claims_can_have_mps_here() {
+    let dir = common::copy_host_fixture("h100-sxm-8");
+    let host = dir.path();
+    let root = hostlib::HostRoot::new(host).unwrap();
+    root.write_atomic(
+        "/proc/sys/kernel/random/boot_id",
+        b"6a0f3c1e-0000-4000-8000-000000000002\n",
+        0o444,
+    )
+    .unwrap();
+    let (_nvml_dir, nvml) = common::fake_nvml();
+    let dra = serving_dra(
+        host,
+        &["--nvml-lib", nvml.to_str().unwrap()],
+        &[("FAKE_NVML_NODE", Path::new("h100-sxm-8"))],
+    );
+    assert_eq!(dra["gpus"].as_array().unwrap().len(), 8, "{dra:#}");
+    if nix::unistd::geteuid().is_root() {
+        assert!(dra.get("mpsUnavailable").is_none(), "{dra:#}");
+    } else {
+        let why = dra["mpsUnavailable"].as_str().unwrap_or_default();
+        assert!(
+            why.starts_with(
+                "claims with MPS sharing fail: the MPS control daemon needs CAP_SYS_ADMIN"
+            ),
+            "{dra:#}"
+        );
+    }
+
+    let dir = common::copy_host_fixture("h100-sxm-8");
+    let host = dir.path();
+    hostlib::HostRoot::new(host)
+        .unwrap()
+        .write_atomic(
+            "/proc/sys/kernel/random/boot_id",
+            b"6a0f3c1e-0000-4000-8000-000000000003\n",
+            0o444,
+        )
+        .unwrap();
+    let dra = serving_dra(host, &["--simulate", "h100-sxm-8"], &[]);
+    assert_eq!(
+        dra["mpsUnavailable"],
+        "a simulated node runs no MPS control daemon: claims with MPS sharing are refused"
+    );
 }
