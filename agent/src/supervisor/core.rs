@@ -77,9 +77,8 @@ pub(super) struct Supervisor {
     pub(super) logged: stages::LogMemory,
     /// The DRA kubelet plugin, while `spec.dra.enabled`.
     pub(super) dra: Option<super::dra::RunningDra>,
-    /// The node's backend, shared with DRA's MPS daemons once DRA started
-    /// (the view's box then passes every call on to it).
-    pub(super) dra_backend: Option<Arc<dyn crate::backend::GpuBackend>>,
+    /// What DRA's MPS daemons keep between runs of the DRA plugin.
+    pub(super) dra_mps: super::dra_mps::Kept,
     /// The claims the controller allocates to this node: the report task
     /// writes (`dra_feed_tx`, handed to it at its start), DRA reads.
     pub(super) dra_feed: watch::Receiver<Option<Arc<gpu_agent_proto::report::v1::DraClaims>>>,
@@ -115,7 +114,7 @@ impl Supervisor {
         let (dra_feed_tx, dra_feed) = watch::channel(None);
         Supervisor {
             dra: None,
-            dra_backend: None,
+            dra_mps: Default::default(),
             dra_feed,
             dra_feed_tx,
             mps,

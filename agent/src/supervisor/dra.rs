@@ -10,7 +10,7 @@ use gpu_dra::kubelet::{Dirs, Registration};
 use hostlib::HostRoot;
 use tokio::sync::{Notify, oneshot, watch};
 
-use super::dra_mps::{DraMps, DraMpsSetup};
+use super::dra_mps::DraMps;
 use crate::inventory::Inventory;
 use crate::policy::Policy;
 use crate::state::{DraClaimStatus, DraStatus};
@@ -59,9 +59,10 @@ impl RunningDra {
     /// Opens the node's claims (`inv`: DRA's GPUs only) and serves them;
     /// `mps` runs the daemons of claims with MPS sharing (`Err`: why this
     /// node runs none; those claims are refused). The daemons of claims
-    /// still prepared are started again in the background. An error: the
+    /// still prepared are started again in the background (those already
+    /// running, kept from the plugin's last run, go on). An error: the
     /// checkpoint or the sockets' directories could not be used (it names
-    /// the file).
+    /// the file); the daemons come back with it, running.
     pub(super) fn start(
         host: &HostRoot,
         setting: DraSetting,
@@ -69,8 +70,8 @@ impl RunningDra {
         feed: watch::Receiver<Option<Arc<pb::DraClaims>>>,
         health: watch::Receiver<gpu_model::health::HealthView>,
         changed: Arc<Notify>,
-        mps: Result<DraMpsSetup, String>,
-    ) -> Result<Self, String> {
+        mps: Result<DraMps, String>,
+    ) -> Result<Self, (String, Option<DraMps>)> {
         let mut opts = gpu_dra::claims::Options::new(setting.node_name.clone());
         opts.cdi_dir = setting.cdi_dir.clone();
         opts.node_spec = format!(
@@ -78,12 +79,22 @@ impl RunningDra {
             setting.cdi_dir,
             gpu_dra::claims::cdi::NODE_SPEC_FILE
         );
+        let root = &setting.kubelet_root_dir;
+        let dirs = match Dirs::on(
+            host,
+            &format!("{root}/plugins_registry"),
+            &format!("{root}/plugins"),
+        ) {
+            Ok(d) => d,
+            Err(e) => return Err((e.to_string(), mps.ok())),
+        };
         let allocations = Arc::new(MemoryAllocations::new());
-        let mps = mps.map(|setup| DraMps::start(setup, Some(changed.clone())));
         let port = mps.as_ref().ok().map(DraMps::port);
-        let claims = NodeClaims::open_with_mps(host.clone(), opts, allocations.clone(), inv, port)
-            .map_err(|e| e.to_string())?;
-        let claims = Arc::new(claims);
+        let claims =
+            match NodeClaims::open_with_mps(host.clone(), opts, allocations.clone(), inv, port) {
+                Ok(c) => Arc::new(c),
+                Err(e) => return Err((e.to_string(), mps.ok())),
+            };
         if mps.is_ok() {
             let (claims, changed) = (claims.clone(), changed.clone());
             // Blocks until each daemon serves: off the async threads.
@@ -95,13 +106,6 @@ impl RunningDra {
         }
         let recovery = claims.status().recovery;
         tracing::info!(task = TASK, recovery = %recovery.summary(), "DRA claims opened");
-        let root = &setting.kubelet_root_dir;
-        let dirs = Dirs::on(
-            host,
-            &format!("{root}/plugins_registry"),
-            &format!("{root}/plugins"),
-        )
-        .map_err(|e| e.to_string())?;
         let socket = format!(
             "{root}/plugins_registry/{}",
             gpu_dra::kubelet::registration_socket_name()
@@ -206,8 +210,18 @@ impl RunningDra {
         }
     }
 
-    /// Stops serving: the registration socket goes first, then `dra.sock`.
-    pub(super) async fn stop(mut self) {
+    /// Stops serving: the registration socket goes first, then `dra.sock`;
+    /// then every claim's daemon quits (the plugin is turned off, or the
+    /// agent stops).
+    pub(super) async fn stop(self) {
+        if let Some(m) = self.stop_keeping_mps().await {
+            m.stop().await;
+        }
+    }
+
+    /// Stops serving and hands over the claims' daemons, running, to the
+    /// plugin's next run.
+    pub(super) async fn stop_keeping_mps(mut self) -> Option<DraMps> {
         self.feeder.abort();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
@@ -219,10 +233,17 @@ impl RunningDra {
                 Ok(Ok(())) => {}
             }
         }
-        // The kubelet is gone: every claim's daemon quits.
-        if let Ok(m) = self.mps {
-            m.stop().await;
+        self.mps.ok()
+    }
+
+    /// A plugin that ended on its own: its claims' daemons, running, for
+    /// the next run.
+    pub(super) fn into_mps(mut self) -> Option<DraMps> {
+        self.feeder.abort();
+        if let Some(task) = self.task.take() {
+            task.abort();
         }
+        self.mps.ok()
     }
 }
 

@@ -41,6 +41,16 @@ pub fn resource_of(uid: &str) -> String {
     format!("dra-claim-{uid}")
 }
 
+/// What the supervisor keeps between runs of the DRA plugin: the node's
+/// backend once shared (the view's box then passes every call on to it),
+/// and the daemons while the plugin restarts (a restart of the plugin
+/// must not end the daemons its claims' running containers use).
+#[derive(Debug, Default)]
+pub struct Kept {
+    pub backend: Option<Arc<dyn GpuBackend>>,
+    pub daemons: Option<DraMps>,
+}
+
 /// What the daemons run with.
 pub struct DraMpsSetup {
     pub host: HostRoot,

@@ -6,7 +6,7 @@ use super::core::Supervisor;
 use std::sync::Arc;
 
 use super::dra::{DraSetting, RunningDra, TASK};
-use super::dra_mps::{DraMpsSetup, SharedBackend};
+use super::dra_mps::{DraMps, DraMpsSetup, SharedBackend};
 use crate::inventory::Inventory;
 use crate::state::DraStatus;
 use gpu_agent_proto::report::v1 as pb;
@@ -40,6 +40,10 @@ impl Supervisor {
                 );
                 d.stop().await;
             }
+            // Kept from a run that could not start again: they quit too.
+            if let Some(m) = self.dra_mps.daemons.take() {
+                m.stop().await;
+            }
             self.tasks.remove(TASK);
             self.st.dra = None;
             return;
@@ -58,7 +62,8 @@ impl Supervisor {
                 "DRA settings changed; restarting the DRA plugin"
             );
             if let Some(d) = self.dra.take() {
-                d.stop().await;
+                // The claims' daemons go on for the next run.
+                self.dra_mps.daemons = d.stop_keeping_mps().await;
             }
         }
         self.start_dra();
@@ -67,8 +72,9 @@ impl Supervisor {
     /// Starts the plugin (a failure is the task's, restarted with backoff).
     pub(super) fn start_dra(&mut self) {
         if let Some(d) = self.dra.take() {
-            // One that ended on its own is replaced; its sockets are gone.
-            drop(d);
+            // One that ended on its own is replaced; its sockets are gone,
+            // its claims' daemons go on.
+            self.dra_mps.daemons = d.into_mps();
         }
         if !self.opts.policy.dra.enabled {
             return;
@@ -82,7 +88,12 @@ impl Supervisor {
             Some(h) => h.view(),
             None => tokio::sync::watch::channel(Default::default()).1,
         };
-        let mps = self.dra_mps_setup();
+        let mps = match self.dra_mps.daemons.take() {
+            Some(m) => Ok(m),
+            None => self
+                .dra_mps_setup()
+                .map(|setup| DraMps::start(setup, Some(self.changed.clone()))),
+        };
         match RunningDra::start(
             &self.opts.host,
             setting,
@@ -96,7 +107,10 @@ impl Supervisor {
                 self.dra = Some(d);
                 self.task_started(TASK);
             }
-            Err(e) => self.task_ended(TASK, Err(e)),
+            Err((e, daemons)) => {
+                self.dra_mps.daemons = daemons;
+                self.task_ended(TASK, Err(e));
+            }
         }
     }
 
@@ -110,7 +124,7 @@ impl Supervisor {
                     .into(),
             );
         }
-        let backend = match &self.dra_backend {
+        let backend = match &self.dra_mps.backend {
             Some(b) => b.clone(),
             None => {
                 let placeholder: Box<dyn crate::backend::GpuBackend> =
@@ -118,7 +132,7 @@ impl Supervisor {
                 let own = std::mem::replace(&mut self.opts.view.backend, placeholder);
                 let shared: Arc<dyn crate::backend::GpuBackend> = Arc::from(own);
                 self.opts.view.backend = Box::new(SharedBackend(shared.clone()));
-                self.dra_backend = Some(shared.clone());
+                self.dra_mps.backend = Some(shared.clone());
                 shared
             }
         };

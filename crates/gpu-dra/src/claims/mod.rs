@@ -143,7 +143,7 @@ impl NodeClaims {
     ) -> Result<Self, StateError> {
         let boot_id = checkpoint::read_boot_id(&host)?;
         let unfinished_mps = match &mps {
-            Some(_) => mps::unfinished(&host, &opts, &boot_id),
+            Some(_) => recovery::unfinished_mps(&host, &opts, &boot_id),
             None => Vec::new(),
         };
         let (checkpoint, recovery) = recovery::recover(&host, &opts, &boot_id)?;

@@ -215,24 +215,6 @@ fn gpus_of(entry: &Entry, devices: &BTreeMap<String, NodeDevice>) -> Result<Vec<
     }
 }
 
-/// This boot's claims with MPS whose prepare never finished, as the
-/// checkpoint holds them before start-up rolls them back.
-pub(super) fn unfinished(
-    host: &hostlib::HostRoot,
-    opts: &super::Options,
-    boot_id: &str,
-) -> Vec<(String, Entry)> {
-    let path = checkpoint::checkpoint_path(&opts.state_dir);
-    match checkpoint::load(host, &path) {
-        Ok(checkpoint::Loaded::Found(c)) if c.boot_id == boot_id => c
-            .claims
-            .into_iter()
-            .filter(|(_, e)| e.state == EntryState::Preparing && e.mps.is_some())
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
 /// Gives every device of `spec` the edits of a daemon at `dirs`, in place
 /// of those of an earlier daemon of the claim.
 pub(crate) fn set_edits(spec: &mut gpu_model::cdi::Spec, dirs: &MpsDirs) {

@@ -252,3 +252,21 @@ fn rebuild(
     }
     Ok(claims)
 }
+
+/// This boot's claims with MPS whose prepare never finished, as the
+/// checkpoint holds them before start-up rolls them back.
+pub(crate) fn unfinished_mps(
+    host: &HostRoot,
+    opts: &Options,
+    boot_id: &str,
+) -> Vec<(String, Entry)> {
+    let path = checkpoint::checkpoint_path(&opts.state_dir);
+    match checkpoint::load(host, &path) {
+        Ok(checkpoint::Loaded::Found(c)) if c.boot_id == boot_id => c
+            .claims
+            .into_iter()
+            .filter(|(_, e)| e.state == EntryState::Preparing && e.mps.is_some())
+            .collect(),
+        _ => Vec::new(),
+    }
+}
