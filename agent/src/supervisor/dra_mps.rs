@@ -269,10 +269,13 @@ impl Task {
                 req = rx.recv() => match req {
                     Some(Request::Start { uid, gpus, settings, reply }) => {
                         let r = self.start(&uid, &gpus, &settings).await;
+                        // `status` says so before the claim is answered.
+                        self.publish();
                         let _ = reply.try_send(r);
                     }
                     Some(Request::Stop { uid, reply }) => {
                         self.stop(&uid).await;
+                        self.publish();
                         let _ = reply.try_send(Ok(()));
                     }
                     Some(Request::Shutdown { done }) => {
@@ -491,5 +494,268 @@ impl GpuBackend for SharedBackend {
     }
     fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
         self.0.compute_mode(uuid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Weak;
+
+    use hostlib::process::{Exit, FakeSpawner};
+
+    use super::*;
+    use crate::backend::sim::SimulatedBackend;
+
+    const U1: &str = "dab5ab50-d59a-42a6-af16-cfd4628c0f7a";
+    const U2: &str = "0c7e1d7a-2f4b-4b83-9d0b-5b1f2a3c4d5e";
+
+    /// No daemon answers until one is started on that pipe directory;
+    /// `quit` ends it; a `set_default_active_thread_percentage 13` is
+    /// refused (a daemon that fails at its limits).
+    fn fake_mps() -> Arc<FakeSpawner> {
+        let f = Arc::new(FakeSpawner::new());
+        let weak: Weak<FakeSpawner> = Arc::downgrade(&f);
+        f.respond(move |launch, input| {
+            let f = weak.upgrade().expect("spawner alive");
+            let pipe = &launch.env["CUDA_MPS_PIPE_DIRECTORY"];
+            let spawned = f.spawned();
+            let live = (0..spawned.len())
+                .rev()
+                .find(|&n| &spawned[n].env["CUDA_MPS_PIPE_DIRECTORY"] == pipe && f.is_running(n));
+            let Some(n) = live else {
+                return Err("Cannot find MPS control daemon process".into());
+            };
+            match input.trim() {
+                "quit" => {
+                    f.exit(
+                        n,
+                        Exit {
+                            code: Some(0),
+                            signal: None,
+                        },
+                    );
+                    Ok(String::new())
+                }
+                "set_default_active_thread_percentage 13" => Err("refused".into()),
+                _ => Ok(String::new()),
+            }
+        });
+        f
+    }
+
+    struct Fixture {
+        dir: tempfile::TempDir,
+        spawner: Arc<FakeSpawner>,
+        backend: Arc<SimulatedBackend>,
+        mps: DraMps,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("usr/bin")).unwrap();
+        std::fs::write(dir.path().join("usr/bin/nvidia-cuda-mps-control"), "").unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let backend = Arc::new(SimulatedBackend::new(
+            simnode::NodeDescription::load("t4-4").unwrap(),
+        ));
+        let spawner = fake_mps();
+        let mps = DraMps::start(
+            DraMpsSetup {
+                host,
+                spawner: spawner.clone(),
+                backend: backend.clone(),
+                root: "/run/nvidia/mps".into(),
+                missing_caps: Vec::new(),
+            },
+            None,
+        );
+        Fixture {
+            dir,
+            spawner,
+            backend,
+            mps,
+        }
+    }
+
+    fn gpus(b: &SimulatedBackend, which: &[usize]) -> Vec<MpsGpu> {
+        which
+            .iter()
+            .map(|&i| MpsGpu {
+                uuid: b.node().gpus[i].uuid.clone(),
+                minor: i as u32,
+            })
+            .collect()
+    }
+
+    /// The port's blocking call, off the async threads.
+    async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        tokio::task::spawn_blocking(f).await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_get_daemons_of_their_own_and_lose_them_at_stop() {
+        let f = fixture();
+        let port = f.mps.port();
+        let (p, g) = (port.clone(), gpus(&f.backend, &[1, 2]));
+        let settings = MpsSettings {
+            default_active_thread_percentage: Some(30),
+            default_pinned_device_memory_limit_mib: Some(1024),
+            ..Default::default()
+        };
+        let s = settings.clone();
+        let dirs = blocking(move || p.start(U1, &g, &s)).await.unwrap();
+        assert_eq!(
+            dirs,
+            MpsDirs {
+                pipe_dir: format!("/run/nvidia/mps/dra-claim-{U1}/pipe"),
+                shm_dir: format!("/run/nvidia/mps/dra-claim-{U1}/shm"),
+            }
+        );
+        assert!(f.dir.path().join(&dirs.pipe_dir[1..]).is_dir());
+        let launch = &f.spawner.spawned()[0];
+        assert_eq!(launch.shm.as_deref(), Some(dirs.shm_dir.as_str()));
+        let g = gpus(&f.backend, &[1, 2]);
+        assert_eq!(
+            launch.env["CUDA_VISIBLE_DEVICES"],
+            format!("{},{}", g[0].uuid, g[1].uuid)
+        );
+        let told: Vec<String> = f.spawner.ran().into_iter().map(|(_, i)| i).collect();
+        assert_eq!(
+            told,
+            [
+                "quit\n",
+                "get_default_active_thread_percentage\n",
+                "set_default_active_thread_percentage 30\n",
+                "set_default_device_pinned_mem_limit 0 1024M\n",
+                "set_default_device_pinned_mem_limit 1 1024M\n",
+            ]
+        );
+        let mode = |i: usize| {
+            f.backend
+                .compute_mode(&f.backend.node().gpus[i].uuid)
+                .unwrap()
+        };
+        assert_eq!(
+            [mode(0), mode(1), mode(2)],
+            [
+                ComputeMode::Default,
+                ComputeMode::ExclusiveProcess,
+                ComputeMode::ExclusiveProcess
+            ]
+        );
+        assert_eq!(f.mps.phases()[U1], "serving");
+        // Asked again (a repeat, a restart of the plugin): nothing new.
+        let (p, g, s) = (port.clone(), gpus(&f.backend, &[1, 2]), settings.clone());
+        assert_eq!(blocking(move || p.start(U1, &g, &s)).await.unwrap(), dirs);
+        assert_eq!(f.spawner.spawned().len(), 1);
+        // A second claim: a daemon of its own.
+        let (p, g) = (port.clone(), gpus(&f.backend, &[3]));
+        blocking(move || p.start(U2, &g, &MpsSettings::default()))
+            .await
+            .unwrap();
+        assert_eq!(f.spawner.running(), 2);
+        // Stop: quit, DEFAULT, directories gone; the other one runs on.
+        let p = port.clone();
+        blocking(move || p.stop(U1)).await.unwrap();
+        assert_eq!(f.spawner.running(), 1);
+        assert_eq!([mode(1), mode(2)], [ComputeMode::Default; 2]);
+        assert!(
+            !f.dir
+                .path()
+                .join(format!("run/nvidia/mps/dra-claim-{U1}"))
+                .exists()
+        );
+        assert_eq!(f.mps.phases().keys().collect::<Vec<_>>(), [U2]);
+        // The agent stops: every daemon quits.
+        f.mps.stop().await;
+        assert_eq!(f.spawner.running(), 0);
+        assert_eq!(mode(3), ComputeMode::Default);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_start_leaves_nothing_and_an_exit_is_started_again() {
+        let f = fixture();
+        let port = f.mps.port();
+        let (p, g) = (port.clone(), gpus(&f.backend, &[0]));
+        let refused = MpsSettings {
+            default_active_thread_percentage: Some(13),
+            ..Default::default()
+        };
+        let err = blocking(move || p.start(U1, &g, &refused))
+            .await
+            .unwrap_err();
+        assert!(
+            err.contains("refused `set_default_active_thread_percentage 13`: refused"),
+            "{err}"
+        );
+        assert_eq!(f.spawner.running(), 0);
+        let uuid0 = f.backend.node().gpus[0].uuid.clone();
+        assert_eq!(
+            f.backend.compute_mode(&uuid0).unwrap(),
+            ComputeMode::Default
+        );
+        assert!(
+            !f.dir
+                .path()
+                .join(format!("run/nvidia/mps/dra-claim-{U1}"))
+                .exists()
+        );
+        assert!(f.mps.phases().is_empty());
+        // A key that names no GPU of the claim.
+        let (p, g) = (port.clone(), gpus(&f.backend, &[0]));
+        let bad = MpsSettings {
+            per_device_pinned_memory_limit_mib: [("3".to_string(), 10)].into(),
+            ..Default::default()
+        };
+        let err = blocking(move || p.start(U1, &g, &bad)).await.unwrap_err();
+        assert!(err.contains("names \"3\""), "{err}");
+        // One that serves, then exits: failed in the phases, started again.
+        let (p, g) = (port.clone(), gpus(&f.backend, &[0]));
+        blocking(move || p.start(U1, &g, &MpsSettings::default()))
+            .await
+            .unwrap();
+        let n = f.spawner.spawned().len() - 1;
+        assert!(f.spawner.exit(
+            n,
+            Exit {
+                code: None,
+                signal: Some(9)
+            }
+        ));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut saw_failed = false;
+        loop {
+            let phase = f.mps.phases().get(U1).cloned().unwrap_or_default();
+            saw_failed |= phase.starts_with("failed: ") && phase.contains("killed by SIGKILL");
+            if saw_failed && phase == "serving" {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{phase}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(f.spawner.running(), 1);
+        f.mps.stop().await;
+    }
+
+    #[tokio::test]
+    async fn missing_capabilities_are_said_in_words() {
+        let dir = tempfile::tempdir().unwrap();
+        let mps = DraMps::start(
+            DraMpsSetup {
+                host: HostRoot::new(dir.path()).unwrap(),
+                spawner: Arc::new(FakeSpawner::new()),
+                backend: Arc::new(SimulatedBackend::new(
+                    simnode::NodeDescription::load("t4-4").unwrap(),
+                )),
+                root: "/run/nvidia/mps".into(),
+                missing_caps: vec!["CAP_SYS_ADMIN".into()],
+            },
+            None,
+        );
+        assert_eq!(
+            mps.unavailable().as_deref(),
+            Some("claims with MPS sharing fail: the MPS control daemon needs CAP_SYS_ADMIN")
+        );
+        mps.stop().await;
     }
 }
