@@ -206,6 +206,11 @@ pub fn dra(d: &crate::state::DraStatus) -> String {
     if !d.recovery.is_empty() {
         out.push_str(&format!("dra: at start: {}\n", d.recovery));
     }
+    if let Some(why) = &d.mps_unavailable {
+        out.push_str(&format!(
+            "dra: claims cannot share GPUs through MPS here: {why}\n"
+        ));
+    }
     if !d.claims.is_empty() {
         let rows: Vec<Vec<String>> = d
             .claims
@@ -216,10 +221,14 @@ pub fn dra(d: &crate::state::DraStatus) -> String {
                     c.uid.clone(),
                     c.state.clone(),
                     c.devices.join(", "),
+                    c.mps.clone().unwrap_or_else(|| "-".into()),
                 ]
             })
             .collect();
-        out.push_str(&table(&["CLAIM", "UID", "STATE", "DEVICES"], &rows));
+        out.push_str(&table(
+            &["CLAIM", "UID", "STATE", "DEVICES", "MPS DAEMON"],
+            &rows,
+        ));
     }
     out
 }

@@ -321,6 +321,11 @@ impl Supervisor {
         if let Some(d) = self.dra.take() {
             d.stop().await;
         }
+        // Claims' MPS daemons kept from a DRA run that could not start
+        // again are told to quit too (not killed with the agent).
+        if let Some(m) = self.dra_mps.daemons.take() {
+            m.stop().await;
+        }
         // No more replicas are handed out: the MPS daemons may quit.
         self.mps.stop_all(self.opts.view.backend.as_ref()).await;
         // The device plugin is gone with us: scripts waiting on it must not

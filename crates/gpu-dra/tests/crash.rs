@@ -288,13 +288,27 @@ fn check_recovery(before: &Disk, node: &Node, server: &Server, ctx: &str) {
         .map(|(u, _)| u.clone())
         .collect();
     assert_eq!(listed(rec, "rolledBack"), half, "{ctx}: {rec}");
+    // Stray specs, and the temp files of spec writes the kill cut short.
     let stray: BTreeSet<String> = before
         .specs
         .keys()
         .filter(|u| !before.checkpoint.claims.contains_key(*u))
         .map(|u| node.spec_path(u))
+        .chain(
+            before
+                .others
+                .iter()
+                .filter(|n| n.contains(".gpu-agent-tmp."))
+                .map(|n| format!("{}/{n}", node.cdi_dir())),
+        )
         .collect();
     assert_eq!(listed(rec, "removed"), stray, "{ctx}: {rec}");
+    let after = node.disk();
+    assert!(
+        after.others.iter().all(|n| !n.contains(".gpu-agent-tmp.")),
+        "{ctx}: temp files left after the restart: {:?}",
+        after.others
+    );
     let rewritten: BTreeSet<String> = before
         .checkpoint
         .claims
@@ -649,11 +663,8 @@ async fn a_corrupt_checkpoint_after_kill_9_is_set_aside_and_rebuilt_from_the_spe
     let rec = server.recovery();
     let found = &rec["checkpoint"];
     assert_eq!(found["found"], "corrupt", "{rec}");
-    // `set_aside` / `boot_id` as serde writes Found's fields today (the
-    // rest of status is camelCase); either spelling passes.
-    let aside = found["set_aside"]
+    let aside = found["setAside"]
         .as_str()
-        .or(found["setAside"].as_str())
         .unwrap_or_else(|| panic!("no set-aside path in {rec}"));
     assert!(aside.starts_with(&format!("{path}.corrupt-")), "{rec}");
     let kept = std::fs::read(node.host.resolve(aside).unwrap()).unwrap();
@@ -704,7 +715,7 @@ async fn after_a_reboot_the_old_boots_claims_are_dropped_and_prepared_again() {
     let rec = server.recovery();
     let found = &rec["checkpoint"];
     assert_eq!(found["found"], "otherBoot", "{rec}");
-    let old = found["boot_id"].as_str().or(found["bootId"].as_str());
+    let old = found["bootId"].as_str();
     assert_eq!(old, Some(BOOT), "{rec}");
     let uids: BTreeSet<String> = claims.iter().map(|(u, _)| u.clone()).collect();
     assert_eq!(listed(found, "dropped"), uids, "{rec}");

@@ -14,7 +14,11 @@ use super::options::Options;
 
 /// What start-up found at the checkpoint's path.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "camelCase", tag = "found")]
+#[serde(
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    tag = "found"
+)]
 pub enum Found {
     /// No checkpoint: a first start (or a state directory wiped).
     #[default]
@@ -179,10 +183,31 @@ pub fn recover(
             Err(e) => rec.problems.push(format!("removing {spec}: {e}")),
         }
     }
+    // A spec's temp file whose writer was killed before its rename (an
+    // agent is alone on its host, so no writer of one is alive now): the
+    // claim's prepare was rolled back or the spec written again above.
+    for name in host.read_dir_names(&opts.cdi_dir).unwrap_or_default() {
+        if !is_stale_spec_temp(&name) {
+            continue;
+        }
+        let temp = format!("{}/{name}", opts.cdi_dir.trim_end_matches('/'));
+        match host.remove_file(&temp) {
+            Ok(_) => rec.removed.push(temp),
+            Err(e) => rec.problems.push(format!("removing {temp}: {e}")),
+        }
+    }
     ckpt.boot_id = boot_id.to_string();
     checkpoint::save(host, &path, &ckpt)?;
     tracing::info!(summary = %rec.summary(), "DRA claims recovered");
     Ok((ckpt, rec))
+}
+
+/// Whether `name` is the temp file of a claim's spec that an atomic write
+/// left (`.<spec file>.gpu-agent-tmp.<pid>.<n>`).
+fn is_stale_spec_temp(name: &str) -> bool {
+    name.strip_prefix('.')
+        .and_then(|n| n.split_once(".gpu-agent-tmp."))
+        .is_some_and(|(spec, _)| cdi::uid_of_spec_file(spec).is_some())
 }
 
 /// The transient spec files in `cdi_dir`: (claim UID, file name). A
@@ -268,5 +293,32 @@ pub(crate) fn unfinished_mps(
             .filter(|(_, e)| e.state == EntryState::Preparing && e.mps.is_some())
             .collect(),
         _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests_support::Node;
+    use super::*;
+
+    #[test]
+    fn a_killed_writers_temp_spec_is_removed_at_start() {
+        let n = Node::new();
+        let uid = "0e0b7f4c-aaaa-4bbb-8ccc-000000000001";
+        let spec = cdi::spec_file_name(uid);
+        let dir = n.opts.cdi_dir.trim_end_matches('/').to_string();
+        let temp = format!("{dir}/.{spec}.gpu-agent-tmp.999999.0");
+        let other = format!("{dir}/.other.json.gpu-agent-tmp.999999.0");
+        n.write(&temp, "half a spec");
+        n.write(&other, "not ours");
+        let (_, rec) = recover(&n.host, &n.opts, "boot").unwrap();
+        assert!(!n.exists(&temp), "{rec:?}");
+        assert!(rec.removed.contains(&temp), "{rec:?}");
+        assert!(n.exists(&other), "another writer's temp file is not ours");
+        assert!(is_stale_spec_temp(&format!(".{spec}.gpu-agent-tmp.1.2")));
+        assert!(!is_stale_spec_temp(&spec));
+        assert!(!is_stale_spec_temp(
+            ".k8s.gpu.nvidia.com-claim_a..b.yaml.gpu-agent-tmp.1.0"
+        ));
     }
 }
