@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::StateError;
 use super::sharing::MpsSettings;
+use super::timeslice::TimeSliceRecord;
 use crate::claim::{ClaimRef, PreparedDevice};
 
 /// The checkpoint's file name in the state directory.
@@ -28,6 +29,11 @@ pub struct Checkpoint {
     pub boot_id: String,
     /// By claim UID.
     pub claims: BTreeMap<String, Entry>,
+    /// The claims with time-slicing on full GPUs, by claim UID: recorded
+    /// before their GPUs' time slice is set, dropped once it is set back
+    /// (a record without its claim is a prepare cut short, undone at start).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub time_slices: BTreeMap<String, TimeSliceRecord>,
 }
 
 /// How far a claim's prepare got.
@@ -79,6 +85,7 @@ impl Checkpoint {
             version: CHECKPOINT_VERSION,
             boot_id: boot_id.to_string(),
             claims: BTreeMap::new(),
+            time_slices: BTreeMap::new(),
         }
     }
 }

@@ -7,10 +7,12 @@
 //! - `TimeSlicing` with the `Default` interval (or none): taken. The GPU's
 //!   own time-slicing is what shares it between the containers of the
 //!   claim's pods; nothing is changed on the GPU.
-//! - `TimeSlicing` with `Short`, `Medium` or `Long`: these change the GPU's
-//!   time slice (NVIDIA's driver runs `nvidia-smi compute-policy
-//!   --set-timeslice`), which gpu-agent does not do yet: refused, naming
-//!   the interval.
+//! - `TimeSlicing` with `Short`, `Medium` or `Long` (`GpuConfig`): the
+//!   time slice of the claim's GPUs is set before its spec is written
+//!   (NVIDIA's driver runs `nvidia-smi compute-policy --set-timeslice`,
+//!   [`super::timeslice`]) and set back to `Default` on unprepare. A
+//!   claim's configurations must agree on the interval. On MIG devices
+//!   (`MigDeviceConfig`), which take no time slice: refused, naming why.
 //! - `MPS` (`GpuConfig`): a control daemon per claim, with the claim's
 //!   `mpsConfig` ([`super::sharing`]). The claim's configurations must
 //!   agree: one daemon serves all of its GPUs.
@@ -20,13 +22,13 @@ use serde_json::Value;
 
 use super::allocation::OpaqueConfig;
 use super::sharing::{self, MpsSettings};
+use super::timeslice::TimeSliceInterval;
 
 /// The API version of NVIDIA's configuration kinds.
 pub const CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";
 const KINDS: &[&str] = &["GpuConfig", "MigDeviceConfig"];
 const FIELDS: &[&str] = &["apiVersion", "kind", "sharing"];
 const SHARING_FIELDS: &[&str] = &["strategy", "timeSlicingConfig", "mpsConfig"];
-const INTERVALS: &[&str] = &["Default", "Short", "Medium", "Long"];
 
 /// How a claim's devices are shared, as its configuration says.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -34,8 +36,9 @@ pub enum Sharing {
     /// No sharing configured.
     #[default]
     None,
-    /// Time-slicing at the GPU's default interval.
-    TimeSlicing,
+    /// Time-slicing at this interval (`Default`: the GPU's own, nothing
+    /// changed).
+    TimeSlicing { interval: TimeSliceInterval },
     /// An MPS control daemon for the claim's GPUs, with these settings.
     Mps(MpsSettings),
 }
@@ -46,6 +49,7 @@ pub fn check(configs: &[OpaqueConfig]) -> Result<Sharing, String> {
     let mut sharing = Sharing::None;
     let mut mps: Option<(usize, MpsSettings)> = None;
     let mut others: Option<usize> = None;
+    let mut sliced: Option<(usize, TimeSliceInterval)> = None;
     for (i, c) in configs.iter().enumerate() {
         let at = |why: String| format!("opaque configuration #{i} ({:?}): {why}", c.source);
         let Some(obj) = c.parameters.as_object() else {
@@ -78,8 +82,17 @@ pub fn check(configs: &[OpaqueConfig]) -> Result<Sharing, String> {
                 },
                 other => {
                     others.get_or_insert(i);
-                    if other == Sharing::TimeSlicing {
-                        sharing = Sharing::TimeSlicing;
+                    if let Sharing::TimeSlicing { interval } = other {
+                        match sliced {
+                            Some((first, seen)) if seen != interval => {
+                                return Err(at(format!(
+                                    "it asks for time-slicing with interval {interval} and configuration #{first} with {seen}; a GPU has one time slice, so a claim's configurations must agree"
+                                )));
+                            }
+                            Some(_) => {}
+                            None => sliced = Some((i, interval)),
+                        }
+                        sharing = other;
                     }
                 }
             },
@@ -110,7 +123,7 @@ fn sharing_of(kind: &str, s: &Value) -> Result<Sharing, String> {
                     "{kind}.sharing.mpsConfig cannot go with strategy TimeSlicing"
                 ));
             }
-            let interval = match obj.get("timeSlicingConfig") {
+            let name = match obj.get("timeSlicingConfig") {
                 None | Some(Value::Null) => "Default",
                 Some(t) => {
                     let Some(t) = t.as_object() else {
@@ -127,18 +140,19 @@ fn sharing_of(kind: &str, s: &Value) -> Result<Sharing, String> {
                     }
                 }
             };
-            if !INTERVALS.contains(&interval) {
+            let Some(interval) = TimeSliceInterval::parse(name) else {
+                let all: Vec<&str> = TimeSliceInterval::ALL.iter().map(|i| i.name()).collect();
                 return Err(format!(
-                    "{kind}.sharing.timeSlicingConfig.interval {interval:?} is not one of {}",
-                    INTERVALS.join(", ")
+                    "{kind}.sharing.timeSlicingConfig.interval {name:?} is not one of {}",
+                    all.join(", ")
+                ));
+            };
+            if kind == "MigDeviceConfig" && interval != TimeSliceInterval::Default {
+                return Err(format!(
+                    "{kind} asks for time-slicing with interval {interval}, and MIG devices take no time slice (only full GPUs do): use interval Default"
                 ));
             }
-            if interval != "Default" {
-                return Err(format!(
-                    "{kind} asks for time-slicing with interval {interval}, which changes the GPU's time slice (nvidia-smi compute-policy); gpu-agent does not change it yet: use interval Default"
-                ));
-            }
-            Ok(Sharing::TimeSlicing)
+            Ok(Sharing::TimeSlicing { interval })
         }
         "MPS" => {
             if obj.get("timeSlicingConfig").is_some_and(|v| !v.is_null()) {
@@ -202,25 +216,73 @@ mod tests {
             json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}}),
             json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Default"}}),
         ] {
-            assert_eq!(check(&[gpu(s.clone())]), Ok(Sharing::TimeSlicing), "{s}");
+            assert_eq!(
+                check(&[gpu(s.clone())]),
+                Ok(Sharing::TimeSlicing {
+                    interval: TimeSliceInterval::Default
+                }),
+                "{s}"
+            );
         }
         let mig = cfg(
             json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
             "sharing": {"strategy": "TimeSlicing"}}),
         );
-        assert_eq!(check(&[mig]), Ok(Sharing::TimeSlicing));
+        assert_eq!(
+            check(&[mig]),
+            Ok(Sharing::TimeSlicing {
+                interval: TimeSliceInterval::Default
+            })
+        );
     }
 
     #[test]
-    fn what_would_change_the_gpu_or_is_not_built_is_refused_naming_it() {
-        let long = check(&[gpu(
-            json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}),
+    fn other_intervals_are_taken_on_gpus_and_must_agree() {
+        for (name, interval) in [
+            ("Short", TimeSliceInterval::Short),
+            ("Medium", TimeSliceInterval::Medium),
+            ("Long", TimeSliceInterval::Long),
+        ] {
+            let c =
+                gpu(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": name}}));
+            assert_eq!(
+                check(&[c.clone(), c]),
+                Ok(Sharing::TimeSlicing { interval }),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            [
+                TimeSliceInterval::Default,
+                TimeSliceInterval::Short,
+                TimeSliceInterval::Medium,
+                TimeSliceInterval::Long
+            ]
+            .map(TimeSliceInterval::int),
+            [0, 1, 2, 3]
+        );
+        let short =
+            gpu(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}));
+        let long =
+            gpu(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}));
+        let e = check(&[short, long]).unwrap_err();
+        assert!(
+            e.contains("#1") && e.contains("interval Long and configuration #0 with Short"),
+            "{e}"
+        );
+        let mig_long = check(&[cfg(
+            json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}),
         )])
         .unwrap_err();
         assert!(
-            long.contains("#0") && long.contains("interval Long"),
-            "{long}"
+            mig_long.contains("MigDeviceConfig asks for time-slicing with interval Long, and MIG devices take no time slice"),
+            "{mig_long}"
         );
+    }
+
+    #[test]
+    fn what_is_not_built_or_not_understood_is_refused_naming_it() {
         let bad = check(&[gpu(
             json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Forever"}}),
         )])

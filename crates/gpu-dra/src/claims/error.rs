@@ -79,6 +79,18 @@ pub enum ClaimError {
         #[source]
         source: hostlib::HostError,
     },
+    #[error("{claim}: the time slice of its GPUs: {why}")]
+    TimeSlice { claim: Named, why: String },
+    #[error(
+        "{claim}: its time-slicing interval {interval} differs from {other}'s ({other_interval}) on GPU {gpu}, which has one time slice"
+    )]
+    TimeSliceConflict {
+        claim: Named,
+        interval: String,
+        other: Named,
+        other_interval: String,
+        gpu: String,
+    },
     #[error("{claim}: its MPS control daemon: {why}")]
     Mps { claim: Named, why: String },
     #[error("{claim}: the checkpoint {path} could not be written: {why}")]

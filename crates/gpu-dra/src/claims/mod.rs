@@ -21,6 +21,7 @@ pub mod options;
 mod prepare;
 pub mod recovery;
 pub mod sharing;
+pub mod timeslice;
 
 #[cfg(test)]
 mod tests;
@@ -28,6 +29,8 @@ mod tests;
 mod tests_mps;
 #[cfg(test)]
 pub(crate) mod tests_support;
+#[cfg(test)]
+mod tests_timeslice;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,6 +51,11 @@ pub use error::{ClaimError, StateError};
 pub use options::{DEFAULT_ALLOCATION_WAIT, DEFAULT_CDI_DIR, DEFAULT_STATE_DIR, Options};
 pub use recovery::Recovery;
 pub use sharing::{MpsDirs, MpsGpu, MpsPort, MpsSettings};
+pub use timeslice::{TimeSliceInterval, TimeSlicePort, TimeSliceRecord};
+
+/// Why claims with a non-`Default` time-slicing interval are refused when
+/// no [`TimeSlicePort`] was given.
+const NO_TIME_SLICE: &str = "this node's DRA plugin runs without a way to change GPU time slices";
 
 /// The node's claims (see the module docs).
 pub struct NodeClaims {
@@ -56,6 +64,9 @@ pub struct NodeClaims {
     allocations: Arc<dyn Allocations>,
     /// Who runs MPS daemons for claims that ask for MPS (none: refused).
     mps: Option<Arc<dyn MpsPort>>,
+    /// Who changes the GPUs' time slices, or why this node does not
+    /// (claims with a non-`Default` interval are refused).
+    time_slice: Result<Arc<dyn TimeSlicePort>, String>,
     state: Mutex<State>,
     /// The device table, for those who follow it (the health stream); sent
     /// under the state's lock, only when it changed.
@@ -153,6 +164,7 @@ impl NodeClaims {
             opts,
             allocations,
             mps,
+            time_slice: Err(NO_TIME_SLICE.into()),
             devices_tx: watch::Sender::new(table.clone()),
             state: Mutex::new(State {
                 checkpoint,
@@ -163,6 +175,16 @@ impl NodeClaims {
                 unfinished_mps,
             }),
         })
+    }
+
+    /// Changes the GPUs' time slices of claims that ask for an interval
+    /// other than `Default` through `port` (`Err`: why this node does not;
+    /// those claims are refused with it). Before the claims are served:
+    /// then [`restore_time_slices`](Self::restore_time_slices), which
+    /// blocks, sets back those of prepares cut short.
+    pub fn with_time_slice(mut self, port: Result<Arc<dyn TimeSlicePort>, String>) -> Self {
+        self.time_slice = port;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

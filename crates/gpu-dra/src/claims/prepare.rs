@@ -14,6 +14,7 @@ use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState};
 use super::config::{self, Sharing};
 use super::error::{ClaimError, Named};
 use super::sharing::{MpsDirs, MpsGpu};
+use super::timeslice::{self, TimeSliceInterval, TimeSliceRecord};
 use super::{NodeClaims, State, Waiter};
 use crate::claim::{ClaimRef, PreparedDevice};
 
@@ -23,6 +24,24 @@ struct Plan {
     entry: Entry,
     /// Its MPS daemon's GPUs, in the allocation's order (none: no MPS).
     mps_gpus: Vec<MpsGpu>,
+    /// Its time-slicing on full GPUs (none: no time-slicing).
+    time_slice: Option<TimeSliceRecord>,
+}
+
+impl Plan {
+    /// Its GPUs' time slice changes (an interval other than `Default`).
+    fn slices(&self) -> Option<&TimeSliceRecord> {
+        self.time_slice
+            .as_ref()
+            .filter(|r| r.interval != TimeSliceInterval::Default)
+    }
+}
+
+/// What was done outside the lock, by claim UID.
+#[derive(Default)]
+struct Outside {
+    started: BTreeMap<String, Result<MpsDirs, ClaimError>>,
+    sliced: BTreeMap<String, Result<(), ClaimError>>,
 }
 
 /// The node spec, read once per batch and only when a claim needs it.
@@ -112,10 +131,11 @@ impl NodeClaims {
                 None => self.allocations.wait_for(&c.uid, Instant::now()),
             };
             match self.plan(&st, &named, alloc, &plans, &mut node_spec) {
-                Ok((entry, mps_gpus)) => plans.push(Plan {
+                Ok((entry, mps_gpus, time_slice)) => plans.push(Plan {
                     uid: c.uid.clone(),
                     entry,
                     mps_gpus,
+                    time_slice,
                 }),
                 Err(e) => {
                     tracing::warn!(claim = %named, error = %e, "prepare failed");
@@ -129,20 +149,31 @@ impl NodeClaims {
         let Some(before) = self.begin_plans(&mut st, &plans, &mut out) else {
             return out;
         };
-        // MPS daemons start outside the lock: one may take seconds to
-        // answer, and `status` and other claims go on meanwhile. Their
-        // claims are `preparing` in the checkpoint, so no other claim takes
-        // their devices; an unprepare meanwhile stops the daemon.
-        let mut started = BTreeMap::new();
-        if plans.iter().any(|p| p.entry.mps.is_some()) {
+        // MPS daemons start, and time slices are set, outside the lock: one
+        // may take seconds to answer, and `status` and other claims go on
+        // meanwhile. Their claims are `preparing` in the checkpoint, so no
+        // other claim takes their devices; an unprepare meanwhile stops the
+        // daemon or sets the time slice back.
+        let mut outside = Outside::default();
+        if plans
+            .iter()
+            .any(|p| p.entry.mps.is_some() || p.slices().is_some())
+        {
             drop(st);
-            for p in plans.iter().filter(|p| p.entry.mps.is_some()) {
-                let r = self.start_mps(&p.entry.claim_ref(&p.uid), &p.entry, &p.mps_gpus);
-                started.insert(p.uid.clone(), r);
+            for p in &plans {
+                let c = p.entry.claim_ref(&p.uid);
+                if p.entry.mps.is_some() {
+                    let r = self.start_mps(&c, &p.entry, &p.mps_gpus);
+                    outside.started.insert(p.uid.clone(), r);
+                }
+                if let Some(rec) = p.slices() {
+                    let r = self.apply_time_slice(&c, rec);
+                    outside.sliced.insert(p.uid.clone(), r);
+                }
             }
             st = self.lock();
         }
-        self.write_plans(&mut st, &before, plans, started, &mut out);
+        self.write_plans(&mut st, &before, plans, outside, &mut out);
         out
     }
 
@@ -156,7 +187,7 @@ impl NodeClaims {
         alloc: Option<ClaimAllocation>,
         planned: &[Plan],
         node_spec: &mut NodeSpec,
-    ) -> Result<(Entry, Vec<MpsGpu>), ClaimError> {
+    ) -> Result<(Entry, Vec<MpsGpu>, Option<TimeSliceRecord>), ClaimError> {
         let uid = &named.0.uid;
         let Some(alloc) = alloc else {
             return Err(ClaimError::NoAllocation {
@@ -197,6 +228,7 @@ impl NodeClaims {
             claim: named.clone(),
             why,
         })?;
+        let mut time_slice = None;
         let (mps, mps_gpus) = match sharing {
             Sharing::Mps(settings) => {
                 let gpus = self.mps_gpus(named, &alloc, &devices)?;
@@ -209,8 +241,50 @@ impl NodeClaims {
                     })?;
                 (Some(settings), gpus)
             }
-            Sharing::None | Sharing::TimeSlicing => (None, Vec::new()),
+            Sharing::TimeSlicing { interval } => {
+                time_slice = self.time_slice_plan(named, &alloc, &devices, interval)?;
+                (None, Vec::new())
+            }
+            Sharing::None => (None, Vec::new()),
         };
+        if let Some(rec) = &time_slice {
+            let others = st
+                .checkpoint
+                .time_slices
+                .iter()
+                .map(|(u, r)| (u.as_str(), r))
+                .chain(
+                    planned
+                        .iter()
+                        .filter_map(|p| p.time_slice.as_ref().map(|r| (p.uid.as_str(), r))),
+                )
+                .filter(|(u, _)| *u != uid.as_str());
+            if let Some((other, gpu, other_interval)) = timeslice::conflict(rec, others) {
+                let other = st
+                    .checkpoint
+                    .claims
+                    .get(other)
+                    .map(|e| e.claim_ref(other))
+                    .or_else(|| {
+                        planned
+                            .iter()
+                            .find(|p| p.uid == other)
+                            .map(|p| p.entry.claim_ref(other))
+                    })
+                    .unwrap_or_else(|| ClaimRef {
+                        namespace: String::new(),
+                        uid: other.to_string(),
+                        name: String::new(),
+                    });
+                return Err(ClaimError::TimeSliceConflict {
+                    claim: named.clone(),
+                    interval: rec.interval.to_string(),
+                    other: Named::new(other),
+                    other_interval: other_interval.to_string(),
+                    gpu,
+                });
+            }
+        }
         let others = st
             .checkpoint
             .claims
@@ -270,7 +344,7 @@ impl NodeClaims {
             recovered: false,
             mps,
         };
-        Ok((entry, mps_gpus))
+        Ok((entry, mps_gpus, time_slice))
     }
 
     /// Checkpoint `preparing` for every plan; `None` (each plan answered
@@ -286,6 +360,9 @@ impl NodeClaims {
         let before = st.checkpoint.clone();
         for p in plans {
             st.checkpoint.claims.insert(p.uid.clone(), p.entry.clone());
+            if let Some(rec) = &p.time_slice {
+                st.checkpoint.time_slices.insert(p.uid.clone(), rec.clone());
+            }
         }
         if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
             st.checkpoint = before;
@@ -308,13 +385,44 @@ impl NodeClaims {
         st: &mut State,
         before: &Checkpoint,
         plans: Vec<Plan>,
-        mut started: BTreeMap<String, Result<MpsDirs, ClaimError>>,
+        mut outside: Outside,
         out: &mut BTreeMap<String, Result<Vec<PreparedDevice>, ClaimError>>,
     ) {
         let path = checkpoint::checkpoint_path(&self.opts.state_dir);
         let mut written = Vec::new();
         for mut p in plans {
             let claim = Named::new(p.entry.claim_ref(&p.uid));
+            let started = &mut outside.started;
+            if let Some(rec) = p.slices() {
+                let r = outside.sliced.remove(&p.uid).unwrap_or_else(|| {
+                    Err(ClaimError::TimeSlice {
+                        claim: claim.clone(),
+                        why: "not set".into(),
+                    })
+                });
+                if !st.checkpoint.claims.contains_key(&p.uid) {
+                    // Its unprepare set the GPUs back, perhaps before this
+                    // prepare changed them: once more.
+                    self.reset_after_failure(&st.checkpoint, &p.uid, &claim, rec);
+                    out.insert(
+                        p.uid,
+                        Err(ClaimError::TimeSlice {
+                            claim,
+                            why: "the claim was unprepared while its GPUs' time slice was set"
+                                .into(),
+                        }),
+                    );
+                    continue;
+                }
+                if let Err(e) = r {
+                    // A GPU before the one that failed may have changed.
+                    self.undo(st, before, &p.uid, false);
+                    self.reset_after_failure(&st.checkpoint, &p.uid, &claim, rec);
+                    tracing::warn!(claim = %claim, error = %e, "prepare failed: time slice");
+                    out.insert(p.uid, Err(e));
+                    continue;
+                }
+            }
             if p.entry.mps.is_some() {
                 let r = started.remove(&p.uid).unwrap_or_else(|| {
                     Err(ClaimError::Mps {
@@ -358,6 +466,9 @@ impl NodeClaims {
                     // The old file, if any, is untouched (an atomic write).
                     self.stop_mps_after_failure(&claim, &p.entry);
                     self.undo(st, before, &p.uid, false);
+                    if let Some(rec) = p.slices() {
+                        self.reset_after_failure(&st.checkpoint, &p.uid, &claim, rec);
+                    }
                     tracing::warn!(claim = %claim, path = %spec_path, error = %source, "prepare failed: spec");
                     out.insert(
                         p.uid,
@@ -382,6 +493,9 @@ impl NodeClaims {
                 let claim = Named::new(p.entry.claim_ref(&p.uid));
                 self.stop_mps_after_failure(&claim, &p.entry);
                 self.undo(st, before, &p.uid, true);
+                if let Some(rec) = p.slices() {
+                    self.reset_after_failure(&st.checkpoint, &p.uid, &claim, rec);
+                }
                 tracing::warn!(claim = %claim, error = %why, "prepare failed: checkpoint");
                 out.insert(p.uid, Err(checkpoint_error(claim, &path, &why)));
             }
@@ -400,6 +514,16 @@ impl NodeClaims {
     /// from its spec before (and prepared again now) keeps that entry and
     /// its spec; any other loses its entry, and its spec when `written`.
     fn undo(&self, st: &mut State, before: &Checkpoint, uid: &str, written: bool) {
+        match before.time_slices.get(uid) {
+            Some(prev) => {
+                st.checkpoint
+                    .time_slices
+                    .insert(uid.to_string(), prev.clone());
+            }
+            None => {
+                st.checkpoint.time_slices.remove(uid);
+            }
+        }
         match before.claims.get(uid) {
             Some(prev) => {
                 st.checkpoint.claims.insert(uid.to_string(), prev.clone());
@@ -445,6 +569,7 @@ impl NodeClaims {
         let mut out = BTreeMap::new();
         let before = st.checkpoint.clone();
         let mut dropped = Vec::new();
+        let mut reset = Vec::new();
         for c in claims {
             if !cdi::valid_uid(&c.uid) {
                 // No file or entry can carry it: nothing to undo.
@@ -460,16 +585,30 @@ impl NodeClaims {
                     continue;
                 }
             }
+            // Its GPUs' time slice next: one not set back keeps the claim.
+            if let Some(rec) = st.checkpoint.time_slices.get(&c.uid).cloned() {
+                let named = Named::new(c.clone());
+                if let Err(e) = self.reset_time_slice(&st.checkpoint, &c.uid, &named, &rec) {
+                    tracing::warn!(claim = %named, error = %e, "unprepare failed: time slice");
+                    out.insert(c.uid.clone(), Err(e));
+                    continue;
+                }
+                st.checkpoint.time_slices.remove(&c.uid);
+                reset.push(c.uid.clone());
+            }
             if let Some(e) = st.checkpoint.claims.remove(&c.uid) {
                 dropped.push((c.clone(), e.state));
             }
         }
-        if !dropped.is_empty() {
+        if !dropped.is_empty() || !reset.is_empty() {
             let path = checkpoint::checkpoint_path(&self.opts.state_dir);
             if let Err(e) = checkpoint::save(&self.host, &path, &st.checkpoint) {
                 st.checkpoint = before;
                 let why = write_why(e);
-                for (c, _) in &dropped {
+                let failed = claims.iter().filter(|c| {
+                    dropped.iter().any(|(d, _)| d.uid == c.uid) || reset.contains(&c.uid)
+                });
+                for c in failed {
                     out.insert(
                         c.uid.clone(),
                         Err(checkpoint_error(Named::new(c.clone()), &path, &why)),
