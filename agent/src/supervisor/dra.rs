@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use gpu_agent_proto::report::v1 as pb;
-use gpu_dra::claims::{MemoryAllocations, NodeClaims};
+use gpu_dra::claims::{MemoryAllocations, NodeClaims, TimeSlicePort};
 use gpu_dra::kubelet::{Dirs, Registration};
 use hostlib::HostRoot;
 use tokio::sync::{Notify, oneshot, watch};
@@ -55,12 +55,22 @@ pub(super) struct RunningDra {
     mps: Result<DraMps, String>,
 }
 
+/// What the plugin's claims are shared with: the MPS daemons and who
+/// changes the GPUs' time slices (`Err`: why this node does not; claims
+/// that need it are refused with the words).
+pub(super) struct DraSharing {
+    pub(super) mps: Result<DraMps, String>,
+    pub(super) time_slice: Result<Arc<dyn TimeSlicePort>, String>,
+}
+
 impl RunningDra {
     /// Opens the node's claims (`inv`: DRA's GPUs only) and serves them;
-    /// `mps` runs the daemons of claims with MPS sharing (`Err`: why this
-    /// node runs none; those claims are refused). The daemons of claims
-    /// still prepared are started again in the background (those already
-    /// running, kept from the plugin's last run, go on). An error: the
+    /// `sharing.mps` runs the daemons of claims with MPS sharing (`Err`:
+    /// why this node runs none; those claims are refused), and
+    /// `sharing.time_slice` changes the time slices of claims' GPUs. The
+    /// daemons of claims still prepared are started again in the
+    /// background (those already running, kept from the plugin's last run,
+    /// go on), and the GPUs of prepares cut short set back. An error: the
     /// checkpoint or the sockets' directories could not be used (it names
     /// the file); the daemons come back with it, running.
     pub(super) fn start(
@@ -70,8 +80,9 @@ impl RunningDra {
         feed: watch::Receiver<Option<Arc<pb::DraClaims>>>,
         health: watch::Receiver<gpu_model::health::HealthView>,
         changed: Arc<Notify>,
-        mps: Result<DraMps, String>,
+        sharing: DraSharing,
     ) -> Result<Self, (String, Option<DraMps>)> {
+        let DraSharing { mps, time_slice } = sharing;
         let mut opts = gpu_dra::claims::Options::new(setting.node_name.clone());
         opts.cdi_dir = setting.cdi_dir.clone();
         opts.node_spec = format!(
@@ -92,14 +103,17 @@ impl RunningDra {
         let port = mps.as_ref().ok().map(DraMps::port);
         let claims =
             match NodeClaims::open_with_mps(host.clone(), opts, allocations.clone(), inv, port) {
-                Ok(c) => Arc::new(c),
+                Ok(c) => Arc::new(c.with_time_slice(time_slice)),
                 Err(e) => return Err((e.to_string(), mps.ok())),
             };
-        if mps.is_ok() {
+        {
             let (claims, changed) = (claims.clone(), changed.clone());
+            let restore_mps = mps.is_ok();
             // Blocks until each daemon serves: off the async threads.
             tokio::task::spawn_blocking(move || {
-                if !claims.restore_mps().is_empty() {
+                let reset = claims.restore_time_slices();
+                let restarted = restore_mps && !claims.restore_mps().is_empty();
+                if restarted || !reset.is_empty() {
                     changed.notify_one();
                 }
             });

@@ -5,7 +5,7 @@
 use super::core::Supervisor;
 use std::sync::Arc;
 
-use super::dra::{DraSetting, RunningDra, TASK};
+use super::dra::{DraSetting, DraSharing, RunningDra, TASK};
 use super::dra_mps::{DraMps, DraMpsSetup, SharedBackend};
 use crate::inventory::Inventory;
 use crate::state::DraStatus;
@@ -94,6 +94,7 @@ impl Supervisor {
                 .dra_mps_setup()
                 .map(|setup| DraMps::start(setup, Some(self.changed.clone()))),
         };
+        let time_slice = self.dra_time_slice();
         match RunningDra::start(
             &self.opts.host,
             setting,
@@ -101,7 +102,7 @@ impl Supervisor {
             self.dra_feed.clone(),
             health,
             self.changed.clone(),
-            mps,
+            DraSharing { mps, time_slice },
         ) {
             Ok(d) => {
                 self.dra = Some(d);
@@ -124,26 +125,9 @@ impl Supervisor {
                     .into(),
             );
         }
-        let backend = match &self.dra_mps.backend {
-            Some(b) => b.clone(),
-            None => {
-                let placeholder: Box<dyn crate::backend::GpuBackend> =
-                    Box::new(SharedBackend(Arc::new(Unset)));
-                let own = std::mem::replace(&mut self.opts.view.backend, placeholder);
-                let shared: Arc<dyn crate::backend::GpuBackend> = Arc::from(own);
-                self.opts.view.backend = Box::new(SharedBackend(shared.clone()));
-                self.dra_mps.backend = Some(shared.clone());
-                shared
-            }
-        };
+        let backend = self.shared_backend();
         let exe = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
-        let needs: Vec<crate::caps::Capability> = super::mps::NEEDS
-            .iter()
-            .copied()
-            .filter(|c| {
-                !(self.opts.host.is_system() && *c == crate::caps::Capability::CAP_SYS_CHROOT)
-            })
-            .collect();
+        let needs = self.host_exec_needs();
         let root = self
             .plugin_plan
             .as_ref()
@@ -159,6 +143,59 @@ impl Supervisor {
             root,
             missing_caps: self.opts.caps.missing(&needs),
         })
+    }
+
+    /// The node's backend, shared (from the first call on) between the
+    /// view and DRA's MPS daemons and time slices.
+    fn shared_backend(&mut self) -> Arc<dyn crate::backend::GpuBackend> {
+        match &self.dra_mps.backend {
+            Some(b) => b.clone(),
+            None => {
+                let placeholder: Box<dyn crate::backend::GpuBackend> =
+                    Box::new(SharedBackend(Arc::new(Unset)));
+                let own = std::mem::replace(&mut self.opts.view.backend, placeholder);
+                let shared: Arc<dyn crate::backend::GpuBackend> = Arc::from(own);
+                self.opts.view.backend = Box::new(SharedBackend(shared.clone()));
+                self.dra_mps.backend = Some(shared.clone());
+                shared
+            }
+        }
+    }
+
+    /// What a host program run through `host-exec` for DRA needs (no
+    /// chroot when the host root is `/`).
+    fn host_exec_needs(&self) -> Vec<crate::caps::Capability> {
+        super::mps::NEEDS
+            .iter()
+            .copied()
+            .filter(|c| {
+                !(self.opts.host.is_system() && *c == crate::caps::Capability::CAP_SYS_CHROOT)
+            })
+            .collect()
+    }
+
+    /// Who changes the time slices of DRA claims' GPUs: the host's
+    /// `nvidia-smi` through `host-exec`; `Err` on a simulated node, which
+    /// has no time slice to change.
+    fn dra_time_slice(&mut self) -> Result<Arc<dyn gpu_dra::claims::TimeSlicePort>, String> {
+        if self.opts.view.simulated.is_some() {
+            return Err(
+                "a simulated node has no GPU time slice to change: claims with time-slicing at an interval other than Default are refused"
+                    .into(),
+            );
+        }
+        let backend = self.shared_backend();
+        let exe = std::env::current_exe().unwrap_or_else(|_| "/proc/self/exe".into());
+        let needs = self.host_exec_needs();
+        Ok(Arc::new(super::dra_timeslice::DraTimeSlice::new(
+            Arc::new(hostlib::process::HostSpawner::new(
+                exe,
+                self.opts.host.clone(),
+            )),
+            backend,
+            super::dra_timeslice::NVIDIA_SMI,
+            self.opts.caps.missing(&needs),
+        )))
     }
 
     /// The plugin's state for `status`, now.

@@ -15,6 +15,7 @@ mod controller;
 mod core;
 mod dra;
 pub mod dra_mps;
+pub mod dra_timeslice;
 mod dra_task;
 mod exporter;
 mod health;
