@@ -9,8 +9,8 @@ use hostlib::HostRoot;
 use serde::{Deserialize, Serialize};
 
 use super::error::StateError;
+use super::interval::TimeSliceRecord;
 use super::sharing::MpsSettings;
-use super::timeslice::TimeSliceRecord;
 use crate::claim::{ClaimRef, PreparedDevice};
 
 /// The checkpoint's file name in the state directory.

@@ -21,8 +21,8 @@
 use serde_json::Value;
 
 use super::allocation::OpaqueConfig;
+use super::interval::TimeSliceInterval;
 use super::sharing::{self, MpsSettings};
-use super::timeslice::TimeSliceInterval;
 
 /// The API version of NVIDIA's configuration kinds.
 pub const CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";

@@ -16,6 +16,7 @@ pub mod config;
 pub mod devices;
 pub mod error;
 pub mod feed;
+pub mod interval;
 mod mps;
 pub mod options;
 mod prepare;
@@ -48,10 +49,10 @@ pub use allocation::{
 pub use checkpoint::{Checkpoint, EntryState};
 pub use devices::NodeDevice;
 pub use error::{ClaimError, StateError};
+pub use interval::{TimeSliceInterval, TimeSlicePort, TimeSliceRecord};
 pub use options::{DEFAULT_ALLOCATION_WAIT, DEFAULT_CDI_DIR, DEFAULT_STATE_DIR, Options};
 pub use recovery::Recovery;
 pub use sharing::{MpsDirs, MpsGpu, MpsPort, MpsSettings};
-pub use timeslice::{TimeSliceInterval, TimeSlicePort, TimeSliceRecord};
 
 /// Why claims with a non-`Default` time-slicing interval are refused when
 /// no [`TimeSlicePort`] was given.

@@ -13,8 +13,9 @@ use super::cdi;
 use super::checkpoint::{self, Checkpoint, Entry, EntryDevice, EntryState};
 use super::config::{self, Sharing};
 use super::error::{ClaimError, Named};
+use super::interval::{TimeSliceInterval, TimeSliceRecord};
 use super::sharing::{MpsDirs, MpsGpu};
-use super::timeslice::{self, TimeSliceInterval, TimeSliceRecord};
+use super::timeslice;
 use super::{NodeClaims, State, Waiter};
 use crate::claim::{ClaimRef, PreparedDevice};
 

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use hostlib::HostRoot;
 
 use super::devices::mig_device_name;
+use super::interval::{TimeSliceInterval, TimeSlicePort, TimeSliceRecord};
 use super::tests_support::{Node, claim, gpu, inventory};
-use super::timeslice::{TimeSliceInterval, TimeSlicePort, TimeSliceRecord};
 use super::{NodeClaims, OpaqueConfig};
 use crate::claim::Claims;
 

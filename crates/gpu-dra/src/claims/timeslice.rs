@@ -5,7 +5,7 @@
 //! --set-timeslice <n>`, `Default` 0, `Short` 1, `Medium` 2, `Long` 3);
 //! unprepare sets it back to `Default`. MIG devices take no time slice.
 //!
-//! Who changes the GPUs is the [`TimeSlicePort`] the agent hands to
+//! Who changes the GPUs is the [`TimeSlicePort`](super::TimeSlicePort) the agent hands to
 //! [`NodeClaims`](super::NodeClaims); what was asked is recorded in the
 //! checkpoint ([`Checkpoint::time_slices`](super::Checkpoint)) before the
 //! GPUs change, so that a prepare cut short is undone at start
@@ -13,84 +13,13 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
 use super::NodeClaims;
 use super::allocation::ClaimAllocation;
 use super::checkpoint::Checkpoint;
 use super::devices::NodeDevice;
 use super::error::{ClaimError, Named};
+use super::interval::{TimeSliceInterval, TimeSliceRecord};
 use crate::claim::ClaimRef;
-
-/// NVIDIA's `TimeSliceInterval`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum TimeSliceInterval {
-    /// The GPU's own: nothing is changed.
-    #[default]
-    Default,
-    Short,
-    Medium,
-    Long,
-}
-
-impl TimeSliceInterval {
-    /// Every interval, as NVIDIA's configuration spells them.
-    pub const ALL: [TimeSliceInterval; 4] = [
-        TimeSliceInterval::Default,
-        TimeSliceInterval::Short,
-        TimeSliceInterval::Medium,
-        TimeSliceInterval::Long,
-    ];
-
-    /// The number `nvidia-smi compute-policy --set-timeslice` takes.
-    pub fn int(self) -> u32 {
-        match self {
-            TimeSliceInterval::Default => 0,
-            TimeSliceInterval::Short => 1,
-            TimeSliceInterval::Medium => 2,
-            TimeSliceInterval::Long => 3,
-        }
-    }
-
-    /// Its name in a configuration.
-    pub fn name(self) -> &'static str {
-        match self {
-            TimeSliceInterval::Default => "Default",
-            TimeSliceInterval::Short => "Short",
-            TimeSliceInterval::Medium => "Medium",
-            TimeSliceInterval::Long => "Long",
-        }
-    }
-
-    /// The interval a configuration names.
-    pub fn parse(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|i| i.name() == name)
-    }
-}
-
-impl std::fmt::Display for TimeSliceInterval {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A claim with time-slicing, as the checkpoint records it: its interval
-/// and its full GPUs (UUIDs). Written before the GPUs change.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct TimeSliceRecord {
-    pub interval: TimeSliceInterval,
-    pub gpus: Vec<String>,
-}
-
-/// Who changes the GPUs' time slices (the agent). The call blocks (prepare
-/// runs on a blocking thread) and answers within the kubelet's 45 s.
-pub trait TimeSlicePort: Send + Sync {
-    /// Puts each GPU (by UUID, in order) in the DEFAULT compute mode, then
-    /// sets its time slice to `interval`; stops at the first GPU that
-    /// fails, `Err` naming that GPU and what the command said.
-    fn set_time_slice(&self, gpus: &[String], interval: TimeSliceInterval) -> Result<(), String>;
-}
 
 impl NodeClaims {
     /// What a claim with time-slicing at `interval` records: its full GPUs.
