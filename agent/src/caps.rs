@@ -245,7 +245,7 @@ pub const GRANTS: &[Grant] = &[
             },
             Use {
                 stage: Stage::Cdi,
-                why: "give a DRA claim's MPS control daemon a mount namespace with its own /dev/shm (unshare, mount)",
+                why: "give a DRA claim's MPS control daemon a mount namespace with its own /dev/shm (unshare, mount); set a claim's GPU time slice (nvidia-smi compute-policy, a privileged NVML call)",
                 unless: dra_mps,
             },
             Use {
@@ -280,7 +280,7 @@ pub const GRANTS: &[Grant] = &[
             },
             Use {
                 stage: Stage::Cdi,
-                why: "run the host's MPS control daemon for a DRA claim (chroot into the host root)",
+                why: "run the host's MPS control daemon and nvidia-smi (a time slice) for a DRA claim (chroot into the host root)",
                 unless: chroot_dra_mps,
             },
         ],

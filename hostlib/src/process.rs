@@ -240,10 +240,16 @@ impl Spawner for HostSpawner {
             let exit = Exit::from_status(out.status);
             tracing::debug!(command = %line, input = %input.trim(), exit = %exit, stderr = %stderr, "ran a host program");
             if !exit.success() {
-                return Err(err(if stderr.is_empty() {
+                // Some programs (nvidia-smi) say why on stdout only.
+                let why = if stderr.is_empty() {
+                    String::from_utf8_lossy(&out.stdout).trim().to_string()
+                } else {
+                    stderr
+                };
+                return Err(err(if why.is_empty() {
                     exit.to_string()
                 } else {
-                    format!("{stderr} ({exit})")
+                    format!("{why} ({exit})")
                 }));
             }
             Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -634,6 +640,19 @@ mod tests {
         };
         let err = s.output(&failing, "").await.unwrap_err();
         assert_eq!(err.message, "nope (exit code 3)");
+        // nvidia-smi says why on stdout only.
+        let stdout_only = Launch {
+            args: vec![
+                "-c".into(),
+                "echo 'Failed to set: Insufficient Permissions'; exit 4".into(),
+            ],
+            ..cat.clone()
+        };
+        let err = s.output(&stdout_only, "").await.unwrap_err();
+        assert_eq!(
+            err.message,
+            "Failed to set: Insufficient Permissions (exit code 4)"
+        );
         let sleeper = Launch {
             args: vec!["-c".into(), "exec sleep 30".into()],
             ..cat.clone()
