@@ -32,35 +32,10 @@ use gpu_dra::claims::{
     AllocatedDevice, ClaimAllocation, ConfigSource, MemoryAllocations, NodeClaims, OpaqueConfig,
     Options,
 };
-use gpu_model::cdi::{CDI_KIND, ContainerEdits, Device, DeviceNode, SPEC_VERSION, Spec};
+use gpu_model::cdi::Spec;
 
 const UID: &str = "5f1d8a3c-7b2e-4c9d-8e6f-0a1b2c3d4e5f";
 const NODE: &str = "node-a";
-
-/// Compiles the stand-in, statically (it runs chrooted in the host root,
-/// which has no C library), as agent/tests/mps.rs does.
-fn build_standin(dest: &Path) {
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let out = std::process::Command::new(rustc)
-        .args([
-            "--edition",
-            "2021",
-            "-C",
-            "target-feature=+crt-static",
-            "-C",
-            "opt-level=1",
-        ])
-        .arg(common::repo().join("tests/interop/mps_control_standin.rs"))
-        .arg("-o")
-        .arg(dest)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cannot build the MPS stand-in: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn claim_dir(host: &Path) -> PathBuf {
     host.join(format!("run/nvidia/mps/dra-claim-{UID}"))
@@ -101,32 +76,6 @@ fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-/// The node spec the cdi stage would write for the inventory's GPUs.
-fn node_spec(gpus: &[(u32, String)]) -> Spec {
-    let node = |p: &str| DeviceNode {
-        path: p.into(),
-        host_path: None,
-    };
-    Spec {
-        cdi_version: SPEC_VERSION.into(),
-        kind: CDI_KIND.into(),
-        devices: gpus
-            .iter()
-            .map(|(minor, uuid)| Device {
-                name: uuid.clone(),
-                container_edits: ContainerEdits {
-                    device_nodes: vec![node(&format!("/dev/nvidia{minor}"))],
-                    ..Default::default()
-                },
-            })
-            .collect(),
-        container_edits: ContainerEdits {
-            device_nodes: vec![node("/dev/nvidiactl"), node("/dev/nvidia-uvm")],
-            ..Default::default()
-        },
-    }
-}
-
 #[test]
 #[ignore = "needs root (the daemon runs in its own mount namespace, chrooted into the host root); scripts/test runs it as root"]
 fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
@@ -138,7 +87,10 @@ fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
     let host = host_dir.path().to_path_buf();
     fs::create_dir_all(host.join("usr/bin")).unwrap();
     fs::create_dir_all(host.join("dev/shm")).unwrap();
-    build_standin(&host.join("usr/bin/nvidia-cuda-mps-control"));
+    common::build_static_standin(
+        "mps_control_standin.rs",
+        &host.join("usr/bin/nvidia-cuda-mps-control"),
+    );
     let root = hostlib::HostRoot::new(&host).unwrap();
     root.write_atomic(
         "/proc/sys/kernel/random/boot_id",
@@ -161,7 +113,9 @@ fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
     opts.allocation_wait = Duration::from_millis(100);
     root.write_atomic(
         &opts.node_spec,
-        serde_json::to_string(&node_spec(&gpus)).unwrap().as_bytes(),
+        serde_json::to_string(&common::dra::node_spec(&gpus))
+            .unwrap()
+            .as_bytes(),
         0o644,
     )
     .unwrap();

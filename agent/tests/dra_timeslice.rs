@@ -20,43 +20,18 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::dra::claim;
 use gpu_agent::backend::{ComputeMode, GpuBackend};
 use gpu_agent::supervisor::dra_timeslice::{DraTimeSlice, NVIDIA_SMI};
-use gpu_dra::claim::{ClaimRef, Claims};
+use gpu_dra::claim::Claims;
 use gpu_dra::claims::{
     AllocatedDevice, ClaimAllocation, ConfigSource, MemoryAllocations, NodeClaims, OpaqueConfig,
     Options, TimeSlicePort,
 };
-use gpu_model::cdi::{CDI_KIND, ContainerEdits, Device, DeviceNode, SPEC_VERSION, Spec};
 
 const U1: &str = "5f1d8a3c-7b2e-4c9d-8e6f-0a1b2c3d4e5f";
 const U2: &str = "6e2c9b4d-8a3f-4d0e-9f70-1b2c3d4e5f60";
 const NODE: &str = "node-a";
-
-/// Compiles the stand-in, statically (it runs chrooted in the host root,
-/// which has no C library), as agent/tests/mps.rs compiles its own.
-fn build_standin(dest: &Path) {
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let out = std::process::Command::new(rustc)
-        .args([
-            "--edition",
-            "2021",
-            "-C",
-            "target-feature=+crt-static",
-            "-C",
-            "opt-level=1",
-        ])
-        .arg(common::repo().join("tests/interop/nvidia_smi_standin.rs"))
-        .arg("-o")
-        .arg(dest)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cannot build the nvidia-smi stand-in: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// The stand-in's record (in the chroot), one line per run.
 fn runs(host: &Path) -> Vec<String> {
@@ -65,32 +40,6 @@ fn runs(host: &Path) -> Vec<String> {
         .lines()
         .map(str::to_string)
         .collect()
-}
-
-/// The node spec the cdi stage would write for the inventory's GPUs.
-fn node_spec(gpus: &[(u32, String)]) -> Spec {
-    let node = |p: &str| DeviceNode {
-        path: p.into(),
-        host_path: None,
-    };
-    Spec {
-        cdi_version: SPEC_VERSION.into(),
-        kind: CDI_KIND.into(),
-        devices: gpus
-            .iter()
-            .map(|(minor, uuid)| Device {
-                name: uuid.clone(),
-                container_edits: ContainerEdits {
-                    device_nodes: vec![node(&format!("/dev/nvidia{minor}"))],
-                    ..Default::default()
-                },
-            })
-            .collect(),
-        container_edits: ContainerEdits {
-            device_nodes: vec![node("/dev/nvidiactl"), node("/dev/nvidia-uvm")],
-            ..Default::default()
-        },
-    }
 }
 
 fn allocation(name: &str, devices: &[&str], interval: &str) -> ClaimAllocation {
@@ -119,14 +68,6 @@ fn allocation(name: &str, devices: &[&str], interval: &str) -> ClaimAllocation {
     }
 }
 
-fn claim(uid: &str, name: &str) -> ClaimRef {
-    ClaimRef {
-        namespace: "ns".into(),
-        uid: uid.into(),
-        name: name.into(),
-    }
-}
-
 #[test]
 #[ignore = "needs root (nvidia-smi runs chrooted into the host root); scripts/test runs it as root"]
 fn a_claims_time_slice_is_set_with_the_hosts_nvidia_smi_and_set_back() {
@@ -139,7 +80,7 @@ fn a_claims_time_slice_is_set_with_the_hosts_nvidia_smi_and_set_back() {
     fs::create_dir_all(host.join("usr/bin")).unwrap();
     fs::create_dir_all(host.join("var/log")).unwrap();
     fs::create_dir_all(host.join("etc")).unwrap();
-    build_standin(&host.join("usr/bin/nvidia-smi"));
+    common::build_static_standin("nvidia_smi_standin.rs", &host.join("usr/bin/nvidia-smi"));
     let root = hostlib::HostRoot::new(&host).unwrap();
     root.write_atomic(
         "/proc/sys/kernel/random/boot_id",
@@ -161,7 +102,9 @@ fn a_claims_time_slice_is_set_with_the_hosts_nvidia_smi_and_set_back() {
     opts.allocation_wait = Duration::from_millis(100);
     root.write_atomic(
         &opts.node_spec,
-        serde_json::to_string(&node_spec(&gpus)).unwrap().as_bytes(),
+        serde_json::to_string(&common::dra::node_spec(&gpus))
+            .unwrap()
+            .as_bytes(),
         0o644,
     )
     .unwrap();

@@ -45,31 +45,6 @@ const GPU0: &str = "GPU-9d3b5a0e-1c7f-4e2a-8b61-0f2c3d4e5a01";
 const GPU1: &str = "GPU-2b7e4c19-8d3a-4f6b-9c20-1a2b3c4d5e02";
 const GPU2: &str = "GPU-7c1f9e2d-3b4a-4d8e-a1f3-2b3c4d5e6f03";
 
-/// Compiles the stand-in, statically (it runs chrooted in the host root,
-/// which has no C library).
-fn build_standin(dest: &Path) {
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let out = std::process::Command::new(rustc)
-        .args([
-            "--edition",
-            "2021",
-            "-C",
-            "target-feature=+crt-static",
-            "-C",
-            "opt-level=1",
-        ])
-        .arg(repo().join("tests/interop/mps_control_standin.rs"))
-        .arg("-o")
-        .arg(dest)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cannot build the MPS stand-in: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 struct Agent {
     kubelet: Option<MockKubelet>,
     rt: tokio::runtime::Runtime,
@@ -128,7 +103,10 @@ impl Agent {
         let host = host_dir.path().to_path_buf();
         fs::create_dir_all(host.join("usr/bin")).unwrap();
         fs::create_dir_all(host.join("dev/shm")).unwrap();
-        build_standin(&host.join("usr/bin/nvidia-cuda-mps-control"));
+        build_static_standin(
+            "mps_control_standin.rs",
+            &host.join("usr/bin/nvidia-cuda-mps-control"),
+        );
         let work = tempfile::tempdir().unwrap();
         let policy = work.path().join("policy.yaml");
         fs::write(&policy, POLICY).unwrap();

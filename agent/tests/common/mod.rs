@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod crash;
+pub mod dra;
 pub mod systemd;
 
 use std::path::{Path, PathBuf};
@@ -217,4 +218,29 @@ pub fn write_bundle(path: &Path, tgz: &[u8]) {
     std::fs::write(path, tgz).unwrap();
     let sum = kmod::bundle::sha256_file(path, &mut |_| {}).unwrap();
     kmod::bundle::write_sidecar(path, &sum).unwrap();
+}
+
+/// Compiles a stand-in program (`tests/interop/<source>`) statically to
+/// `dest`: it runs chrooted in a host root that has no C library.
+pub fn build_static_standin(source: &str, dest: &Path) {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let out = Command::new(rustc)
+        .args([
+            "--edition",
+            "2021",
+            "-C",
+            "target-feature=+crt-static",
+            "-C",
+            "opt-level=1",
+        ])
+        .arg(repo().join("tests/interop").join(source))
+        .arg("-o")
+        .arg(dest)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cannot build the stand-in {source}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
