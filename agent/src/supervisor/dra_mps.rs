@@ -499,7 +499,6 @@ impl GpuBackend for SharedBackend {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Weak;
 
     use hostlib::process::{Exit, FakeSpawner};
 
@@ -509,39 +508,7 @@ mod tests {
     const U1: &str = "dab5ab50-d59a-42a6-af16-cfd4628c0f7a";
     const U2: &str = "0c7e1d7a-2f4b-4b83-9d0b-5b1f2a3c4d5e";
 
-    /// No daemon answers until one is started on that pipe directory;
-    /// `quit` ends it; a `set_default_active_thread_percentage 13` is
-    /// refused (a daemon that fails at its limits).
-    fn fake_mps() -> Arc<FakeSpawner> {
-        let f = Arc::new(FakeSpawner::new());
-        let weak: Weak<FakeSpawner> = Arc::downgrade(&f);
-        f.respond(move |launch, input| {
-            let f = weak.upgrade().expect("spawner alive");
-            let pipe = &launch.env["CUDA_MPS_PIPE_DIRECTORY"];
-            let spawned = f.spawned();
-            let live = (0..spawned.len())
-                .rev()
-                .find(|&n| &spawned[n].env["CUDA_MPS_PIPE_DIRECTORY"] == pipe && f.is_running(n));
-            let Some(n) = live else {
-                return Err("Cannot find MPS control daemon process".into());
-            };
-            match input.trim() {
-                "quit" => {
-                    f.exit(
-                        n,
-                        Exit {
-                            code: Some(0),
-                            signal: None,
-                        },
-                    );
-                    Ok(String::new())
-                }
-                "set_default_active_thread_percentage 13" => Err("refused".into()),
-                _ => Ok(String::new()),
-            }
-        });
-        f
-    }
+    use super::super::mps_fake::fake_mps;
 
     struct Fixture {
         dir: tempfile::TempDir,

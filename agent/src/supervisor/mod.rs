@@ -22,6 +22,8 @@ mod health;
 mod health_task;
 mod mig_change;
 mod mps;
+#[cfg(test)]
+mod mps_fake;
 mod mps_task;
 pub mod notify;
 mod options;

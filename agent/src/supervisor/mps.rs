@@ -503,7 +503,6 @@ mod tests {
     use crate::test_support::inventory_of;
     use hostlib::process::{Exit, FakeSpawner};
     use std::os::unix::fs::PermissionsExt;
-    use std::sync::Weak;
 
     fn plans(yaml: &str) -> Vec<DaemonPlan> {
         let c = PluginConfig::from_yaml(yaml, "c").unwrap();
@@ -518,38 +517,7 @@ mod tests {
 
     const TWO_RESOURCES: &str = "version: v1\nsharing:\n  mps:\n    resources:\n    - {name: nvidia.com/gpu, devices: [0, 1], replicas: 4, rename: gpu.quarter}\n    - {name: nvidia.com/gpu, devices: [3], replicas: 2, rename: gpu.half}\n";
 
-    /// A fake MPS: no daemon answers until one is started; `quit` ends
-    /// the running one; everything else is answered.
-    fn fake_mps() -> Arc<FakeSpawner> {
-        let f = Arc::new(FakeSpawner::new());
-        let weak: Weak<FakeSpawner> = Arc::downgrade(&f);
-        f.respond(move |launch, input| {
-            let f = weak.upgrade().expect("spawner alive");
-            let pipe = &launch.env["CUDA_MPS_PIPE_DIRECTORY"];
-            let spawned = f.spawned();
-            let live = (0..spawned.len())
-                .rev()
-                .find(|&n| &spawned[n].env["CUDA_MPS_PIPE_DIRECTORY"] == pipe && f.is_running(n));
-            let Some(n) = live else {
-                return Err("Cannot find MPS control daemon process".into());
-            };
-            match input.trim() {
-                "quit" => {
-                    f.exit(
-                        n,
-                        Exit {
-                            code: Some(0),
-                            signal: None,
-                        },
-                    );
-                    Ok(String::new())
-                }
-                HEALTH_COMMAND => Ok("25.0\n".into()),
-                _ => Ok(String::new()),
-            }
-        });
-        f
-    }
+    use super::super::mps_fake::fake_mps;
 
     fn fixture() -> (tempfile::TempDir, HostRoot, SimulatedBackend) {
         let dir = tempfile::tempdir().unwrap();
