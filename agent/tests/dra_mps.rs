@@ -12,6 +12,9 @@
 //! the claim's GPUs only; the claim's CDI spec with NVIDIA's env and
 //! mounts; a killed daemon started again; unprepare sends `quit`, puts the
 //! GPUs back to DEFAULT and removes the claim's directories and spec.
+//! A claim of MIG devices (the simulated `h100-mig-2`) with `multiUser`:
+//! the daemon started with `-M`, its visible devices the MIG devices'
+//! UUIDs, and no compute mode changed.
 //!
 //! The daemon runs in a mount namespace of its own, chrooted: root only.
 //! Beside it, `gpu-agent run` with DRA on says in `status` whether claims
@@ -289,6 +292,153 @@ fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
     assert!(!claim_dir(&host).exists());
     assert!(!root.exists(&spec_path));
     assert!(mps.phases().is_empty());
+    rt.block_on(mps.stop());
+}
+
+#[test]
+#[ignore = "needs root (the daemon runs in its own mount namespace, chrooted into the host root); scripts/test runs it as root"]
+fn a_mig_claims_multi_user_daemon_sees_the_mig_devices_and_leaves_compute_modes() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "run as root (scripts/test does)"
+    );
+    // The H100 host's files (device nodes 0 and 1 are there), the MIG GPUs.
+    let host_dir = common::copy_host_fixture("h100-sxm-8");
+    let host = host_dir.path().to_path_buf();
+    fs::create_dir_all(host.join("usr/bin")).unwrap();
+    fs::create_dir_all(host.join("dev/shm")).unwrap();
+    common::build_static_standin(
+        "mps_control_standin.rs",
+        &host.join("usr/bin/nvidia-cuda-mps-control"),
+    );
+    let root = hostlib::HostRoot::new(&host).unwrap();
+    root.write_atomic(
+        "/proc/sys/kernel/random/boot_id",
+        b"6a0f3c1e-0000-4000-8000-000000000002\n",
+        0o444,
+    )
+    .unwrap();
+    let view = gpu_agent::source::NodeView::simulated("h100-mig-2").unwrap();
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
+    let backend: Arc<dyn GpuBackend> = Arc::from(view.backend);
+    let table = gpu_dra::claims::devices::device_table(&inv);
+    // The first MIG device of each GPU, by the name the claim has them.
+    let mut picked: Vec<(String, u32, String, String)> = Vec::new();
+    for g in &inv.gpus {
+        let m = &g.mig_devices[0].uuid;
+        let (name, d) = table.iter().find(|(_, d)| &d.uuid == m).unwrap();
+        picked.push((name.clone(), d.minor, d.uuid.clone(), d.gpu_uuid.clone()));
+    }
+    let mut opts = Options::new(NODE);
+    opts.allocation_wait = Duration::from_millis(100);
+    let spec_devices: Vec<(u32, String)> = picked.iter().map(|p| (p.1, p.2.clone())).collect();
+    root.write_atomic(
+        &opts.node_spec,
+        serde_json::to_string(&common::dra::node_spec(&spec_devices))
+            .unwrap()
+            .as_bytes(),
+        0o644,
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mps = rt.block_on(async {
+        DraMps::start(
+            DraMpsSetup {
+                host: root.clone(),
+                spawner: Arc::new(hostlib::process::HostSpawner::new(
+                    env!("CARGO_BIN_EXE_gpu-agent"),
+                    root.clone(),
+                )),
+                backend: backend.clone(),
+                root: "/run/nvidia/mps".into(),
+                missing_caps: Vec::new(),
+            },
+            None,
+        )
+    });
+    let allocs = Arc::new(MemoryAllocations::new());
+    let claims = NodeClaims::open_with_mps(
+        root.clone(),
+        opts.clone(),
+        allocs.clone(),
+        &inv,
+        Some(mps.port()),
+    )
+    .unwrap();
+    allocs.insert(
+        UID,
+        ClaimAllocation {
+            namespace: "ns".into(),
+            name: "shared".into(),
+            devices: picked
+                .iter()
+                .map(|p| AllocatedDevice {
+                    request: "mig".into(),
+                    pool: NODE.into(),
+                    device: p.0.clone(),
+                    share_id: None,
+                })
+                .collect(),
+            configs: vec![OpaqueConfig {
+                source: ConfigSource::FromClaim,
+                requests: Vec::new(),
+                parameters: serde_json::json!({
+                    "apiVersion": "resource.nvidia.com/v1beta1",
+                    "kind": "MigDeviceConfig",
+                    "sharing": {"strategy": "MPS", "mpsConfig": {
+                        "multiUser": true,
+                        "defaultPerDevicePinnedMemoryLimit": {"1": "2Gi"},
+                    }},
+                }),
+            }],
+        },
+    );
+    // GPU 1's mode set by someone else: neither changed nor reset here.
+    backend
+        .set_compute_mode(&picked[1].3, ComputeMode::ExclusiveProcess)
+        .unwrap();
+    let claim = common::dra::claim(UID, "shared");
+    let prepared = claims.prepare(std::slice::from_ref(&claim));
+    assert_eq!(prepared[UID].as_ref().expect("prepared").len(), 2);
+    let log = control_log(&host);
+    let started = starts(&log);
+    assert_eq!(started.len(), 1, "{log:?}");
+    assert_eq!(
+        field(&started[0], "visible"),
+        format!("{},{}", picked[0].2, picked[1].2)
+    );
+    assert_eq!(field(&started[0], "multi_user"), "yes");
+    let commands: Vec<&str> = log
+        .iter()
+        .filter(|l| l.starts_with("command "))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        commands,
+        [
+            "command get_default_active_thread_percentage",
+            "command set_default_device_pinned_mem_limit 1 2048M",
+        ]
+    );
+    // The parents' modes are untouched (a MIG device has none of its own).
+    let mode = |u: &str| backend.compute_mode(u).unwrap();
+    assert_eq!(mode(&picked[0].3), ComputeMode::Default);
+    assert_eq!(mode(&picked[1].3), ComputeMode::ExclusiveProcess);
+    assert_eq!(mps.phases()[UID], "serving");
+    let mut kept = fs::File::open(claim_dir(&host).join("log/control.log")).unwrap();
+    assert_eq!(claims.unprepare(std::slice::from_ref(&claim))[UID], Ok(()));
+    let mut text = String::new();
+    kept.read_to_string(&mut text).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[lines.len() - 2..], ["command quit", "quit"], "{text}");
+    assert!(!claim_dir(&host).exists());
+    assert!(mps.phases().is_empty());
+    assert_eq!(mode(&picked[0].3), ComputeMode::Default);
+    assert_eq!(mode(&picked[1].3), ComputeMode::ExclusiveProcess);
     rt.block_on(mps.stop());
 }
 

@@ -9,10 +9,12 @@
 //!   `nvidia-cuda-mps-control.pid` there, and records to
 //!   `$CUDA_MPS_LOG_DIRECTORY/control.log`: a `start` line (pid, its
 //!   `CUDA_VISIBLE_DEVICES`, whether `/dev/shm` is the MPS shm directory it
-//!   was meant to get: it leaves a marker file there) and a `command` line
-//!   for every command it gets. `quit` ends it.
+//!   was meant to get: it leaves a marker file there; `multi_user=yes` when
+//!   started with `-M` too) and a `command` line for every command it
+//!   gets. `quit` ends it.
 //! - `-d`: the same daemon, in the background (started again with `-f`,
 //!   detached; this process exits at once, as the real `-d` does).
+//! - `-M` after `-f` or `-d`: multi-user mode (only recorded).
 //! - no argument: the control client. It sends stdin's command lines to
 //!   the daemon and prints the answers; without a daemon it says so and
 //!   exits 1, and it exits 1 when the daemon refuses a command.
@@ -43,12 +45,21 @@ fn log_dir() -> PathBuf {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let multi_user = match args.get(1).map(String::as_str) {
+        None => false,
+        Some("-M") if args.len() == 2 => true,
+        Some(_) => {
+            eprintln!("unknown options {}", args[1..].join(" "));
+            return ExitCode::FAILURE;
+        }
+    };
     match args.first().map(String::as_str) {
-        Some("-f") => daemon(),
+        Some("-f") => daemon(multi_user),
         Some("-d") => {
             let me = std::env::current_exe().expect("own path");
             match std::process::Command::new(me)
                 .arg("-f")
+                .args(multi_user.then_some("-M"))
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
@@ -62,6 +73,10 @@ fn main() -> ExitCode {
             }
         }
         None => client(),
+        Some(_) if multi_user => {
+            eprintln!("-M goes with -f or -d");
+            ExitCode::FAILURE
+        }
         Some(other) => {
             eprintln!("unknown option {other}");
             ExitCode::FAILURE
@@ -134,19 +149,19 @@ impl Daemon {
                 (String::new(), false)
             }
             ["get_default_device_pinned_mem_limit", dev] => (
-                format!(
-                    "{}\n",
-                    self.pinned.get(*dev).map_or("0", String::as_str)
-                ),
+                format!("{}\n", self.pinned.get(*dev).map_or("0", String::as_str)),
                 false,
             ),
             ["quit"] => (String::new(), true),
-            _ => (format!("ERR unknown or malformed command {command:?}\n"), false),
+            _ => (
+                format!("ERR unknown or malformed command {command:?}\n"),
+                false,
+            ),
         }
     }
 }
 
-fn daemon() -> ExitCode {
+fn daemon(multi_user: bool) -> ExitCode {
     let pipe = pipe_dir();
     let socket = pipe.join("control");
     if UnixStream::connect(&socket).is_ok() {
@@ -189,8 +204,9 @@ fn daemon() -> ExitCode {
     };
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
     d.record(&format!(
-        "start pid={pid} visible={visible} shm={shm} cwd={}",
-        std::env::current_dir().map_or_else(|_| "?".into(), |p| p.display().to_string())
+        "start pid={pid} visible={visible} shm={shm} cwd={} multi_user={}",
+        std::env::current_dir().map_or_else(|_| "?".into(), |p| p.display().to_string()),
+        if multi_user { "yes" } else { "no" }
     ));
     eprintln!("MPS stand-in serving on {}", socket.display());
     for conn in listener.incoming() {

@@ -3,9 +3,13 @@
 //! plugin's), one daemon per claim, run by one async task that takes start
 //! and stop requests over a channel. Per claim `<uid>` the daemon's
 //! resource is `dra-claim-<uid>` under the MPS root (default
-//! `/run/nvidia/mps`): pipe, log and shm directories of its own, its GPUs
-//! in EXCLUSIVE_PROCESS while it runs; the limits are the claim's
-//! `mpsConfig` only (nothing derived from replicas). A daemon that exits is
+//! `/run/nvidia/mps`): pipe, log and shm directories of its own, the
+//! claim's devices visible to it by UUID (a MIG device's own, as NVIDIA's
+//! driver does), its full GPUs in EXCLUSIVE_PROCESS while it runs (a MIG
+//! device's compute mode is its parent GPU's, shared with the GPU's other
+//! MIG devices: left alone); the limits are the claim's `mpsConfig` only
+//! (nothing derived from replicas), `multiUser` starts it with `-M` on
+//! GPUs of compute capability 7.0 or newer. A daemon that exits is
 //! started again with backoff; each claim's phase is in `status`. The
 //! directories outlive an agent restart (running containers have them
 //! mounted) and go when the claim is unprepared.
@@ -35,6 +39,9 @@ const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
 /// How often the phases are looked at while a daemon is starting.
 const PHASE_POLL: Duration = Duration::from_millis(100);
+
+/// The compute capability `multiUser` needs (Volta), as NVIDIA's driver.
+const MULTI_USER_CAPABILITY: (u32, u32) = (7, 0);
 
 /// The resource name (and directory under the MPS root) of claim `uid`.
 pub fn resource_of(uid: &str) -> String {
@@ -313,13 +320,17 @@ impl Task {
         }
     }
 
-    /// The plan of claim `uid`'s daemon.
+    /// The plan of claim `uid`'s daemon: `gpus` (GPUs and MIG devices) by
+    /// their own UUIDs, device ordinals in that order.
     fn plan(
         &self,
         uid: &str,
         gpus: &[MpsGpu],
         settings: &MpsSettings,
     ) -> Result<DaemonPlan, String> {
+        if settings.multi_user {
+            self.check_multi_user(gpus)?;
+        }
         let uuids: Vec<&str> = gpus.iter().map(|g| g.uuid.as_str()).collect();
         let resource = resource_of(uid);
         Ok(DaemonPlan {
@@ -338,6 +349,8 @@ impl Task {
                     index: g.minor,
                     ordinal: ordinal as u32,
                     memory_mib: None,
+                    // Its compute mode is its parent GPU's: not changed.
+                    mig: g.is_mig(),
                 })
                 .collect(),
             replicas: 1,
@@ -345,7 +358,50 @@ impl Task {
                 thread_percentage: settings.default_active_thread_percentage,
                 pinned_mib: settings.pinned_limits(&uuids)?,
             }),
+            multi_user: settings.multi_user,
         })
+    }
+
+    /// `multiUser` needs compute capability 7.0 (Volta) or newer on every
+    /// GPU of the claim (a MIG device's parent's), as the backend reports
+    /// it; `Err` names each GPU that lacks it.
+    fn check_multi_user(&self, gpus: &[MpsGpu]) -> Result<(), String> {
+        let snap = self.backend.snapshot().map_err(|e| {
+            format!("mpsConfig.multiUser needs the GPUs' compute capability, which the backend did not give: {e}")
+        })?;
+        let (major, minor) = MULTI_USER_CAPABILITY;
+        let mut short: Vec<String> = Vec::new();
+        let mut seen: Vec<&str> = Vec::new();
+        for g in gpus {
+            if seen.contains(&g.gpu_uuid.as_str()) {
+                continue;
+            }
+            seen.push(&g.gpu_uuid);
+            let cc = snap
+                .gpus
+                .iter()
+                .find(|b| b.uuid == g.gpu_uuid)
+                .and_then(|b| b.compute_capability);
+            match cc {
+                Some(cc) if (cc.major, cc.minor) >= (major, minor) => {}
+                Some(cc) => short.push(format!(
+                    "GPU gpu-{} ({}) has compute capability {cc}",
+                    g.minor, g.gpu_uuid
+                )),
+                None => short.push(format!(
+                    "GPU gpu-{} ({}) has no known compute capability",
+                    g.minor, g.gpu_uuid
+                )),
+            }
+        }
+        if short.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "mpsConfig.multiUser needs compute capability {major}.{minor} (Volta) or newer on every GPU of the claim: {}",
+                short.join("; ")
+            ))
+        }
     }
 
     fn phase(&self, resource: &str) -> Option<Option<Phase>> {
@@ -518,29 +574,98 @@ mod tests {
     }
 
     fn fixture() -> Fixture {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("usr/bin")).unwrap();
-        std::fs::write(dir.path().join("usr/bin/nvidia-cuda-mps-control"), "").unwrap();
-        let host = HostRoot::new(dir.path()).unwrap();
         let backend = Arc::new(SimulatedBackend::new(
             simnode::NodeDescription::load("t4-4").unwrap(),
         ));
-        let spawner = fake_mps();
-        let mps = DraMps::start(
-            DraMpsSetup {
-                host,
-                spawner: spawner.clone(),
-                backend: backend.clone(),
-                root: "/run/nvidia/mps".into(),
-                missing_caps: Vec::new(),
-            },
-            None,
-        );
+        let (dir, spawner, mps) = daemons_on(backend.clone());
         Fixture {
             dir,
             spawner,
             backend,
             mps,
+        }
+    }
+
+    /// Claims' daemons on `backend`, with the fake control program.
+    fn daemons_on(backend: Arc<dyn GpuBackend>) -> (tempfile::TempDir, Arc<FakeSpawner>, DraMps) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("usr/bin")).unwrap();
+        std::fs::write(dir.path().join("usr/bin/nvidia-cuda-mps-control"), "").unwrap();
+        let host = HostRoot::new(dir.path()).unwrap();
+        let spawner = fake_mps();
+        let mps = DraMps::start(
+            DraMpsSetup {
+                host,
+                spawner: spawner.clone(),
+                backend,
+                root: "/run/nvidia/mps".into(),
+                missing_caps: Vec::new(),
+            },
+            None,
+        );
+        (dir, spawner, mps)
+    }
+
+    /// The simulated node's backend, recording every compute-mode change.
+    #[derive(Debug)]
+    struct Recording {
+        sim: SimulatedBackend,
+        set: Mutex<Vec<(String, ComputeMode)>>,
+    }
+
+    impl GpuBackend for Recording {
+        fn sampler(&self) -> Result<Box<dyn crate::backend::Sampler>, BackendError> {
+            self.sim.sampler()
+        }
+        fn mig_control(&self) -> Option<&dyn gpu_model::mig::MigControl> {
+            None
+        }
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+        fn snapshot(&self) -> Result<BackendSnapshot, BackendError> {
+            self.sim.snapshot()
+        }
+        fn watch_health(&self, events: crate::backend::HealthSender) -> Result<(), BackendError> {
+            self.sim.watch_health(events)
+        }
+        fn set_compute_mode(&self, uuid: &str, mode: ComputeMode) -> Result<(), BackendError> {
+            self.set.lock().unwrap().push((uuid.to_string(), mode));
+            self.sim.set_compute_mode(uuid, mode)
+        }
+        fn compute_mode(&self, uuid: &str) -> Result<ComputeMode, BackendError> {
+            self.sim.compute_mode(uuid)
+        }
+    }
+
+    /// `h100-mig-2` with GPU 1's MIG mode off (a full GPU) and GPU 0 (MIG
+    /// devices `MIG-…400`, `MIG-…401`, …) at compute capability `cc0`.
+    fn mig_node(cc0: &str) -> Arc<Recording> {
+        let mut desc = simnode::NodeDescription::load("h100-mig-2").unwrap();
+        desc.gpus[1].mig.enabled = false;
+        desc.gpus[1].mig.devices.clear();
+        desc.gpus[0].compute_capability = cc0.into();
+        Arc::new(Recording {
+            sim: SimulatedBackend::new(desc),
+            set: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn mig_gpu(b: &Recording, dev: usize) -> MpsGpu {
+        let g = &b.sim.node().gpus[0];
+        MpsGpu {
+            uuid: g.mig.devices[dev].uuid.clone(),
+            minor: 0,
+            gpu_uuid: g.uuid.clone(),
+        }
+    }
+
+    fn full_gpu(b: &Recording) -> MpsGpu {
+        let uuid = b.sim.node().gpus[1].uuid.clone();
+        MpsGpu {
+            uuid: uuid.clone(),
+            minor: 1,
+            gpu_uuid: uuid,
         }
     }
 
@@ -550,6 +675,7 @@ mod tests {
             .map(|&i| MpsGpu {
                 uuid: b.node().gpus[i].uuid.clone(),
                 minor: i as u32,
+                gpu_uuid: b.node().gpus[i].uuid.clone(),
             })
             .collect()
     }
@@ -702,6 +828,93 @@ mod tests {
         }
         assert_eq!(f.spawner.running(), 1);
         f.mps.stop().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mig_devices_are_seen_by_their_uuids_and_their_compute_mode_left_alone() {
+        let b = mig_node("9.0");
+        let (_dir, spawner, mps) = daemons_on(b.clone());
+        let port = mps.port();
+        // Two MIG devices of GPU 0 and the full GPU 1: one daemon over all.
+        let claim = vec![mig_gpu(&b, 1), full_gpu(&b), mig_gpu(&b, 0)];
+        let settings = MpsSettings {
+            multi_user: true,
+            per_device_pinned_memory_limit_mib: BTreeMap::from([
+                (claim[2].uuid.clone(), 2048),
+                ("0".to_string(), 1024),
+            ]),
+            ..Default::default()
+        };
+        let (p, g, s) = (port.clone(), claim.clone(), settings.clone());
+        blocking(move || p.start(U1, &g, &s)).await.unwrap();
+        let launch = &spawner.spawned()[0];
+        assert_eq!(launch.args, ["-f", "-M"]);
+        let uuids: Vec<&str> = claim.iter().map(|g| g.uuid.as_str()).collect();
+        assert_eq!(launch.env["CUDA_VISIBLE_DEVICES"], uuids.join(","));
+        assert!(uuids[0].starts_with("MIG-") && uuids[2].starts_with("MIG-"));
+        // Limits by the daemon's device ordinals (its visible devices' order).
+        let told: Vec<String> = spawner.ran().into_iter().map(|(_, i)| i).collect();
+        assert_eq!(
+            told,
+            [
+                "quit\n",
+                "get_default_active_thread_percentage\n",
+                "set_default_device_pinned_mem_limit 0 1024M\n",
+                "set_default_device_pinned_mem_limit 2 2048M\n",
+            ]
+        );
+        // Only the full GPU's mode is changed, and back at stop.
+        let full = claim[1].uuid.clone();
+        assert_eq!(
+            *b.set.lock().unwrap(),
+            [(full.clone(), ComputeMode::ExclusiveProcess)]
+        );
+        let p = port.clone();
+        blocking(move || p.stop(U1)).await.unwrap();
+        assert_eq!(
+            *b.set.lock().unwrap(),
+            [
+                (full.clone(), ComputeMode::ExclusiveProcess),
+                (full, ComputeMode::Default)
+            ]
+        );
+        assert_eq!(spawner.running(), 0);
+        mps.stop().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn multi_user_is_refused_naming_a_gpu_older_than_volta() {
+        let b = mig_node("6.0");
+        let (_dir, spawner, mps) = daemons_on(b.clone());
+        let port = mps.port();
+        let claim = vec![full_gpu(&b), mig_gpu(&b, 0), mig_gpu(&b, 1)];
+        let multi = MpsSettings {
+            multi_user: true,
+            ..Default::default()
+        };
+        let (p, g, s) = (port.clone(), claim.clone(), multi.clone());
+        let err = blocking(move || p.start(U1, &g, &s)).await.unwrap_err();
+        let parent = &claim[1].gpu_uuid;
+        assert_eq!(
+            err,
+            format!(
+                "mpsConfig.multiUser needs compute capability 7.0 (Volta) or newer on every GPU of the claim: GPU gpu-0 ({parent}) has compute capability 6.0"
+            )
+        );
+        assert!(spawner.spawned().is_empty());
+        assert!(b.set.lock().unwrap().is_empty());
+        assert!(mps.phases().is_empty());
+        // The same GPUs without multiUser: started, without -M.
+        let (p, g) = (port.clone(), claim.clone());
+        blocking(move || p.start(U1, &g, &MpsSettings::default()))
+            .await
+            .unwrap();
+        assert_eq!(spawner.spawned()[0].args, ["-f"]);
+        // The full GPU alone (9.0) takes multiUser.
+        let (p, g) = (port.clone(), vec![full_gpu(&b)]);
+        blocking(move || p.start(U2, &g, &multi)).await.unwrap();
+        assert_eq!(spawner.spawned()[1].args, ["-f", "-M"]);
+        mps.stop().await;
     }
 
     #[tokio::test]

@@ -107,11 +107,15 @@ impl std::fmt::Debug for MpsDaemons {
     }
 }
 
-/// `nvidia-cuda-mps-control -f` for `plan`.
+/// `nvidia-cuda-mps-control -f` for `plan` (`-f -M` in multi-user mode).
 pub fn daemon_launch(plan: &DaemonPlan) -> Launch {
+    let mut args = vec!["-f".to_string()];
+    if plan.multi_user {
+        args.push("-M".into());
+    }
     Launch {
         program: CONTROL_PROGRAM.into(),
-        args: vec!["-f".into()],
+        args,
         env: plan.env(),
         shm: Some(plan.shm_dir()),
     }
@@ -353,8 +357,11 @@ fn prepare_dirs(host: &HostRoot, plan: &DaemonPlan) -> Result<(), String> {
 }
 
 /// Puts the plan's GPUs in `mode`, changing only those in another one.
+/// MIG devices are left alone, neither set nor reset: a MIG device's
+/// compute mode is its parent GPU's, shared with the GPU's other MIG
+/// devices (other claims' among them), as NVIDIA's DRA driver does.
 fn set_modes(backend: &dyn GpuBackend, plan: &DaemonPlan, mode: ComputeMode) -> Result<(), String> {
-    for g in &plan.gpus {
+    for g in plan.gpus.iter().filter(|g| !g.mig) {
         if backend.compute_mode(&g.uuid).is_ok_and(|m| m == mode) {
             continue;
         }

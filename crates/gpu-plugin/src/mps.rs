@@ -94,6 +94,10 @@ pub struct DaemonGpu {
     /// devices from 0, in the order listed).
     pub ordinal: u32,
     pub memory_mib: Option<u64>,
+    /// A MIG device (a DRA claim's): its compute mode is its parent GPU's,
+    /// which the daemon's runner leaves alone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mig: bool,
 }
 
 /// One MPS control daemon: the resource it serves, its GPUs and limits.
@@ -115,6 +119,10 @@ pub struct DaemonPlan {
     /// root's `shm` that every resource of the device plugin shares.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shm: Option<String>,
+    /// Started in multi-user mode (`-M`: clients of any user; a DRA
+    /// claim's `mpsConfig.multiUser`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
 }
 
 /// What a daemon is told when its limits are set explicitly (NVIDIA's DRA
@@ -240,6 +248,7 @@ pub fn plans(
                 uuid,
                 index,
                 ordinal: ordinal as u32,
+                mig: false,
             })
             .collect();
         out.push(DaemonPlan {
@@ -249,6 +258,7 @@ pub fn plans(
             replicas,
             explicit: None,
             shm: None,
+            multi_user: false,
         });
     }
     out
@@ -347,6 +357,7 @@ mod tests {
             index: ordinal + 4,
             ordinal,
             memory_mib: Some(81559),
+            mig: false,
         };
         let mut p = DaemonPlan {
             resource: "dra-claim-abc".into(),
@@ -358,6 +369,7 @@ mod tests {
                 pinned_mib: BTreeMap::from([(1, 2048)]),
             }),
             shm: Some("/run/nvidia/mps/dra-claim-abc/shm".into()),
+            multi_user: false,
         };
         assert_eq!(
             p.setup_commands(),

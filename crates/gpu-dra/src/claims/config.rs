@@ -13,10 +13,11 @@
 //!   [`super::timeslice`]) and set back to `Default` on unprepare. A
 //!   claim's configurations must agree on the interval. On MIG devices
 //!   (`MigDeviceConfig`), which take no time slice: refused, naming why.
-//! - `MPS` (`GpuConfig`): a control daemon per claim, with the claim's
-//!   `mpsConfig` ([`super::sharing`]). The claim's configurations must
-//!   agree: one daemon serves all of its GPUs.
-//! - `MPS` on MIG devices (`MigDeviceConfig`): refused, naming why.
+//! - `MPS` (`GpuConfig` and `MigDeviceConfig`): a control daemon per
+//!   claim, with the claim's `mpsConfig` ([`super::sharing`]), over all of
+//!   its devices' UUIDs (GPUs and MIG devices alike, as NVIDIA's driver
+//!   does). The claim's configurations must agree: one daemon serves all
+//!   of its devices.
 
 use serde_json::Value;
 
@@ -160,11 +161,6 @@ fn sharing_of(kind: &str, s: &Value) -> Result<Sharing, String> {
                     "{kind}.sharing.timeSlicingConfig cannot go with strategy MPS"
                 ));
             }
-            if kind == "MigDeviceConfig" {
-                return Err(format!(
-                    "{kind} asks for MPS on MIG devices, which gpu-agent does not run yet (its MPS daemon sets the compute mode of the devices it serves, and a MIG device's is its GPU's): use MPS on full GPUs (GpuConfig)"
-                ));
-            }
             Ok(Sharing::Mps(sharing::parse_mps_config(
                 kind,
                 obj.get("mpsConfig"),
@@ -291,12 +287,6 @@ mod tests {
             bad.contains("\"Forever\" is not one of Default, Short, Medium, Long"),
             "{bad}"
         );
-        let mig_mps = check(&[cfg(
-            json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
-            "sharing": {"strategy": "MPS"}}),
-        )])
-        .unwrap_err();
-        assert!(mig_mps.contains("MPS on MIG devices"), "{mig_mps}");
         let mps_ts =
             check(&[gpu(json!({"strategy": "MPS", "timeSlicingConfig": {}}))]).unwrap_err();
         assert!(
@@ -347,5 +337,30 @@ mod tests {
         assert!(e.contains("#1 asks for MPS and #0 does not"), "{e}");
         let e = check(&[mps, gpu(json!({"strategy": "TimeSlicing"}))]).unwrap_err();
         assert!(e.contains("#0 asks for MPS and #1 does not"), "{e}");
+    }
+
+    #[test]
+    fn mps_on_mig_devices_and_multi_user_are_taken() {
+        let sharing = json!({"strategy": "MPS",
+            "mpsConfig": {"multiUser": true, "defaultActiveThreadPercentage": 50}});
+        let mig = cfg(
+            json!({"apiVersion": CONFIG_API_VERSION, "kind": "MigDeviceConfig",
+            "sharing": sharing.clone()}),
+        );
+        let want = Sharing::Mps(MpsSettings {
+            default_active_thread_percentage: Some(50),
+            multi_user: true,
+            ..Default::default()
+        });
+        assert_eq!(check(std::slice::from_ref(&mig)), Ok(want.clone()));
+        // A claim of GPUs and MIG devices: one daemon over all of them.
+        assert_eq!(check(&[gpu(sharing), mig.clone()]), Ok(want));
+        let single =
+            gpu(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}));
+        let e = check(&[mig, single]).unwrap_err();
+        assert!(
+            e.contains("its mpsConfig differs from configuration #0's"),
+            "{e}"
+        );
     }
 }

@@ -16,8 +16,9 @@ use super::sharing::{self, MpsDirs, MpsGpu};
 use crate::claim::ClaimRef;
 
 impl NodeClaims {
-    /// The GPUs of an MPS claim's daemon, in the allocation's order; MIG
-    /// devices and a node without MPS daemons are refused in words.
+    /// The devices of an MPS claim's daemon (GPUs and MIG devices, each
+    /// by its own UUID, as NVIDIA's driver gives its daemon), in the
+    /// allocation's order; a node without MPS daemons is refused in words.
     pub(super) fn mps_gpus(
         &self,
         named: &Named,
@@ -38,17 +39,8 @@ impl NodeClaims {
             let Some(dev) = devices.get(&d.device) else {
                 continue;
             };
-            if dev.uuid != dev.gpu_uuid {
-                return Err(refuse(format!(
-                    "it asks for MPS sharing of {}, a MIG device, which gpu-agent does not run yet (its MPS daemon sets the compute mode of the devices it serves, and a MIG device's is its GPU's)",
-                    d.device
-                )));
-            }
             if !out.iter().any(|g| g.uuid == dev.uuid) {
-                out.push(MpsGpu {
-                    uuid: dev.uuid.clone(),
-                    minor: dev.minor,
-                });
+                out.push(mps_gpu(dev));
             }
         }
         Ok(out)
@@ -197,10 +189,7 @@ fn gpus_of(entry: &Entry, devices: &BTreeMap<String, NodeDevice>) -> Result<Vec<
     let mut unknown = Vec::new();
     for d in &entry.devices {
         match devices.get(&d.device) {
-            Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(MpsGpu {
-                uuid: dev.uuid.clone(),
-                minor: dev.minor,
-            }),
+            Some(dev) if !gpus.iter().any(|g| g.uuid == dev.uuid) => gpus.push(mps_gpu(dev)),
             Some(_) => {}
             None => unknown.push(d.device.clone()),
         }
@@ -212,6 +201,15 @@ fn gpus_of(entry: &Entry, devices: &BTreeMap<String, NodeDevice>) -> Result<Vec<
             "its devices {} are not on this node now",
             unknown.join(", ")
         ))
+    }
+}
+
+/// A device of a claim's daemon.
+fn mps_gpu(dev: &NodeDevice) -> MpsGpu {
+    MpsGpu {
+        uuid: dev.uuid.clone(),
+        minor: dev.minor,
+        gpu_uuid: dev.gpu_uuid.clone(),
     }
 }
 

@@ -41,14 +41,28 @@ pub struct MpsSettings {
     /// [`MpsSettings::pinned_limits`].
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub per_device_pinned_memory_limit_mib: BTreeMap<String, u64>,
+    /// `multiUser`: the daemon takes clients of any user (`-M`); needs
+    /// compute capability 7.0 (Volta) or newer on every GPU of the claim.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub multi_user: bool,
 }
 
-/// One GPU of a claim's daemon.
+/// One device of a claim's daemon: a full GPU or a MIG device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MpsGpu {
+    /// The device's UUID (a MIG device's own): what the daemon sees.
     pub uuid: String,
-    /// `/dev/nvidia<minor>`.
+    /// `/dev/nvidia<minor>` (the parent GPU's, for a MIG device).
     pub minor: u32,
+    /// The GPU's UUID: the parent's for a MIG device, `uuid` for a GPU.
+    pub gpu_uuid: String,
+}
+
+impl MpsGpu {
+    /// A MIG device (its compute mode is its parent GPU's).
+    pub fn is_mig(&self) -> bool {
+        self.uuid != self.gpu_uuid
+    }
 }
 
 /// Where a started daemon's directories are (host paths, the host's own).
@@ -62,8 +76,9 @@ pub struct MpsDirs {
 /// Who runs the claims' MPS control daemons (the agent). Both calls block
 /// (prepare runs on a blocking thread) and answer within the kubelet's 45 s.
 pub trait MpsPort: Send + Sync {
-    /// Starts claim `claim_uid`'s daemon for `gpus` (in that order: the
-    /// daemon's device 0, 1, …) with `settings`, and returns once it
+    /// Starts claim `claim_uid`'s daemon for `gpus` (GPUs and MIG
+    /// devices, in that order: the daemon's device 0, 1, …) with
+    /// `settings` (refused in words when the GPUs cannot have them), and returns once it
     /// serves with its limits set; `Err` says why it does not (nothing is
     /// left running then). Starting a claim's daemon that runs already
     /// answers at once.
@@ -80,9 +95,10 @@ pub trait MpsPort: Send + Sync {
 }
 
 impl MpsSettings {
-    /// The pinned-memory limits by the GPU's place in `uuids` (the claim's
-    /// GPUs in the daemon's order): the default for each, then the
-    /// per-device ones; `Err` names a key that is no GPU of the claim.
+    /// The pinned-memory limits by the device's place in `uuids` (the
+    /// claim's GPUs and MIG devices in the daemon's order: its device
+    /// ordinals): the default for each, then the per-device ones; `Err`
+    /// names a key that is no device of the claim.
     pub fn pinned_limits(&self, uuids: &[&str]) -> Result<BTreeMap<u32, u64>, String> {
         let mut out: BTreeMap<u32, u64> = BTreeMap::new();
         if let Some(mib) = self.default_pinned_device_memory_limit_mib {
@@ -95,7 +111,7 @@ impl MpsSettings {
                     Ok(i) if i < uuids.len() => i,
                     _ => {
                         return Err(format!(
-                            "mpsConfig.defaultPerDevicePinnedMemoryLimit names {key:?}, which is neither the index (0..{}) nor the UUID of one of the claim's GPUs ({})",
+                            "mpsConfig.defaultPerDevicePinnedMemoryLimit names {key:?}, which is neither the index (0..{}) nor the UUID of one of the claim's devices ({})",
                             uuids.len(),
                             uuids.join(", ")
                         ));
@@ -110,7 +126,8 @@ impl MpsSettings {
 
 /// Reads `mpsConfig` of a `kind` configuration strictly: unknown fields,
 /// a thread percentage outside 1..=100 and limits under 1 MiB are errors.
-/// `multiUser: true` is refused: gpu-agent's daemon does not take `-M` yet.
+/// `multiUser` is taken as written (the GPUs' compute capability is
+/// checked where the daemon starts).
 pub fn parse_mps_config(kind: &str, v: Option<&Value>) -> Result<MpsSettings, String> {
     let mut out = MpsSettings::default();
     let obj = match v {
@@ -167,13 +184,8 @@ pub fn parse_mps_config(kind: &str, v: Option<&Value>) -> Result<MpsSettings, St
         }
     }
     match obj.get("multiUser") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-        Some(Value::Bool(true)) => {
-            return Err(format!(
-                "{} is true, which gpu-agent's MPS daemon does not offer yet (it runs for the claim's containers' own user): leave it out or false",
-                at("multiUser")
-            ));
-        }
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => out.multi_user = *b,
         Some(other) => return Err(format!("{} is {other}, not a boolean", at("multiUser"))),
     }
     Ok(out)
@@ -347,7 +359,16 @@ mod tests {
                     ("0".into(), 5120),
                     ("GPU-b".into(), 2048)
                 ]),
+                multi_user: false,
             }
+        );
+        let multi = parse_mps_config("MigDeviceConfig", Some(&json!({"multiUser": true})));
+        assert_eq!(
+            multi,
+            Ok(MpsSettings {
+                multi_user: true,
+                ..Default::default()
+            })
         );
         assert_eq!(
             parse_mps_config("GpuConfig", None),
@@ -375,7 +396,10 @@ mod tests {
                 json!({"defaultPerDevicePinnedMemoryLimit": {"0": "1Ki"}}),
                 "defaultPerDevicePinnedMemoryLimit[\"0\"]: 1Ki is under 1 MiB",
             ),
-            (json!({"multiUser": true}), "multiUser is true"),
+            (
+                json!({"multiUser": "yes"}),
+                "multiUser is \"yes\", not a boolean",
+            ),
             (json!("x"), "mpsConfig is not an object"),
         ] {
             let err = parse_mps_config("GpuConfig", Some(&cfg)).unwrap_err();
@@ -399,7 +423,7 @@ mod tests {
         );
         let err = s.pinned_limits(&["GPU-a"]).unwrap_err();
         assert!(
-            err.contains("names \"1\", which is neither the index (0..1) nor the UUID of one of the claim's GPUs (GPU-a)"),
+            err.contains("names \"1\", which is neither the index (0..1) nor the UUID of one of the claim's devices (GPU-a)"),
             "{err}"
         );
         assert_eq!(

@@ -133,6 +133,7 @@ fn settings() -> MpsSettings {
         default_active_thread_percentage: Some(50),
         default_pinned_device_memory_limit_mib: Some(4096),
         per_device_pinned_memory_limit_mib: BTreeMap::from([("GPU-b".into(), 1024)]),
+        multi_user: false,
     }
 }
 
@@ -147,10 +148,12 @@ fn both_gpus() -> Vec<MpsGpu> {
         MpsGpu {
             uuid: "GPU-a".into(),
             minor: 0,
+            gpu_uuid: "GPU-a".into(),
         },
         MpsGpu {
             uuid: "GPU-b".into(),
             minor: 1,
+            gpu_uuid: "GPU-b".into(),
         },
     ]
 }
@@ -206,6 +209,107 @@ fn the_daemon_starts_before_the_spec_which_points_every_device_at_it() {
     // A repeat answers from the checkpoint: no second daemon.
     assert_eq!(claims.prepare(&[claim(U1)]), out);
     assert_eq!(port.calls().len(), 1);
+}
+
+#[test]
+fn mig_devices_go_to_the_daemon_by_their_own_uuids_with_multi_user() {
+    let n = Node::new();
+    let port = FakePort::new(&n);
+    let mut mig_on = gpu(2, "GPU-c");
+    mig_on.mig = Some(gpu_model::backend::MigMode {
+        current: true,
+        pending: true,
+    });
+    let mig = |uuid: &str, start: u32| gpu_model::backend::MigDevice {
+        index: 0,
+        uuid: uuid.into(),
+        profile: "1g.10gb".into(),
+        gi_slices: 1,
+        ci_slices: 1,
+        memory_mib: 9856,
+        multiprocessors: 16,
+        gpu_instance_id: Some(13),
+        compute_instance_id: Some(0),
+        engines: Default::default(),
+        gi_profile_id: Some(19),
+        placement_start: Some(start),
+    };
+    mig_on.mig_devices = vec![mig("MIG-c1", 5), mig("MIG-c2", 6)];
+    let inv = inventory(vec![gpu(0, "GPU-a"), gpu(1, "GPU-b"), mig_on]);
+    // The node's spec and device node of the MIG devices' GPU.
+    let mut spec = super::tests_support::node_spec();
+    for uuid in ["MIG-c1", "MIG-c2"] {
+        let mut d = spec.devices[0].clone();
+        d.name = uuid.into();
+        d.container_edits.device_nodes[0].path = "/dev/nvidia2".into();
+        spec.devices.push(d);
+    }
+    n.write(
+        &n.opts.node_spec.clone(),
+        &serde_json::to_string_pretty(&spec).unwrap(),
+    );
+    n.write("/dev/nvidia2", "");
+    let p: Arc<dyn MpsPort> = port.clone();
+    let claims = NodeClaims::open_with_mps(
+        n.host.clone(),
+        n.opts.clone(),
+        n.allocs.clone(),
+        &inv,
+        Some(p),
+    )
+    .unwrap();
+    let (m1, m2) = (
+        super::devices::mig_device_name(2, "1g.10gb", 19, 5),
+        super::devices::mig_device_name(2, "1g.10gb", 19, 6),
+    );
+    // Two MIG devices of one GPU and a full GPU: one daemon over all three.
+    n.allocate(U1, &[(&m2, None), ("gpu-0", None), (&m1, None)]);
+    let mut a = n.allocs.get(U1).unwrap();
+    for kind in ["MigDeviceConfig", "GpuConfig"] {
+        a.configs.push(OpaqueConfig {
+            source: super::ConfigSource::FromClaim,
+            requests: Vec::new(),
+            parameters: serde_json::json!({"apiVersion": "resource.nvidia.com/v1beta1",
+                "kind": kind, "sharing": {"strategy": "MPS",
+                "mpsConfig": {"multiUser": true, "defaultPerDevicePinnedMemoryLimit": {"MIG-c1": "2Gi"}}}}),
+        });
+    }
+    n.allocs.insert(U1, a);
+    let out = claims.prepare(&[claim(U1)]);
+    assert_eq!(out[U1].as_ref().unwrap().len(), 3, "{out:?}");
+    let mps_gpu = |uuid: &str, minor: u32, gpu_uuid: &str| MpsGpu {
+        uuid: uuid.into(),
+        minor,
+        gpu_uuid: gpu_uuid.into(),
+    };
+    let want = MpsSettings {
+        multi_user: true,
+        per_device_pinned_memory_limit_mib: BTreeMap::from([("MIG-c1".into(), 2048)]),
+        ..Default::default()
+    };
+    assert_eq!(
+        port.calls(),
+        [Call::Start {
+            uid: U1.into(),
+            gpus: vec![
+                mps_gpu("MIG-c2", 2, "GPU-c"),
+                mps_gpu("GPU-a", 0, "GPU-a"),
+                mps_gpu("MIG-c1", 2, "GPU-c"),
+            ],
+            settings: want.clone(),
+            spec_there: false,
+        }]
+    );
+    let got = &port.calls()[0];
+    let Call::Start { gpus, .. } = got else {
+        unreachable!()
+    };
+    assert_eq!(
+        gpus.iter().map(MpsGpu::is_mig).collect::<Vec<_>>(),
+        [true, false, true]
+    );
+    // The checkpoint keeps multiUser: a restart starts the same daemon.
+    assert_eq!(n.checkpoint().claims[U1].mps, Some(want));
 }
 
 #[test]
