@@ -28,12 +28,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpu_agent::backend::{ComputeMode, GpuBackend};
+use gpu_agent::backend::ComputeMode;
 use gpu_agent::supervisor::dra_mps::{DraMps, DraMpsSetup};
 use gpu_dra::claim::{ClaimRef, Claims};
 use gpu_dra::claims::{
     AllocatedDevice, ClaimAllocation, ConfigSource, MemoryAllocations, NodeClaims, OpaqueConfig,
-    Options,
 };
 use gpu_model::cdi::Spec;
 
@@ -94,34 +93,22 @@ fn a_claims_mps_daemon_is_run_configured_restarted_and_quit() {
         "mps_control_standin.rs",
         &host.join("usr/bin/nvidia-cuda-mps-control"),
     );
-    let root = hostlib::HostRoot::new(&host).unwrap();
-    root.write_atomic(
-        "/proc/sys/kernel/random/boot_id",
-        b"6a0f3c1e-0000-4000-8000-000000000001\n",
-        0o444,
-    )
-    .unwrap();
-
     // The simulated H100s: their inventory and compute modes.
-    let view = gpu_agent::source::NodeView::simulated("h100-sxm-8").unwrap();
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
-    let backend: Arc<dyn GpuBackend> = Arc::from(view.backend);
-    let gpus: Vec<(u32, String)> = inv
-        .gpus
-        .iter()
-        .map(|g| (g.minor.unwrap(), g.uuid.clone().unwrap()))
-        .collect();
+    let node = common::dra::sim_node(
+        &host,
+        "h100-sxm-8",
+        NODE,
+        "6a0f3c1e-0000-4000-8000-000000000001",
+    );
+    let gpus = node.gpus();
+    node.write_node_spec(&gpus);
+    let common::dra::SimNode {
+        root,
+        inv,
+        backend,
+        opts,
+    } = node;
     let (gpu0, gpu1, gpu2) = (gpus[0].1.clone(), gpus[1].1.clone(), gpus[2].1.clone());
-    let mut opts = Options::new(NODE);
-    opts.allocation_wait = Duration::from_millis(100);
-    root.write_atomic(
-        &opts.node_spec,
-        serde_json::to_string(&common::dra::node_spec(&gpus))
-            .unwrap()
-            .as_bytes(),
-        0o644,
-    )
-    .unwrap();
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -311,35 +298,28 @@ fn a_mig_claims_multi_user_daemon_sees_the_mig_devices_and_leaves_compute_modes(
         "mps_control_standin.rs",
         &host.join("usr/bin/nvidia-cuda-mps-control"),
     );
-    let root = hostlib::HostRoot::new(&host).unwrap();
-    root.write_atomic(
-        "/proc/sys/kernel/random/boot_id",
-        b"6a0f3c1e-0000-4000-8000-000000000002\n",
-        0o444,
-    )
-    .unwrap();
-    let view = gpu_agent::source::NodeView::simulated("h100-mig-2").unwrap();
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
-    let backend: Arc<dyn GpuBackend> = Arc::from(view.backend);
-    let table = gpu_dra::claims::devices::device_table(&inv);
+    let node = common::dra::sim_node(
+        &host,
+        "h100-mig-2",
+        NODE,
+        "6a0f3c1e-0000-4000-8000-000000000002",
+    );
+    let table = gpu_dra::claims::devices::device_table(&node.inv);
     // The first MIG device of each GPU, by the name the claim has them.
     let mut picked: Vec<(String, u32, String, String)> = Vec::new();
-    for g in &inv.gpus {
+    for g in &node.inv.gpus {
         let m = &g.mig_devices[0].uuid;
         let (name, d) = table.iter().find(|(_, d)| &d.uuid == m).unwrap();
         picked.push((name.clone(), d.minor, d.uuid.clone(), d.gpu_uuid.clone()));
     }
-    let mut opts = Options::new(NODE);
-    opts.allocation_wait = Duration::from_millis(100);
     let spec_devices: Vec<(u32, String)> = picked.iter().map(|p| (p.1, p.2.clone())).collect();
-    root.write_atomic(
-        &opts.node_spec,
-        serde_json::to_string(&common::dra::node_spec(&spec_devices))
-            .unwrap()
-            .as_bytes(),
-        0o644,
-    )
-    .unwrap();
+    node.write_node_spec(&spec_devices);
+    let common::dra::SimNode {
+        root,
+        inv,
+        backend,
+        opts,
+    } = node;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

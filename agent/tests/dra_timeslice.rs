@@ -18,15 +18,14 @@ mod common;
 use std::fs;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::dra::claim;
-use gpu_agent::backend::{ComputeMode, GpuBackend};
+use gpu_agent::backend::ComputeMode;
 use gpu_agent::supervisor::dra_timeslice::{DraTimeSlice, NVIDIA_SMI};
 use gpu_dra::claim::Claims;
 use gpu_dra::claims::{
     AllocatedDevice, ClaimAllocation, ConfigSource, MemoryAllocations, NodeClaims, OpaqueConfig,
-    Options, TimeSlicePort,
+    TimeSlicePort,
 };
 
 const U1: &str = "5f1d8a3c-7b2e-4c9d-8e6f-0a1b2c3d4e5f";
@@ -81,33 +80,22 @@ fn a_claims_time_slice_is_set_with_the_hosts_nvidia_smi_and_set_back() {
     fs::create_dir_all(host.join("var/log")).unwrap();
     fs::create_dir_all(host.join("etc")).unwrap();
     common::build_static_standin("nvidia_smi_standin.rs", &host.join("usr/bin/nvidia-smi"));
-    let root = hostlib::HostRoot::new(&host).unwrap();
-    root.write_atomic(
-        "/proc/sys/kernel/random/boot_id",
-        b"6a0f3c1e-0000-4000-8000-000000000011\n",
-        0o444,
-    )
-    .unwrap();
-
-    let view = gpu_agent::source::NodeView::simulated("h100-sxm-8").unwrap();
-    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
-    let backend: Arc<dyn GpuBackend> = Arc::from(view.backend);
-    let gpus: Vec<(u32, String)> = inv
-        .gpus
-        .iter()
-        .map(|g| (g.minor.unwrap(), g.uuid.clone().unwrap()))
-        .collect();
+    // The simulated H100s: their inventory and compute modes.
+    let node = common::dra::sim_node(
+        &host,
+        "h100-sxm-8",
+        NODE,
+        "6a0f3c1e-0000-4000-8000-000000000011",
+    );
+    let gpus = node.gpus();
+    node.write_node_spec(&gpus);
+    let common::dra::SimNode {
+        root,
+        inv,
+        backend,
+        opts,
+    } = node;
     let (gpu0, gpu1, gpu2) = (gpus[0].1.clone(), gpus[1].1.clone(), gpus[2].1.clone());
-    let mut opts = Options::new(NODE);
-    opts.allocation_wait = Duration::from_millis(100);
-    root.write_atomic(
-        &opts.node_spec,
-        serde_json::to_string(&common::dra::node_spec(&gpus))
-            .unwrap()
-            .as_bytes(),
-        0o644,
-    )
-    .unwrap();
     // A GPU left in EXCLUSIVE_PROCESS: put in DEFAULT before its slice.
     backend
         .set_compute_mode(&gpu0, ComputeMode::ExclusiveProcess)

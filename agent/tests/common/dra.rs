@@ -39,3 +39,59 @@ pub fn claim(uid: &str, name: &str) -> ClaimRef {
         name: name.into(),
     }
 }
+
+/// A simulated node's GPUs over a host root: its inventory, its backend
+/// (shared, for compute modes) and the options claims are opened with.
+pub struct SimNode {
+    pub root: hostlib::HostRoot,
+    pub inv: gpu_model::inventory::Inventory,
+    pub backend: std::sync::Arc<dyn gpu_model::backend::GpuBackend>,
+    pub opts: gpu_dra::claims::Options,
+}
+
+/// The simulated node `sim` over the host tree `host`, with boot ID `boot`
+/// (a real host has one; the fixtures do not) and a 100 ms allocation wait.
+pub fn sim_node(host: &std::path::Path, sim: &str, node: &str, boot: &str) -> SimNode {
+    let root = hostlib::HostRoot::new(host).unwrap();
+    root.write_atomic(
+        "/proc/sys/kernel/random/boot_id",
+        format!("{boot}\n").as_bytes(),
+        0o444,
+    )
+    .unwrap();
+    let view = gpu_agent::source::NodeView::simulated(sim).unwrap();
+    let inv = gpu_agent::inventory::discover(&view.sys, view.backend.as_ref());
+    let backend = std::sync::Arc::from(view.backend);
+    let mut opts = gpu_dra::claims::Options::new(node);
+    opts.allocation_wait = std::time::Duration::from_millis(100);
+    SimNode {
+        root,
+        inv,
+        backend,
+        opts,
+    }
+}
+
+impl SimNode {
+    /// The node's GPUs as (minor, UUID).
+    pub fn gpus(&self) -> Vec<(u32, String)> {
+        self.inv
+            .gpus
+            .iter()
+            .map(|g| (g.minor.unwrap(), g.uuid.clone().unwrap()))
+            .collect()
+    }
+
+    /// Writes the node spec the cdi stage would write for `devices`.
+    pub fn write_node_spec(&self, devices: &[(u32, String)]) {
+        self.root
+            .write_atomic(
+                &self.opts.node_spec,
+                serde_json::to_string(&node_spec(devices))
+                    .unwrap()
+                    .as_bytes(),
+                0o644,
+            )
+            .unwrap();
+    }
+}
