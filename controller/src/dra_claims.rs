@@ -52,6 +52,8 @@ pub async fn run(client: kube::Client, fleet: Arc<Fleet>) {
     let mut listing: Vec<Placed> = Vec::new();
     // Whether the watch is failing (said once, when it begins).
     let mut failing = false;
+    // Whether a listing has been said already.
+    let mut listed = false;
     while let Some(ev) = stream.next().await {
         match ev {
             Ok(Event::Init) => listing.clear(),
@@ -59,11 +61,22 @@ pub async fn run(client: kube::Client, fleet: Arc<Fleet>) {
             Ok(Event::InitDone) => {
                 claims = ClaimsByNode::from_all(std::mem::take(&mut listing));
                 let lists = claims.lists();
-                tracing::info!(
-                    claims = claims.len(),
-                    nodes = lists.len(),
-                    "ResourceClaims of gpu.nvidia.com listed"
-                );
+                // Said at INFO once; a relisting (an expired watch) that
+                // finds what was known says nothing above DEBUG.
+                if listed {
+                    tracing::debug!(
+                        claims = claims.len(),
+                        nodes = lists.len(),
+                        "ResourceClaims listed again"
+                    );
+                } else {
+                    tracing::info!(
+                        claims = claims.len(),
+                        nodes = lists.len(),
+                        "ResourceClaims of gpu.nvidia.com listed"
+                    );
+                }
+                listed = true;
                 fleet.replace_dra_claims(lists);
             }
             Ok(Event::Apply(c)) => {

@@ -149,23 +149,19 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
     // kubelet registered its plugin: one slice, eight GPUs, NVIDIA's
     // attributes, as the 1.36 API server takes it.
     let registered = Instant::now();
-    let deadline = registered + Duration::from_secs(20);
-    let slices = loop {
-        let s: Vec<Value> = api
-            .resource_slices()
+    let node_slices = || -> Vec<Value> {
+        api.resource_slices()
             .into_iter()
             .filter(|s| s["spec"]["nodeName"] == NODE)
-            .collect();
-        if !s.is_empty() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no ResourceSlice; {}",
-            logs(&agent, &controller)
-        );
-        std::thread::sleep(Duration::from_millis(20));
+            .collect()
     };
+    common::wait_for(
+        "the node's ResourceSlices",
+        Duration::from_secs(20),
+        &[&agent, &controller],
+        || !node_slices().is_empty(),
+    );
+    let slices = node_slices();
     eprintln!(
         "the node's ResourceSlices in the API {:.0} ms after the kubelet registered the plugin",
         registered.elapsed().as_secs_f64() * 1e3
@@ -217,16 +213,12 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
         json!([{"request": "gpu", "driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0"}]),
     ));
     // The agent has it (status says how many the controller handed over).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while status(&host)["dra"]["allocations"] != json!(1) {
-        assert!(
-            Instant::now() < deadline,
-            "the claim never reached the agent; status: {:#}\n{}",
-            status(&host)["dra"],
-            logs(&agent, &controller)
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_for(
+        "the claim in the agent's status",
+        Duration::from_secs(20),
+        &[&agent, &controller],
+        || status(&host)["dra"]["allocations"] == json!(1),
+    );
 
     // The device nodes are gone (the driver unloaded): the claim fails
     // naming them, and writes nothing.
@@ -270,12 +262,13 @@ fn a_claim_allocated_in_the_api_is_prepared_on_its_node_from_memory() {
     assert!(text.contains("name: uid-c1-gpu-0"), "{text}");
     assert!(text.contains("/dev/nvidia0"), "{text}");
     // `status` says so (the state file follows each prepare).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut st = status(&host);
-    while st["dra"]["claims"][0]["state"] != "prepared" && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-        st = status(&host);
-    }
+    common::wait_for(
+        "the prepared claim in status",
+        Duration::from_secs(10),
+        &[&agent, &controller],
+        || status(&host)["dra"]["claims"][0]["state"] == "prepared",
+    );
+    let st = status(&host);
     assert_eq!(st["dra"]["claims"][0]["uid"], "uid-c1", "{:#}", st["dra"]);
     assert_eq!(st["dra"]["claims"][0]["state"], "prepared");
     assert_eq!(st["dra"]["claims"][0]["devices"], json!(["gpu-0"]));
