@@ -476,12 +476,10 @@ impl Task {
     /// The claim's directories (no container has them any more).
     fn remove_dirs(&self, uid: &str) {
         let dir = format!("{}/{}", self.root.trim_end_matches('/'), resource_of(uid));
-        let Ok(real) = self.host.resolve(&dir) else {
-            return;
-        };
-        match std::fs::remove_dir_all(&real) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        // Through the host root's descriptors: links inside are removed,
+        // never followed.
+        match self.host.remove_all(&dir) {
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(task = TASK, claim = %uid, path = %dir, error = %e, "cannot remove the claim's MPS directories")
             }
