@@ -118,8 +118,7 @@ impl RunningDra {
                 }
             });
         }
-        let recovery = claims.status().recovery;
-        tracing::info!(task = TASK, recovery = %recovery.summary(), "DRA claims opened");
+        // What start-up found is said once, by recovery ("DRA claims recovered").
         let socket = format!(
             "{root}/plugins_registry/{}",
             gpu_dra::kubelet::registration_socket_name()
