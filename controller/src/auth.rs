@@ -16,10 +16,18 @@ use sha2::Digest;
 
 /// The extra field the API server puts in a pod-bound token's review.
 pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
-/// A review is reused for this long (a reconnecting fleet would otherwise
-/// send the API server one review per agent per reconnect).
-const CACHE_FOR: Duration = Duration::from_secs(300);
-const CACHE_MAX: usize = 50_000;
+/// A token the API server authenticated is not reviewed again until it
+/// expires (its `exp`; the kubelet rotates it before): agents check in
+/// every few seconds to minutes, and a review each time would be a request
+/// per check-in. At most this long, though, and this long where the token
+/// says no expiry.
+const CACHE_MAX_FOR: Duration = Duration::from_secs(3600);
+const CACHE_NO_EXP: Duration = Duration::from_secs(300);
+/// A token refused is refused again from memory for this long: a bad agent
+/// retrying costs no request, and a fix (RBAC, the token) shows soon.
+const CACHE_REFUSED: Duration = Duration::from_secs(10);
+/// Reviews kept at most (about 200 bytes each).
+const CACHE_MAX: usize = 150_000;
 
 /// Who the token says the caller is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,8 +56,23 @@ pub enum AuthError {
     Review(String),
 }
 
-/// A review's answer and when it was given, by the token's SHA-256.
+/// A review's answer and until when it holds, by the token's SHA-256.
 type Reviewed = (Instant, Result<Identity, AuthError>);
+
+/// How long the token has left by its JWT `exp` claim, read without
+/// checking the signature: only the API server's review says whether the
+/// token is good; this only bounds how long that answer is kept. `None`:
+/// not a JWT, or no `exp`.
+pub fn lifetime_left(token: &str, now: std::time::SystemTime) -> Option<Duration> {
+    use base64::Engine;
+    let payload = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    let exp = std::time::UNIX_EPOCH + Duration::from_secs(claims.get("exp")?.as_u64()?);
+    Some(exp.duration_since(now).unwrap_or(Duration::ZERO))
+}
 
 pub type AuthFuture<'a> = Pin<Box<dyn Future<Output = Result<Identity, AuthError>> + Send + 'a>>;
 
@@ -148,23 +171,60 @@ impl Authenticator for TokenReviewer {
             }
             let key: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
             let now = Instant::now();
-            if let Some((at, answer)) = self.cache.lock().unwrap().get(&key)
-                && now.duration_since(*at) < CACHE_FOR
+            if let Some((until, answer)) = self.cache.lock().unwrap().get(&key)
+                && now < *until
             {
                 return answer.clone();
             }
             let answer = self.review(token).await;
-            // A failure to ask is not an answer: it is not kept.
-            if !matches!(answer, Err(AuthError::Review(_))) {
+            let keep = match &answer {
+                // A failure to ask is not an answer: it is not kept.
+                Err(AuthError::Review(_)) => None,
+                Err(_) => Some(CACHE_REFUSED),
+                Ok(_) => Some(
+                    lifetime_left(token, std::time::SystemTime::now())
+                        .unwrap_or(CACHE_NO_EXP)
+                        .min(CACHE_MAX_FOR),
+                ),
+            };
+            if let Some(keep) = keep.filter(|k| !k.is_zero()) {
                 let mut cache = self.cache.lock().unwrap();
                 if cache.len() >= CACHE_MAX {
-                    cache.retain(|_, (at, _)| now.duration_since(*at) < CACHE_FOR);
+                    cache.retain(|_, (until, _)| now < *until);
                 }
                 if cache.len() < CACHE_MAX {
-                    cache.insert(key, (now, answer.clone()));
+                    cache.insert(key, (now + keep, answer.clone()));
                 }
             }
             answer
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use base64::Engine;
+
+    fn jwt(claims: &str) -> String {
+        let b = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        format!("{}.{}.sig", b(r#"{"alg":"RS256"}"#), b(claims))
+    }
+
+    #[test]
+    fn a_token_is_kept_until_its_exp() {
+        let now = std::time::UNIX_EPOCH + Duration::from_secs(1_000);
+        assert_eq!(
+            lifetime_left(&jwt(r#"{"aud":["gpu-controller"],"exp":4600}"#), now),
+            Some(Duration::from_secs(3600))
+        );
+        assert_eq!(
+            lifetime_left(&jwt(r#"{"exp":10}"#), now),
+            Some(Duration::ZERO),
+            "expired already"
+        );
+        assert_eq!(lifetime_left(&jwt(r#"{"sub":"x"}"#), now), None);
+        assert_eq!(lifetime_left("tok-1", now), None, "not a JWT");
+        assert_eq!(lifetime_left("a.!!!.c", now), None);
     }
 }

@@ -14,6 +14,8 @@ pub enum ControllerError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {0}")]
     Kube(String),
     #[error("cannot serve on {addr}: {message}")]

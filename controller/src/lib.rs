@@ -14,8 +14,9 @@
 //!    and taint; Events; the driver rollout's states, policy and plan; the
 //!    policy text each agent is sent).
 //! 3. [`fleet`]: the store, what the controller knows of each node.
-//!    Beside it, [`lease`] and [`auth`]: the replicas' election and the
-//!    agents' token review, which know nothing of the fleet.
+//!    Beside it, [`lease`], [`shards`], [`auth`] and [`tls`]: the
+//!    replicas' election, the nodes' shards among the replicas, the agents'
+//!    token review and their TLS, which know nothing of the fleet.
 //! 4. The workers, each a task or a server over the fleet and the API;
 //!    none uses another: [`server`], [`writer`], [`drift`], [`upgrade`],
 //!    [`cluster_policy`], [`config_maps`], [`mig_label`],
@@ -31,6 +32,7 @@ pub mod model;
 pub mod auth;
 pub mod fleet;
 pub mod lease;
+pub mod tls;
 // 4. the workers
 pub mod cluster_policy;
 pub mod config_maps;
@@ -91,6 +93,11 @@ pub struct Options {
     /// Publish the ResourceSlices of nodes whose agent's DRA plugin is
     /// registered, and the DeviceClasses (issue 31).
     pub dra_slices: bool,
+    /// Agents check in at least this often ([`server::DEFAULT_INTERVAL`]).
+    pub check_in_interval: Duration,
+    /// Check-ins a second this replica takes at most; past it the interval
+    /// grows ([`server::DEFAULT_RATE`]).
+    pub check_in_rate: u32,
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
@@ -104,6 +111,12 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
 pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let cert = read(&opts.tls_cert)?;
     let key = read(&opts.tls_key)?;
+    let tls_config = tls::server_config(
+        &cert,
+        &opts.tls_cert.display().to_string(),
+        &key,
+        &opts.tls_key.display().to_string(),
+    )?;
     let config = kube::Config::infer()
         .await
         .map_err(|e| ControllerError::Kube(e.to_string()))?;
@@ -229,10 +242,23 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     ));
     let service = server::ReportService::new(fleet.clone(), auth, leader)
         .with_standing(standing, lease_name)
+        .with_pace(opts.check_in_interval, opts.check_in_rate)
         .server();
-    let tls = tonic::transport::ServerTlsConfig::new()
-        .identity(tonic::transport::Identity::from_pem(cert, key))
-        .timeout(opts.handshake_within);
+    {
+        // Nodes whose agent stopped checking in: not reporting.
+        let fleet = fleet.clone();
+        let every = opts.check_in_interval;
+        tokio::spawn(async move {
+            loop {
+                let next = fleet.sweep_check_ins();
+                let wait = next
+                    .map(|n| n.saturating_duration_since(std::time::Instant::now()))
+                    .unwrap_or(every)
+                    .max(Duration::from_secs(1));
+                tokio::time::sleep(wait).await;
+            }
+        });
+    }
     let serve_err = |e: tonic::transport::Error| ControllerError::Serve {
         addr: opts.listen,
         message: error_chain(&e),
@@ -245,11 +271,15 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         })?;
     let local = listener.local_addr().unwrap_or(opts.listen);
     tracing::info!(listen = %local, "gpu-controller serving agents");
-    let incoming = server::capped(listener, opts.max_connections);
+    let tls_counts = Arc::new(tls::TlsCounts::default());
+    let incoming = tls::incoming(
+        server::capped(listener, opts.max_connections),
+        tls_config,
+        opts.handshake_within,
+        tls_counts,
+    );
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let serve = tonic::transport::Server::builder()
-        .tls_config(tls)
-        .map_err(serve_err)?
         .tcp_keepalive(Some(Duration::from_secs(60)))
         // An agent holds one stream; a connection may not open more than a
         // few (each still needs its own token).

@@ -41,6 +41,14 @@ struct Cli {
     /// starts leading).
     #[arg(long, default_value_t = 60)]
     agent_grace_seconds: u64,
+    /// Agents check in at least this often (seconds), and at once when
+    /// something on their node changes.
+    #[arg(long, env = "GPU_CONTROLLER_CHECK_IN_INTERVAL", default_value_t = 30)]
+    check_in_interval: u64,
+    /// Check-ins a second this replica takes at most: with more nodes
+    /// than interval x rate, the interval it tells agents grows.
+    #[arg(long, env = "GPU_CONTROLLER_CHECK_IN_RATE", default_value_t = 500)]
+    check_in_rate: u32,
     /// The fleet page and /fleet.json (plain HTTP); "off" for none.
     #[arg(long, env = "GPU_CONTROLLER_HTTP_LISTEN", default_value = "0.0.0.0:8080", value_parser = http_listen)]
     http_listen: Listen,
@@ -205,6 +213,8 @@ fn main() -> ExitCode {
         upgrade_validation_timeout: (cli.upgrade_validation_timeout_seconds > 0)
             .then(|| Duration::from_secs(cli.upgrade_validation_timeout_seconds)),
         dra_slices: cli.dra_publish,
+        check_in_interval: std::time::Duration::from_secs(cli.check_in_interval.max(1)),
+        check_in_rate: cli.check_in_rate,
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

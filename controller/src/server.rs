@@ -1,9 +1,14 @@
-//! The report service agents stream to. Each stream: a bearer token checked
-//! first (TokenReview), then a Hello for the node the token is bound to,
-//! then a snapshot, then changes, health events and repairs in sequence.
-//! A stream that breaks the rules (a message too large, out of sequence, a
-//! change before its snapshot, a flood) is cut off with a status saying
-//! why; the controller and every other stream go on.
+//! The report service agents check in with. A check-in (`CheckIn`, one
+//! unary call): a bearer token checked first (TokenReview, cached by the
+//! token's hash), then its Hello must name the node the token is bound to;
+//! the fleet takes what it brings and answers (`fleet/check_in.rs`).
+//!
+//! The held stream of earlier agents (`Attach`) is still served: a bearer
+//! token, then a Hello for the node the token is bound to, then a
+//! snapshot, then changes, health events and repairs in sequence. A stream
+//! that breaks the rules (a message too large, out of sequence, a change
+//! before its snapshot, a flood) is cut off with a status saying why; the
+//! controller and every other stream go on.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -112,6 +117,12 @@ impl tokio::io::AsyncWrite for Capped {
     }
 }
 
+/// Agents check in at least this often by default (`--check-in-interval`).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
+/// Check-ins a second one replica takes at most, by default: past it the
+/// interval grows (`--check-in-rate`).
+pub const DEFAULT_RATE: u32 = 500;
+
 /// The largest message taken from an agent.
 pub const MAX_MESSAGE: usize = 4 << 20;
 /// The Hello must come within this time.
@@ -129,6 +140,10 @@ pub struct ReportService {
     leader: tokio::sync::watch::Receiver<bool>,
     /// Why it does not, and the Lease's `namespace/name`.
     standing: Option<(tokio::sync::watch::Receiver<crate::lease::Standing>, String)>,
+    /// The check-ins' pace: every `interval`, stretched so that this
+    /// replica takes at most `rate` check-ins a second.
+    interval: Duration,
+    rate: u32,
 }
 
 impl std::fmt::Debug for ReportService {
@@ -148,7 +163,40 @@ impl ReportService {
             auth,
             leader,
             standing: None,
+            interval: DEFAULT_INTERVAL,
+            rate: DEFAULT_RATE,
         }
+    }
+
+    /// Agents check in every `interval`, or less often where this replica
+    /// would otherwise take more than `rate` check-ins a second.
+    pub fn with_pace(mut self, interval: Duration, rate: u32) -> Self {
+        self.interval = interval;
+        self.rate = rate.max(1);
+        self
+    }
+
+    /// The interval told to agents now.
+    fn pace(&self) -> Duration {
+        let nodes = self.fleet.len() as u64;
+        self.interval
+            .max(Duration::from_secs(nodes.div_ceil(u64::from(self.rate))))
+    }
+
+    /// Who the token is, as a status for the agent.
+    async fn who<T>(&self, req: &Request<T>, what: &str) -> Result<crate::auth::Identity, Status> {
+        let peer = req
+            .remote_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "?".into());
+        let token = bearer(req).map_err(|e| Status::unauthenticated(e.to_string()))?;
+        self.auth.authenticate(&token).await.map_err(|e| {
+            tracing::warn!(peer, call = what, error = %e, "agent refused");
+            match e {
+                AuthError::Review(_) => Status::unavailable(e.to_string()),
+                _ => Status::unauthenticated(e.to_string()),
+            }
+        })
     }
 
     /// Agents turned away are told why this replica does not lead.
@@ -197,6 +245,34 @@ type Down = Pin<Box<dyn Stream<Item = Result<pb::ControllerMessage, Status>> + S
 impl Report for ReportService {
     type AttachStream = Down;
 
+    async fn check_in(
+        &self,
+        req: Request<pb::CheckInRequest>,
+    ) -> Result<Response<pb::CheckInAnswer>, Status> {
+        if !*self.leader.borrow() {
+            return Err(Status::unavailable(self.not_leading()));
+        }
+        let who = self.who(&req, "CheckIn").await?;
+        let msg = req.into_inner();
+        let Some(hello) = &msg.hello else {
+            return Err(Status::invalid_argument("a check-in without its Hello"));
+        };
+        if hello.node_name != who.node_name {
+            tracing::warn!(claimed = %hello.node_name, bound = %who.node_name, "check-in refused: wrong node");
+            return Err(Status::permission_denied(format!(
+                "this token's pod runs on node {}, not on {}: an agent reports only for its own node",
+                who.node_name, hello.node_name
+            )));
+        }
+        if msg.snapshot.is_some() && msg.change.is_some() {
+            return Err(Status::invalid_argument(
+                "a check-in with both a snapshot and a change",
+            ));
+        }
+        let node = who.node_name;
+        Ok(Response::new(self.fleet.check_in(&node, msg, self.pace())))
+    }
+
     async fn attach(
         &self,
         req: Request<Streaming<pb::AgentMessage>>,
@@ -208,14 +284,7 @@ impl Report for ReportService {
         if !*self.leader.borrow() {
             return Err(Status::unavailable(self.not_leading()));
         }
-        let token = bearer(&req).map_err(|e| Status::unauthenticated(e.to_string()))?;
-        let who = self.auth.authenticate(&token).await.map_err(|e| {
-            tracing::warn!(peer, error = %e, "report stream refused");
-            match e {
-                AuthError::Review(_) => Status::unavailable(e.to_string()),
-                _ => Status::unauthenticated(e.to_string()),
-            }
-        })?;
+        let who = self.who(&req, "Attach").await?;
         let mut up = req.into_inner();
         let first = tokio::time::timeout(HELLO_WITHIN, up.message())
             .await

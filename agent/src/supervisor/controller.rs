@@ -102,8 +102,8 @@ impl Supervisor {
         self.reconcile("the controller's settings", true).await;
     }
 
-    /// Starts the report stream to the controller, when one is configured.
-    /// It runs for the agent's life: it reconnects on its own.
+    /// Starts the report's check-ins with the controller, when one is
+    /// configured. It runs for the agent's life: it retries on its own.
     pub(super) fn start_report(&mut self) {
         let Some(cfg) = self.opts.report.clone() else {
             return;
@@ -124,6 +124,7 @@ impl Supervisor {
             changed: self.changed.clone(),
             desired: desired_tx,
             dra_claims: self.dra_feed_tx.clone(),
+            check_now: self.report_now.clone(),
         };
         self.report = Some(tx);
         self.report_task = Some(tokio::spawn(crate::report::client::run(cfg, inputs)));

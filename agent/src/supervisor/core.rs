@@ -83,6 +83,8 @@ pub(super) struct Supervisor {
     /// writes (`dra_feed_tx`, handed to it at its start), DRA reads.
     pub(super) dra_feed: watch::Receiver<Option<Arc<gpu_agent_proto::report::v1::DraClaims>>>,
     pub(super) dra_feed_tx: watch::Sender<Option<Arc<gpu_agent_proto::report::v1::DraClaims>>>,
+    /// Told to have the report check in now (DRA waits for a claim).
+    pub(super) report_now: Arc<Notify>,
 }
 
 impl Supervisor {
@@ -117,6 +119,7 @@ impl Supervisor {
             dra_mps: Default::default(),
             dra_feed,
             dra_feed_tx,
+            report_now: Arc::new(Notify::new()),
             mps,
             opts,
             st,

@@ -61,6 +61,9 @@ pub(super) struct RunningDra {
 pub(super) struct DraSharing {
     pub(super) mps: Result<DraMps, String>,
     pub(super) time_slice: Result<Arc<dyn TimeSlicePort>, String>,
+    /// Told when a prepare waits for a claim's allocation: the report
+    /// checks in at once to fetch it.
+    pub(super) report_now: Arc<Notify>,
 }
 
 impl RunningDra {
@@ -82,7 +85,11 @@ impl RunningDra {
         changed: Arc<Notify>,
         sharing: DraSharing,
     ) -> Result<Self, (String, Option<DraMps>)> {
-        let DraSharing { mps, time_slice } = sharing;
+        let DraSharing {
+            mps,
+            time_slice,
+            report_now,
+        } = sharing;
         let mut opts = gpu_dra::claims::Options::new(setting.node_name.clone());
         opts.cdi_dir = setting.cdi_dir.clone();
         opts.node_spec = format!(
@@ -99,7 +106,8 @@ impl RunningDra {
             Ok(d) => d,
             Err(e) => return Err((e.to_string(), mps.ok())),
         };
-        let allocations = Arc::new(MemoryAllocations::new());
+        let allocations =
+            Arc::new(MemoryAllocations::new().when_missing(move || report_now.notify_one()));
         let port = mps.as_ref().ok().map(DraMps::port);
         let claims =
             match NodeClaims::open_with_mps(host.clone(), opts, allocations.clone(), inv, port) {

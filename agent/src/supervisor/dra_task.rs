@@ -102,7 +102,11 @@ impl Supervisor {
             self.dra_feed.clone(),
             health,
             self.changed.clone(),
-            DraSharing { mps, time_slice },
+            DraSharing {
+                mps,
+                time_slice,
+                report_now: self.report_now.clone(),
+            },
         ) {
             Ok(d) => {
                 self.dra = Some(d);

@@ -10,7 +10,7 @@ use crate::model::upgrade_state::Step;
 
 impl Fleet {
     /// What the controller wants of the node, for its agent.
-    fn desired_of(e: &NodeEntry, policy: Option<&str>) -> pb::Desired {
+    pub(super) fn desired_of(e: &NodeEntry, policy: Option<&str>) -> pb::Desired {
         let up = e
             .upgrade
             .as_ref()

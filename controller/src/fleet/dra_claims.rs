@@ -19,7 +19,7 @@ use super::{Fleet, NodeEntry};
 
 impl Fleet {
     /// Whether the node's agent says it serves DRA.
-    fn serves_dra(e: &NodeEntry) -> bool {
+    pub(super) fn serves_dra(e: &NodeEntry) -> bool {
         e.report
             .dra
             .as_ref()

@@ -31,6 +31,7 @@ use crate::model::upgrade_policy::UpgradePolicy;
 use crate::model::upgrade_state::NodeUpgrade;
 
 mod agents;
+mod check_in;
 mod dra_claims;
 mod dra_slices;
 mod rollout;
@@ -61,6 +62,8 @@ pub struct NodeEntry {
     sent: Option<pb::Desired>,
     /// The last ResourceClaims list sent on the live stream (dra_claims.rs).
     dra_sent: Option<pb::DraClaims>,
+    /// Its check-ins, when its agent checks in (check_in.rs).
+    pub check_ins: Option<check_in::CheckIns>,
     /// The node's `nvidia.com/mig.config` label, as the API has it.
     pub mig_label: Option<String>,
     /// Its place in a driver rollout, if any.
@@ -96,6 +99,9 @@ pub struct Fleet {
     nodes: Mutex<HashMap<String, NodeEntry>>,
     queue: mpsc::UnboundedSender<String>,
     next_stream: AtomicU64,
+    /// This replica's answers' bases: a number of its own, and a count.
+    nonce: u64,
+    next_base: AtomicU64,
     pub taint: TaintPolicy,
     /// How long a node's conditions stay as they were after its agent's
     /// stream ends (an agent restarting is not news), and, for a node whose
@@ -134,6 +140,18 @@ impl Fleet {
                 nodes: Mutex::default(),
                 queue,
                 next_stream: AtomicU64::new(1),
+                nonce: {
+                    use std::hash::{BuildHasher, Hasher};
+                    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                    h.write_u128(
+                        std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|t| t.as_nanos())
+                            .unwrap_or(0),
+                    );
+                    h.finish()
+                },
+                next_base: AtomicU64::new(1),
                 taint,
                 grace,
                 events: None,
@@ -169,6 +187,16 @@ impl Fleet {
     pub fn with<T>(&self, node: &str, f: impl FnOnce(&mut NodeEntry) -> T) -> T {
         let mut nodes = self.nodes.lock().unwrap();
         f(nodes.entry(node.to_string()).or_default())
+    }
+
+    /// How many nodes the fleet knows.
+    pub fn len(&self) -> usize {
+        self.nodes.lock().unwrap().len()
+    }
+
+    /// Whether it knows none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Every node's name, sorted.
@@ -221,7 +249,7 @@ impl Fleet {
     /// node's conditions say its agent is not reporting.
     pub fn expire(&self, node: &str, why: &str) {
         let gone = self.with(node, |e| {
-            if e.stream.is_some() {
+            if e.live() {
                 return false;
             }
             e.gone = Some(why.to_string());

@@ -50,7 +50,7 @@ impl Fleet {
                         .map(|i| i.driver_version.clone())
                         .unwrap_or_default(),
                     ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
-                    connected: e.stream.is_some(),
+                    connected: e.live(),
                     reported: e.report.stages.is_some(),
                     unavailable: None,
                 }

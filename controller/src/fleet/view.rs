@@ -52,7 +52,7 @@ impl Fleet {
                         })
                     })
                     .collect();
-                if e.stream.is_some() {
+                if e.live() {
                     connected += 1;
                 }
                 let desired = self.wanted(e);
@@ -74,7 +74,7 @@ impl Fleet {
                 }
                 serde_json::json!({
                     "name": name,
-                    "connected": e.stream.is_some(),
+                    "connected": e.live(),
                     "notReporting": e.gone,
                     "agentVersion": e.hello.as_ref().map(|h| h.agent_version.as_str()).unwrap_or(""),
                     "driverVersion": inv.driver_version,
@@ -132,10 +132,7 @@ impl Fleet {
         let policy = self.policy.lock().unwrap().clone()?;
         let name = policy.name.clone();
         let nodes = self.nodes.lock().unwrap();
-        let mut names: Vec<&String> = nodes
-            .keys()
-            .filter(|n| nodes[*n].stream.is_some())
-            .collect();
+        let mut names: Vec<&String> = nodes.keys().filter(|n| nodes[*n].live()).collect();
         names.sort();
         let mut ignored = std::collections::BTreeSet::new();
         let mut problems = Vec::new();

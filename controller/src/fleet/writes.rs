@@ -170,7 +170,7 @@ impl Fleet {
             return;
         };
         tracing::info!(node, "node deleted");
-        if e.stream.is_none() && e.upgrade.is_none() {
+        if !e.live() && e.upgrade.is_none() {
             nodes.remove(node);
         } else {
             e.write.applied = None;
@@ -189,7 +189,7 @@ impl Fleet {
                 .filter(|(name, _)| only.is_none_or(|o| o == name.as_str()))
                 .filter(|(_, e)| {
                     e.hello.is_none()
-                        && e.stream.is_none()
+                        && !e.live()
                         && e.gone.is_none()
                         && e.write
                             .applied

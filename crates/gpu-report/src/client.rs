@@ -1,12 +1,24 @@
-//! The report task: one stream to the controller, held open; after any
-//! break, a new one after a backoff with jitter, starting again with Hello
-//! and a whole snapshot. Health events that happen while there is no stream
-//! wait in a bounded buffer (the oldest are dropped first, and counted).
+//! The report task: check-ins with the controller (`CheckIn`, one unary
+//! call each), nothing held between them. The agent checks in at once when
+//! its node's report changes, a health event comes or the DRA plugin waits
+//! for a claim (`check_now`), gathering what comes within [`GATHER`];
+//! otherwise on the interval the controller's last answer set. Each
+//! check-in opens a connection, makes its call and closes it; the TLS
+//! session is resumed from the controller's ticket, so a check-in costs a
+//! round trip or two and no certificate work.
 //!
-//! Nothing runs while nothing changes: the task waits on the node's report,
-//! the health events and the stream. A dead peer is found by TCP keepalive
-//! (the kernel's, not a timer of ours).
+//! A check-in carries the sections that changed since the last answered
+//! one (the whole report on the first, when the controller asks, or after
+//! a check-in that got no answer), and every health event and repair the
+//! controller has not acknowledged: they wait in a bounded buffer (the
+//! oldest are dropped first, and counted) until an answer takes them.
+//! After a failure the next try waits a backoff with jitter; a redirect
+//! (another replica holds the node's shard) is followed at once, and given
+//! up for the configured endpoint when it fails.
+//!
+//! Nothing runs while nothing changes but the one timer of the interval.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,22 +26,25 @@ use gpu_agent_proto::report::v1 as pb;
 use gpu_agent_proto::report::v1::report_client::ReportClient;
 use tokio::sync::{Notify, broadcast, mpsc, watch};
 use tokio::time::Instant;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 
 use super::{ControllerLink, ReportConfig, changes, repairs};
 use gpu_model::health::EventRecord;
 
 /// The largest message either side takes.
 pub const MAX_MESSAGE: usize = 4 << 20;
-/// Health events kept while disconnected (the broadcast channel's size).
+/// Health events and repairs kept until the controller takes them.
 pub const EVENT_BUFFER: usize = 1024;
+/// The interval before the controller said one.
+pub const FIRST_INTERVAL: Duration = Duration::from_secs(30);
+/// What comes within this of a change goes in the same check-in.
+pub const GATHER: Duration = Duration::from_millis(100);
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
-/// A stream that lived this long starts the backoff afresh.
-const STABLE_AFTER: Duration = Duration::from_secs(60);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A check-in not answered within this failed.
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// Why a stream could not start or ended.
+/// Why a check-in could not be made or was not answered.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     #[error("{path}: cannot read the controller's CA certificate: {source}")]
@@ -38,6 +53,8 @@ pub enum ReportError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path}: no usable CA certificate in it: {message}")]
+    BadCa { path: String, message: String },
     #[error("{path}: cannot read the service-account token: {source}")]
     Token {
         path: String,
@@ -50,14 +67,12 @@ pub enum ReportError {
     Endpoint { endpoint: String, message: String },
     #[error("{endpoint}: cannot connect: {message}")]
     Connect { endpoint: String, message: String },
-    #[error("{endpoint}: the controller refused the stream: {code:?}: {message}")]
+    #[error("{endpoint}: the controller refused the check-in: {code:?}: {message}")]
     Refused {
         endpoint: String,
         code: tonic::Code,
         message: String,
     },
-    #[error("{endpoint}: the stream ended: {message}")]
-    Ended { endpoint: String, message: String },
 }
 
 /// Where the task's inputs come from.
@@ -73,45 +88,182 @@ pub struct Inputs {
     /// The claims allocated to the node (DRA), the latest whole list: read
     /// by the DRA plugin at once, even while the supervisor runs a pass.
     pub dra_claims: watch::Sender<Option<Arc<pb::DraClaims>>>,
+    /// Told to check in now (the DRA plugin waits for a claim's
+    /// allocation).
+    pub check_now: Arc<Notify>,
+}
+
+/// What the task keeps between check-ins.
+struct Link {
+    /// The report as the controller last took it (`None`: it must be sent
+    /// whole).
+    taken: Option<Arc<pb::NodeReport>>,
+    base: String,
+    /// Happenings not acknowledged, with their numbers, oldest first.
+    pending: VecDeque<(u64, pb::Happening)>,
+    next_seq: u64,
+    dropped: u64,
+    desired_version: u64,
+    dra_version: u64,
+    interval: Duration,
+    /// The replica the last answer sent this agent to.
+    redirect: Option<String>,
+    /// The report last seen (repairs are what grew since it).
+    seen: Arc<pb::NodeReport>,
+}
+
+impl Link {
+    fn push(&mut self, h: pb::Happening) {
+        if self.pending.len() == EVENT_BUFFER {
+            self.pending.pop_front();
+            self.dropped += 1;
+        }
+        self.pending.push_back((self.next_seq, h));
+        self.next_seq += 1;
+    }
+
+    /// The report changed: repairs in it are queued.
+    fn saw(&mut self, now: Arc<pb::NodeReport>) {
+        for r in repairs(&self.seen, &now) {
+            self.push(pb::Happening {
+                body: Some(pb::happening::Body::Repair(r)),
+            });
+        }
+        self.seen = now;
+    }
 }
 
 /// Reports to the controller until cancelled (the supervisor aborts it).
 pub async fn run(cfg: ReportConfig, mut inputs: Inputs) {
+    let seen = inputs.report.borrow_and_update().clone();
+    let mut link = Link {
+        taken: None,
+        base: String::new(),
+        pending: VecDeque::new(),
+        next_seq: 1,
+        dropped: 0,
+        desired_version: 0,
+        dra_version: 0,
+        interval: FIRST_INTERVAL,
+        redirect: None,
+        seen,
+    };
+    let mut tls: Option<Arc<rustls::ClientConfig>> = None;
     let mut backoff = FIRST_BACKOFF;
-    let mut dropped = 0u64;
+    // A failure's retry, until which changes do not bring a check-in forward.
+    let mut retry_at: Option<Instant> = None;
+    let mut due = Instant::now();
     loop {
-        let started = Instant::now();
-        let outcome = stream_once(&cfg, &mut inputs, &mut dropped).await;
-        let error = match outcome {
-            Ok(()) => "the controller closed the stream".to_string(),
-            Err(e) => e.to_string(),
-        };
-        if started.elapsed() >= STABLE_AFTER {
-            backoff = FIRST_BACKOFF;
-        }
-        let wait = jitter(backoff);
-        // Said when the stream is lost or the controller's answer changes,
-        // not at every retry while it stays the same.
-        let news = {
-            let l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
-            l.connected || l.last_error.as_deref() != Some(&error)
-        };
-        if news {
-            tracing::warn!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "no stream to the controller; the agent goes on without it");
-        } else {
-            tracing::debug!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "no stream to the controller; the agent goes on without it");
-        }
-        update(&inputs, |l| {
-            if l.connected || l.last_error.as_deref() != Some(&error) {
-                l.since = gpu_model::util::now();
+        tokio::select! {
+            _ = tokio::time::sleep_until(due) => {}
+            r = inputs.report.changed() => {
+                if r.is_err() {
+                    return; // The supervisor is stopping.
+                }
+                let now = inputs.report.borrow_and_update().clone();
+                link.saw(now);
+                due = soon(due, retry_at);
+                continue;
             }
-            l.connected = false;
-            l.last_error = Some(error.clone());
-            l.dropped_events = dropped;
-        });
-        tokio::time::sleep(wait).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
+            e = inputs.events.recv() => {
+                match e {
+                    Ok(e) => link.push(event_happening(e)),
+                    Err(broadcast::error::RecvError::Lagged(n)) => link.dropped += n,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+                due = soon(due, retry_at);
+                continue;
+            }
+            _ = inputs.check_now.notified() => {
+                due = soon(due, retry_at);
+                continue;
+            }
+        }
+        // Whatever else is there goes too.
+        loop {
+            match inputs.events.try_recv() {
+                Ok(e) => link.push(event_happening(e)),
+                Err(broadcast::error::TryRecvError::Lagged(n)) => link.dropped += n,
+                Err(_) => break,
+            }
+        }
+        if inputs.report.has_changed().unwrap_or(false) {
+            let now = inputs.report.borrow_and_update().clone();
+            link.saw(now);
+        }
+        if tls.is_none() {
+            match client_config(&cfg) {
+                Ok(c) => tls = Some(c),
+                Err(e) => {
+                    failed(&inputs, &link, &e.to_string(), &mut backoff, &mut due);
+                    retry_at = Some(due);
+                    continue;
+                }
+            }
+        }
+        let config = tls.clone().unwrap_or_else(|| unreachable!());
+        match check_in(&cfg, &config, &mut link, &inputs).await {
+            Ok(again) => {
+                backoff = FIRST_BACKOFF;
+                retry_at = None;
+                due = if again {
+                    Instant::now()
+                } else {
+                    Instant::now() + link.interval
+                };
+            }
+            Err(e) => {
+                let e = e.to_string();
+                // What the controller took is not known: all of it again.
+                link.taken = None;
+                if link.redirect.take().is_some() {
+                    // The replica it was sent to: back to the Service.
+                    due = Instant::now();
+                    retry_at = None;
+                    tracing::debug!(task = "report", error = %e, "the replica the agent was sent to failed; back to the configured endpoint");
+                    continue;
+                }
+                failed(&inputs, &link, &e, &mut backoff, &mut due);
+                retry_at = Some(due);
+                // A CA file fixed later is read again.
+                tls = None;
+            }
+        }
     }
+}
+
+/// The next check-in brought forward to gather what comes in [`GATHER`],
+/// unless a failure's retry is pending.
+fn soon(due: Instant, retry_at: Option<Instant>) -> Instant {
+    if retry_at.is_some_and(|r| r > Instant::now()) {
+        return due;
+    }
+    due.min(Instant::now() + GATHER)
+}
+
+/// A check-in failed: said (when it is news), shown, retried later.
+fn failed(inputs: &Inputs, link: &Link, error: &str, backoff: &mut Duration, due: &mut Instant) {
+    let wait = jitter(*backoff);
+    *backoff = (*backoff * 2).min(MAX_BACKOFF);
+    *due = Instant::now() + wait;
+    let news = {
+        let l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
+        l.connected || l.last_error.as_deref() != Some(error)
+    };
+    if news {
+        tracing::warn!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "cannot check in with the controller; the agent goes on without it");
+    } else {
+        tracing::debug!(task = "report", error = %error, retry_in_ms = wait.as_millis() as u64, "cannot check in with the controller; the agent goes on without it");
+    }
+    update(inputs, |l| {
+        if l.connected || l.last_error.as_deref() != Some(error) {
+            l.since = gpu_model::util::now();
+        }
+        l.connected = false;
+        l.last_error = Some(error.to_string());
+        l.dropped_events = link.dropped;
+        l.pending = link.pending.len() as u64;
+    });
 }
 
 /// Between half of `d` and all of it, at random: agents that lost the same
@@ -130,7 +282,7 @@ fn jitter(d: Duration) -> Duration {
 }
 
 fn update(inputs: &Inputs, f: impl FnOnce(&mut ControllerLink)) {
-    let mut l = inputs.link.lock().unwrap();
+    let mut l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
     let before = l.clone();
     f(&mut l);
     if *l != before {
@@ -151,44 +303,119 @@ fn read_token(cfg: &ReportConfig) -> Result<String, ReportError> {
     Ok(token)
 }
 
-fn event_message(e: EventRecord) -> pb::agent_message::Body {
-    pb::agent_message::Body::HealthEvent(pb::HealthEvent {
-        gpu_uuid: e.uuid,
-        xid: e.xid.unwrap_or(0),
-        reason: e.reason,
-        advice: e.advice.unwrap_or_default(),
-        unhealthy: e.unhealthy,
-        at_unix_ms: e.at_unix_ms,
-    })
-}
-
-/// One stream: connect, Hello, snapshot, then changes until it breaks.
-async fn stream_once(
-    cfg: &ReportConfig,
-    inputs: &mut Inputs,
-    dropped: &mut u64,
-) -> Result<(), ReportError> {
-    let endpoint = cfg.endpoint.clone();
-    let token = read_token(cfg)?;
-    let ca = std::fs::read(&cfg.ca_file).map_err(|source| ReportError::Ca {
-        path: cfg.ca_file.display().to_string(),
+/// The TLS client settings, kept across check-ins: their session cache
+/// holds the controller's tickets.
+fn client_config(cfg: &ReportConfig) -> Result<Arc<rustls::ClientConfig>, ReportError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let path = cfg.ca_file.display().to_string();
+    let pem = std::fs::read(&cfg.ca_file).map_err(|source| ReportError::Ca {
+        path: path.clone(),
         source,
     })?;
+    let bad = |message: String| ReportError::BadCa {
+        path: path.clone(),
+        message,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        let cert = cert.map_err(|e| bad(e.to_string()))?;
+        roots.add(cert).map_err(|e| bad(e.to_string()))?;
+    }
+    if roots.is_empty() {
+        return Err(bad("no CERTIFICATE block".into()));
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| bad(e.to_string()))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+fn event_happening(e: EventRecord) -> pb::Happening {
+    pb::Happening {
+        body: Some(pb::happening::Body::HealthEvent(pb::HealthEvent {
+            gpu_uuid: e.uuid,
+            xid: e.xid.unwrap_or(0),
+            reason: e.reason,
+            advice: e.advice.unwrap_or_default(),
+            unhealthy: e.unhealthy,
+            at_unix_ms: e.at_unix_ms,
+        })),
+    }
+}
+
+/// `https://host:port` → (host, port).
+fn host_port(url: &str) -> Option<(String, u16)> {
+    let rest = url.strip_prefix("https://")?;
+    let authority = rest.split('/').next()?;
+    let (host, port) = match authority.strip_prefix('[') {
+        // [v6]:port
+        Some(v6) => {
+            let (host, after) = v6.split_once(']')?;
+            let port = match after.strip_prefix(':') {
+                Some(p) => p.parse().ok()?,
+                None if after.is_empty() => 443,
+                None => return None,
+            };
+            (host, port)
+        }
+        None => match authority.rsplit_once(':') {
+            Some((h, p)) => (h, p.parse().ok()?),
+            None => (authority, 443),
+        },
+    };
+    (!host.is_empty()).then(|| (host.to_string(), port))
+}
+
+/// One check-in. Returns whether another is due at once (a snapshot was
+/// asked for, or a redirect came).
+async fn check_in(
+    cfg: &ReportConfig,
+    tls: &Arc<rustls::ClientConfig>,
+    link: &mut Link,
+    inputs: &Inputs,
+) -> Result<bool, ReportError> {
+    let endpoint = link
+        .redirect
+        .clone()
+        .unwrap_or_else(|| cfg.endpoint.clone());
+    let token = read_token(cfg)?;
     let bad = |message: String| ReportError::Endpoint {
         endpoint: endpoint.clone(),
         message,
     };
-    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca));
-    if let Some(name) = &cfg.server_name {
-        tls = tls.domain_name(name.clone());
-    }
-    let channel = Endpoint::from_shared(endpoint.clone())
-        .map_err(|e| bad(format!("not a URL: {}", gpu_model::util::error_words(&e))))?
-        .tls_config(tls)
+    let (host, port) =
+        host_port(&endpoint).ok_or_else(|| bad("not an https://host:port URL".into()))?;
+    let name = cfg.server_name.clone().unwrap_or_else(|| host.clone());
+    let server_name = rustls::pki_types::ServerName::try_from(name.clone())
+        .map_err(|e| bad(format!("{name}: not a server name: {e}")))?;
+    let connector = {
+        let tls = tls.clone();
+        tower::service_fn(move |_: http::Uri| {
+            let tls = tls.clone();
+            let host = host.clone();
+            let server_name = server_name.clone();
+            async move {
+                let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+                let _ = tcp.set_nodelay(true);
+                let io = tokio_rustls::TlsConnector::from(tls)
+                    .connect(server_name, tcp)
+                    .await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(io))
+            }
+        })
+    };
+    // The scheme is http: the connector above does the TLS itself.
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{name}:{port}"))
         .map_err(|e| bad(gpu_model::util::error_words(&e)))?
         .connect_timeout(CONNECT_TIMEOUT)
-        .tcp_keepalive(Some(Duration::from_secs(60)))
-        .connect()
+        .timeout(CALL_TIMEOUT)
+        .connect_with_connector(connector)
         .await
         .map_err(|e| ReportError::Connect {
             endpoint: endpoint.clone(),
@@ -197,53 +424,36 @@ async fn stream_once(
     let mut client = ReportClient::new(channel)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
-
-    // What waited while there was no stream.
-    let mut waiting = Vec::new();
-    loop {
-        match inputs.events.try_recv() {
-            Ok(e) => waiting.push(e),
-            Err(broadcast::error::TryRecvError::Lagged(n)) => *dropped += n,
-            Err(_) => break,
-        }
-    }
-    let (tx, rx) = mpsc::channel::<pb::AgentMessage>(64);
-    let mut seq = 0u64;
-    let mut next = |body| {
-        seq += 1;
-        pb::AgentMessage {
-            seq,
-            body: Some(body),
-        }
+    let now = link.seen.clone();
+    let (snapshot, change) = match &link.taken {
+        None => (Some((*now).clone()), None),
+        Some(taken) => (None, changes(taken, &now)),
     };
-    let mut sent = inputs.report.borrow_and_update().clone();
-    let hello = pb::Hello {
-        node_name: cfg.node_name.clone(),
-        agent_version: env!("CARGO_PKG_VERSION").to_string(),
-        boot_id: cfg.boot_id.clone(),
-        agent_started_at: cfg.started_at,
-        dropped_events: *dropped,
+    let sent_report = snapshot.is_some() || change.is_some();
+    let first_seq = link.pending.front().map_or(link.next_seq, |(n, _)| *n);
+    let request = pb::CheckInRequest {
+        hello: Some(pb::Hello {
+            node_name: cfg.node_name.clone(),
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            boot_id: cfg.boot_id.clone(),
+            agent_started_at: cfg.started_at,
+            dropped_events: link.dropped,
+        }),
+        base: link.base.clone(),
+        snapshot,
+        change,
+        first_seq,
+        happenings: link.pending.iter().map(|(_, h)| h.clone()).collect(),
+        desired_version: link.desired_version,
+        dra_claims_version: link.dra_version,
     };
-    let closed = |_| ReportError::Ended {
-        endpoint: endpoint.clone(),
-        message: "the stream closed while sending".into(),
-    };
-    tx.send(next(pb::agent_message::Body::Hello(hello)))
-        .await
-        .map_err(closed)?;
-    tx.send(next(pb::agent_message::Body::Snapshot((*sent).clone())))
-        .await
-        .map_err(closed)?;
-    for e in waiting {
-        tx.send(next(event_message(e))).await.map_err(closed)?;
-    }
-    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    let mut request = tonic::Request::new(request);
     let bearer = format!("Bearer {token}")
         .parse()
         .map_err(|_| bad("the service-account token is not a valid header value".into()))?;
     request.metadata_mut().insert("authorization", bearer);
-    let mut inbound = client
-        .attach(request)
+    let answer = client
+        .check_in(request)
         .await
         .map_err(|s| ReportError::Refused {
             endpoint: endpoint.clone(),
@@ -251,70 +461,65 @@ async fn stream_once(
             message: s.message().to_string(),
         })?
         .into_inner();
-    tracing::info!(task = "report", endpoint = %endpoint, node = %cfg.node_name, "reporting to the controller");
+    // The connection closes with the client, here.
+    drop(client);
+    link.pending.retain(|(n, _)| *n > answer.acked_seq);
+    link.base = answer.base;
+    if answer.interval_seconds > 0 {
+        link.interval = Duration::from_secs(u64::from(answer.interval_seconds));
+    }
+    let mut again = false;
+    if answer.send_snapshot {
+        link.taken = None;
+        again = true;
+    } else if sent_report || link.taken.is_none() {
+        link.taken = Some(now);
+    }
+    if let Some(d) = answer.desired {
+        desired(inputs, d);
+    }
+    link.desired_version = answer.desired_version;
+    if let Some(c) = answer.dra_claims {
+        tracing::debug!(
+            task = "report",
+            claims = c.claims.len(),
+            "the controller's claims for this node"
+        );
+        inputs.dra_claims.send_replace(Some(Arc::new(c)));
+    }
+    link.dra_version = answer.dra_claims_version;
+    if !answer.redirect.is_empty() && Some(&answer.redirect) != link.redirect.as_ref() {
+        tracing::debug!(task = "report", to = %answer.redirect, "the controller sends this node to another replica");
+        link.redirect = Some(answer.redirect);
+        link.taken = None;
+        again = true;
+    }
+    let was = {
+        let l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
+        l.connected
+    };
+    if !was {
+        tracing::info!(task = "report", endpoint = %endpoint, node = %cfg.node_name, interval_s = link.interval.as_secs(), "reporting to the controller");
+    }
     update(inputs, |l| {
+        if !l.connected {
+            l.since = gpu_model::util::now();
+        }
         l.connected = true;
-        l.since = gpu_model::util::now();
         l.last_error = None;
         l.connects += 1;
-        l.dropped_events = *dropped;
+        l.dropped_events = link.dropped;
+        l.pending = link.pending.len() as u64;
+        l.interval_s = link.interval.as_secs();
+        l.served_by = link.redirect.clone();
     });
-    loop {
-        tokio::select! {
-            r = inputs.report.changed() => {
-                if r.is_err() {
-                    // The supervisor is stopping.
-                    return Ok(());
-                }
-                let now = inputs.report.borrow_and_update().clone();
-                if let Some(c) = changes(&sent, &now) {
-                    tx.send(next(pb::agent_message::Body::Change(c))).await.map_err(closed)?;
-                }
-                for r in repairs(&sent, &now) {
-                    tx.send(next(pb::agent_message::Body::Repair(r))).await.map_err(closed)?;
-                }
-                sent = now;
-            }
-            e = inputs.events.recv() => match e {
-                Ok(e) => tx.send(next(event_message(e))).await.map_err(closed)?,
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    *dropped += n;
-                    tracing::warn!(task = "report", dropped = n, "health events dropped: the controller does not keep up");
-                    update(inputs, |l| l.dropped_events = *dropped);
-                }
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            },
-            m = inbound.message() => match m {
-                Ok(Some(msg)) => desired(inputs, msg),
-                Ok(None) => return Ok(()),
-                Err(s) => {
-                    return Err(ReportError::Ended {
-                        endpoint: endpoint.clone(),
-                        message: format!("{:?}: {}", s.code(), s.message()),
-                    })
-                }
-            },
-        }
-    }
+    Ok(again)
 }
 
 /// The controller's wishes for the node, shown in `status`; the
 /// supervisor acts on them (policy, MIG layout, the driver rollout's
 /// go-ahead). A drain request is not acted on, and the agent says so.
-fn desired(inputs: &Inputs, msg: pb::ControllerMessage) {
-    let d = match msg.body {
-        Some(pb::controller_message::Body::Desired(d)) => d,
-        Some(pb::controller_message::Body::DraClaims(c)) => {
-            tracing::debug!(
-                task = "report",
-                claims = c.claims.len(),
-                "the controller's claims for this node"
-            );
-            inputs.dra_claims.send_replace(Some(Arc::new(c)));
-            return;
-        }
-        None => return,
-    };
+fn desired(inputs: &Inputs, d: pb::Desired) {
     let _ = inputs.desired.send(d.clone());
     let mut parts = Vec::new();
     if !d.policy_yaml.is_empty() {
@@ -365,6 +570,46 @@ mod tests {
                 "{j:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_endpoint_gives_its_host_and_port() {
+        assert_eq!(
+            host_port("https://gpu-controller.gpu-agent.svc:8443"),
+            Some(("gpu-controller.gpu-agent.svc".into(), 8443))
+        );
+        assert_eq!(
+            host_port("https://10.0.0.5:8443/"),
+            Some(("10.0.0.5".into(), 8443))
+        );
+        assert_eq!(
+            host_port("https://[fd00::5]:8443"),
+            Some(("fd00::5".into(), 8443))
+        );
+        assert_eq!(host_port("https://ctl"), Some(("ctl".into(), 443)));
+        assert_eq!(host_port("http://ctl:80"), None);
+    }
+
+    #[test]
+    fn the_buffer_drops_the_oldest_and_counts_them() {
+        let mut link = Link {
+            taken: None,
+            base: String::new(),
+            pending: VecDeque::new(),
+            next_seq: 1,
+            dropped: 0,
+            desired_version: 0,
+            dra_version: 0,
+            interval: FIRST_INTERVAL,
+            redirect: None,
+            seen: Arc::new(pb::NodeReport::default()),
+        };
+        for _ in 0..EVENT_BUFFER + 3 {
+            link.push(pb::Happening::default());
+        }
+        assert_eq!(link.pending.len(), EVENT_BUFFER);
+        assert_eq!(link.dropped, 3);
+        assert_eq!(link.pending.front().unwrap().0, 4, "numbers keep counting");
     }
 
     #[test]

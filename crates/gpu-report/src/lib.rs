@@ -1,10 +1,11 @@
 //! The report upward: what this node's agent tells the cluster controller
-//! (`gpu-controller`) over one long-lived gRPC stream (proto/report_v1.proto).
+//! (`gpu-controller`) in check-ins (proto/report_v1.proto, `CheckIn`).
 //!
 //! The supervisor publishes the node as a [`NodeReport`] whenever what the
-//! agent knows changes; the report task ([`client`]) sends the whole of it
-//! after every (re)connect and then only the sections that changed, plus
-//! health events and repairs as they happen. The agent works fully without
+//! agent knows changes; the report task ([`client`]) checks in at once
+//! with the sections that changed (the whole of it when the controller
+//! does not have it), and the health events and repairs not acknowledged
+//! yet, and otherwise on the controller's interval. The agent works fully without
 //! a controller: the report is one more front end of the same state.
 
 pub mod client;
@@ -41,18 +42,30 @@ pub struct ReportConfig {
 pub struct ControllerLink {
     pub endpoint: String,
     pub node_name: String,
+    /// The last check-in was answered.
     pub connected: bool,
     /// Unix seconds since which `connected` holds.
     pub since: u64,
-    /// Why the last stream ended or could not start.
+    /// Why the last check-in failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
-    /// Health events dropped while disconnected, since the agent started.
+    /// Health events and repairs dropped (the buffer was full while the
+    /// controller could not be reached), since the agent started.
     #[serde(default)]
     pub dropped_events: u64,
-    /// Streams opened since the agent started.
+    /// Check-ins answered since the agent started.
     #[serde(default)]
     pub connects: u64,
+    /// Health events and repairs waiting for the controller to take them.
+    #[serde(default)]
+    pub pending: u64,
+    /// The interval the controller set, in seconds (0: not told yet).
+    #[serde(default)]
+    pub interval_s: u64,
+    /// The replica the controller sent this node to (its shard's holder),
+    /// when not the configured endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<String>,
     /// What the controller last asked of this node (not acted on yet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub desired: Option<String>,
@@ -62,10 +75,15 @@ impl ControllerLink {
     /// One line for `status`.
     pub fn summary(&self) -> String {
         let mut line = if self.connected {
-            format!(
-                "{}: connected as node {} (since {})",
-                self.endpoint, self.node_name, self.since
-            )
+            let mut l = format!(
+                "{}: connected as node {} (since {}; checks in every {} s",
+                self.endpoint, self.node_name, self.since, self.interval_s
+            );
+            if let Some(r) = &self.served_by {
+                l.push_str(&format!(", through the replica {r}"));
+            }
+            l.push(')');
+            l
         } else {
             format!("{}: not connected", self.endpoint)
         };
@@ -73,6 +91,12 @@ impl ControllerLink {
             && !self.connected
         {
             line.push_str(&format!(": {e}"));
+        }
+        if self.pending > 0 {
+            line.push_str(&format!(
+                "; {} health event(s) or repair(s) waiting",
+                self.pending
+            ));
         }
         if self.dropped_events > 0 {
             line.push_str(&format!(

@@ -64,16 +64,37 @@ pub trait Allocations: Send + Sync + 'static {
     fn wait_for(&self, uid: &str, deadline: Instant) -> Option<ClaimAllocation>;
 }
 
+/// Called when a prepare waits for an allocation not handed over yet.
+pub type OnMissing = Box<dyn Fn() + Send + Sync>;
+
 /// Allocations held in memory: what the controller's feed last handed over.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct MemoryAllocations {
     claims: Mutex<BTreeMap<String, ClaimAllocation>>,
     changed: Condvar,
+    /// Asks the feed for the latest (the agent's report checks in at once).
+    on_missing: Option<OnMissing>,
+}
+
+impl std::fmt::Debug for MemoryAllocations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryAllocations")
+            .field("claims", &self.claims)
+            .finish_non_exhaustive()
+    }
 }
 
 impl MemoryAllocations {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// `f` is called when a prepare finds its claim's allocation missing
+    /// and waits for it: the feed is asked for the latest at once rather
+    /// than at its next interval.
+    pub fn when_missing(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_missing = Some(Box::new(f));
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, ClaimAllocation>> {
@@ -106,9 +127,14 @@ impl MemoryAllocations {
 impl Allocations for MemoryAllocations {
     fn wait_for(&self, uid: &str, deadline: Instant) -> Option<ClaimAllocation> {
         let mut claims = self.lock();
+        let mut asked = false;
         loop {
             if let Some(a) = claims.get(uid) {
                 return Some(a.clone());
+            }
+            if !asked && let Some(f) = &self.on_missing {
+                asked = true;
+                f();
             }
             let left = deadline.checked_duration_since(Instant::now())?;
             if left.is_zero() {
@@ -142,6 +168,25 @@ mod tests {
             }],
             configs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_missing_allocation_asks_the_feed_once() {
+        let asked = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let a = {
+            let asked = asked.clone();
+            MemoryAllocations::new().when_missing(move || {
+                asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+        };
+        a.insert("u1", alloc("gpu-0"));
+        assert!(a.wait_for("u1", Instant::now()).is_some());
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(
+            a.wait_for("u2", Instant::now() + Duration::from_millis(30)),
+            None
+        );
+        assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 
     #[test]
