@@ -32,6 +32,7 @@ pub mod model;
 pub mod auth;
 pub mod fleet;
 pub mod lease;
+pub mod shards;
 pub mod tls;
 // 4. the workers
 pub mod cluster_policy;

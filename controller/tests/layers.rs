@@ -61,7 +61,7 @@ const LAYERS: &[Layer] = &[
     // Beside the fleet: they know nothing of it.
     Layer {
         name: "access",
-        units: &["auth", "lease", "tls"],
+        units: &["auth", "lease", "shards", "tls"],
         uses: &["model", "error"],
         siblings: false,
     },

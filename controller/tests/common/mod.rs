@@ -971,7 +971,7 @@ impl MockApi {
                 }
             }
             (m, p) if p.starts_with("/apis/coordination.k8s.io/v1/namespaces/") => {
-                lease(&mut i, m, p, &body)
+                lease(&mut i, m, p, &query, &body)
             }
             (m, p) if p.starts_with("/api/v1/nodes/") => {
                 let rest = &p["/api/v1/nodes/".len()..];
@@ -1001,10 +1001,63 @@ impl MockApi {
 }
 
 /// Leases as the API server keeps them: create once (409 AlreadyExists),
-/// replace only at the resourceVersion read (409 Conflict).
-fn lease(i: &mut Inner, method: &str, path: &str, body: &Value) -> (u16, Value) {
+/// replace only at the resourceVersion read (409 Conflict); a namespace's
+/// listed (by labels, `k=v,...`); deleted (at the resourceVersion of the
+/// preconditions, if any).
+fn lease(
+    i: &mut Inner,
+    method: &str,
+    path: &str,
+    query: &BTreeMap<String, String>,
+    body: &Value,
+) -> (u16, Value) {
     let status = |code: u16, reason: &str, message: String| json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason, "message": message});
     match method {
+        "GET" if path.ends_with("/leases") => {
+            let sel = query
+                .get("labelSelector")
+                .map(|s| {
+                    s.replace("%3D", "=")
+                        .replace("%2F", "/")
+                        .replace("%2C", ",")
+                })
+                .unwrap_or_default();
+            let items: Vec<Value> = i
+                .leases
+                .iter()
+                .filter(|(k, _)| k.strip_prefix(path).is_some_and(|n| n.starts_with('/')))
+                .map(|(_, l)| l)
+                .filter(|l| {
+                    sel.split(',')
+                        .filter(|t| !t.is_empty())
+                        .all(|t| match t.split_once('=') {
+                            Some((k, v)) => l["metadata"]["labels"][k] == v,
+                            None => l["metadata"]["labels"].get(t).is_some(),
+                        })
+                })
+                .cloned()
+                .collect();
+            let list = json!({"apiVersion": "coordination.k8s.io/v1", "kind": "LeaseList",
+                "metadata": {"resourceVersion": i.version.to_string()}, "items": items});
+            (200, list)
+        }
+        "DELETE" => {
+            let Some(cur) = i.leases.get(path) else {
+                return (
+                    404,
+                    status(404, "NotFound", format!("leases {path:?} not found")),
+                );
+            };
+            let want = &body["preconditions"]["resourceVersion"];
+            if !want.is_null() && *want != cur["metadata"]["resourceVersion"] {
+                return (409, status(409, "Conflict", "Precondition failed: the resourceVersion in the precondition does not match the object's".into()));
+            }
+            i.leases.remove(path);
+            (
+                200,
+                json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}),
+            )
+        }
         "GET" => match i.leases.get(path) {
             Some(l) => (200, l.clone()),
             None => (
