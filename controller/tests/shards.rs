@@ -313,8 +313,24 @@ async fn two_replicas_split_the_shards_and_know_each_others_address() {
     })
     .await;
     eprintln!("measured: two replicas split 8 shards in {took:?}");
-    // Settled: more looks change nothing.
-    tokio::time::sleep(RETRY * 4).await;
+    // Settled: more looks change nothing, and each is one list and a
+    // renewal of each Lease held (its member's and 4 shards'), nothing else.
+    check_lease_requests(&api.take());
+    tokio::time::sleep(RETRY * 5).await;
+    let reqs = api.take();
+    check_lease_requests(&reqs);
+    let lists = reqs.iter().filter(|r| r.method == "GET").count();
+    let puts = reqs.iter().filter(|r| r.method == "PUT").count();
+    eprintln!(
+        "measured: settled, {} requests in 5 looks of 2 replicas ({lists} lists, {puts} renewals)",
+        reqs.len()
+    );
+    assert_eq!(reqs.len(), lists + puts);
+    assert!((8..=12).contains(&lists), "{lists}");
+    assert!(
+        puts.abs_diff(5 * lists) <= 10,
+        "{lists} lists, {puts} renewals"
+    );
     for r in [&a, &b] {
         let m = r.map.borrow().clone();
         assert_eq!(m.mine.len(), 4, "{m:?}");
@@ -338,8 +354,6 @@ async fn two_replicas_split_the_shards_and_know_each_others_address() {
         assert_eq!(mb.holder_of(&node).unwrap().address, address(owner));
     }
     watched.check();
-    let reqs = api.take();
-    check_lease_requests(&reqs);
     // The Leases as they are: 8 shards, 2 members, each held.
     let leases: Api<Lease> = Api::namespaced(api.client(), NS);
     let all = leases.list(&Default::default()).await.unwrap().items;
