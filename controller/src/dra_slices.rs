@@ -382,6 +382,10 @@ impl Publisher {
 
     /// Looks at the node soon (after the look under way, if any).
     fn kick(self: &Arc<Self>, fleet: &Arc<Fleet>, node: String) {
+        // Another replica's shard: its to publish.
+        if !fleet.owns(&node) {
+            return;
+        }
         {
             let mut p = self.pools.lock().unwrap();
             if !p.synced {

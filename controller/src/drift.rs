@@ -143,6 +143,10 @@ async fn follow(client: kube::Client, fleet: &Fleet, took_over: tokio::time::Ins
                         let Some(name) = n.metadata.name.clone() else {
                             continue;
                         };
+                        // Another replica's shard: its to follow.
+                        if !fleet.owns(&name) {
+                            continue;
+                        }
                         fleet.observe(&name, n.observed());
                         if swept {
                             fleet.mark_unconnected(Some(&name), &why);

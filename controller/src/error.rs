@@ -16,6 +16,10 @@ pub enum ControllerError {
     },
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(
+        "--shards needs --lease-namespace (POD_NAMESPACE): the shard Leases are kept in that namespace"
+    )]
+    Sharding,
     #[error("no Kubernetes API to talk to (in-cluster config or KUBECONFIG): {0}")]
     Kube(String),
     #[error("cannot serve on {addr}: {message}")]

@@ -99,6 +99,18 @@ pub struct Options {
     /// Check-ins a second this replica takes at most; past it the interval
     /// grows ([`server::DEFAULT_RATE`]).
     pub check_in_rate: u32,
+    /// Spread the nodes over the replicas (needs `election`: its
+    /// namespace and identity).
+    pub shards: Option<Sharding>,
+}
+
+/// The nodes spread over the replicas through shard Leases.
+#[derive(Clone, Debug)]
+pub struct Sharding {
+    /// How many shards (the same for every replica).
+    pub count: u32,
+    /// Where agents reach this replica (`https://<pod IP>:<port>`).
+    pub advertise: String,
 }
 
 fn read(path: &std::path::Path) -> Result<Vec<u8>, ControllerError> {
@@ -139,7 +151,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let mut always_leading = None;
     let election = match opts.election.clone() {
         Some(e) => Some(tokio::spawn(lease::run(
-            lease::client(config)?,
+            lease::client(config.clone())?,
             e,
             leader_tx,
             standing_tx,
@@ -150,7 +162,32 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             None
         }
     };
+    // The shards: this replica serves and writes the nodes of its own.
+    let (shard_stop, shard_stopped) = tokio::sync::oneshot::channel::<()>();
+    let sharding = match (&opts.shards, &opts.election) {
+        (Some(sh), Some(e)) => {
+            let cfg = shards::ShardConfig::new(&e.namespace, &e.identity, &sh.advertise, sh.count);
+            let (tx, rx) = tokio::sync::watch::channel(shards::ShardMap::default());
+            tracing::info!(shards = cfg.count, advertise = %cfg.address, "nodes spread over the replicas by shard Leases");
+            let task = tokio::spawn(shards::run(
+                lease::client(config.clone())?,
+                cfg,
+                tx,
+                shard_stopped,
+            ));
+            Some((rx, e.identity.clone(), task))
+        }
+        (Some(_), None) => return Err(ControllerError::Sharding),
+        (None, _) => None,
+    };
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
+    let fleet = match &sharding {
+        Some((rx, _, _)) => {
+            let rx = rx.clone();
+            fleet.with_owner(move |node| rx.borrow().owns(node))
+        }
+        None => fleet,
+    };
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(events::QUEUE);
     let fleet = fleet.with_events(events_tx);
     let (fleet, dra_nodes) = if opts.dra_slices {
@@ -166,8 +203,40 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         events_rx,
         events_written.clone(),
     ));
-    let writer = Arc::new(writer::Writer::new(client.clone()).with_leader(leader.clone()));
-    {
+    // Sharded, a replica writes the nodes of its shards, leading or not.
+    let writes_leader = match &sharding {
+        Some(_) => tokio::sync::watch::channel(true).1,
+        None => leader.clone(),
+    };
+    let writer = Arc::new(writer::Writer::new(client.clone()).with_leader(writes_leader.clone()));
+    if let Some((rx, _, _)) = &sharding {
+        // Shards lost: their nodes' entries dropped (their new holder
+        // rebuilds them); shards taken: once the grace has passed, their
+        // nodes whose agent did not check in are not reporting.
+        let (fleet, mut rx) = (fleet.clone(), rx.clone());
+        tokio::spawn(async move {
+            let mut had = std::collections::BTreeSet::new();
+            while rx.changed().await.is_ok() {
+                let mine = rx.borrow_and_update().mine.clone();
+                let dropped = fleet.forget_unowned();
+                if dropped > 0 {
+                    tracing::info!(nodes = dropped, "nodes of shards given up forgotten");
+                }
+                if mine.difference(&had).next().is_some() {
+                    let fleet = fleet.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(fleet.grace).await;
+                        fleet.mark_unconnected(
+                            None,
+                            "no check-in with the gpu-controller replica that took its shard over",
+                        );
+                    });
+                }
+                had = mine;
+            }
+        });
+    }
+    if sharding.is_none() {
         // Leadership lost: every stream closed, the fleet forgotten.
         let fleet = fleet.clone();
         let mut leader = leader.clone();
@@ -181,10 +250,14 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         });
     }
     tokio::spawn(writer.run(fleet.clone(), queue));
-    tokio::spawn(drift::run(client.clone(), fleet.clone(), leader.clone()));
+    tokio::spawn(drift::run(
+        client.clone(),
+        fleet.clone(),
+        writes_leader.clone(),
+    ));
     if let Some(nodes) = dra_nodes {
         let publisher =
-            Arc::new(dra_slices::Publisher::new(client.clone()).with_leader(leader.clone()));
+            Arc::new(dra_slices::Publisher::new(client.clone()).with_leader(writes_leader.clone()));
         tokio::spawn(publisher.run(fleet.clone(), nodes));
     }
     if let Some(addr) = opts.http_listen {
@@ -223,13 +296,19 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         namespace,
         chosen,
     ));
-    tokio::spawn(upgrade::run(
-        upgrade::Upgrader::new(client.clone())
-            .with_validation_timeout(opts.upgrade_validation_timeout)
-            .with_leader(leader.clone()),
-        fleet.clone(),
-        leader.clone(),
-    ));
+    if sharding.is_none() {
+        tokio::spawn(upgrade::run(
+            upgrade::Upgrader::new(client.clone())
+                .with_validation_timeout(opts.upgrade_validation_timeout)
+                .with_leader(leader.clone()),
+            fleet.clone(),
+            leader.clone(),
+        ));
+    } else {
+        tracing::warn!(
+            "driver rollouts are not run with --shards (the leader does not see every node's agent yet): roll drivers with --shards 0"
+        );
+    }
     tokio::spawn(cluster_policy::status_loop(
         client.clone(),
         fleet.clone(),
@@ -243,8 +322,12 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     ));
     let service = server::ReportService::new(fleet.clone(), auth, leader)
         .with_standing(standing, lease_name)
-        .with_pace(opts.check_in_interval, opts.check_in_rate)
-        .server();
+        .with_pace(opts.check_in_interval, opts.check_in_rate);
+    let service = match &sharding {
+        Some((rx, me, _)) => service.with_shards(rx.clone(), me),
+        None => service,
+    }
+    .server();
     {
         // Nodes whose agent stopped checking in: not reporting.
         let fleet = fleet.clone();
@@ -304,6 +387,11 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             // Service, to the new leader). With no election this replica
             // stops leading here.
             let _ = give_up.send(());
+            // The shards too, so the other replicas take them at once.
+            let _ = shard_stop.send(());
+            if let Some((_, _, task)) = sharding {
+                let _ = tokio::time::timeout(shards::STOP_WITHIN, task).await;
+            }
             match election {
                 Some(task) => {
                     let _ = tokio::time::timeout(RELEASE_WITHIN, task).await;

@@ -49,6 +49,16 @@ struct Cli {
     /// than interval x rate, the interval it tells agents grows.
     #[arg(long, env = "GPU_CONTROLLER_CHECK_IN_RATE", default_value_t = 500)]
     check_in_rate: u32,
+    /// Spread the nodes over this many shard Leases, each held by one
+    /// replica that serves and writes its nodes (0: one leader serves
+    /// every node). Every replica must be given the same number; needs
+    /// --lease-namespace.
+    #[arg(long, env = "GPU_CONTROLLER_SHARDS", default_value_t = 0)]
+    shards: u32,
+    /// Where agents reach this replica, put on its shard Leases (default:
+    /// https://$POD_IP:<the --listen port>).
+    #[arg(long, env = "GPU_CONTROLLER_ADVERTISE")]
+    advertise: Option<String>,
     /// The fleet page and /fleet.json (plain HTTP); "off" for none.
     #[arg(long, env = "GPU_CONTROLLER_HTTP_LISTEN", default_value = "0.0.0.0:8080", value_parser = http_listen)]
     http_listen: Listen,
@@ -215,6 +225,18 @@ fn main() -> ExitCode {
         dra_slices: cli.dra_publish,
         check_in_interval: std::time::Duration::from_secs(cli.check_in_interval.max(1)),
         check_in_rate: cli.check_in_rate,
+        shards: (cli.shards > 0).then(|| gpu_controller::Sharding {
+            count: cli.shards,
+            advertise: cli.advertise.clone().unwrap_or_else(|| {
+                let ip = std::env::var("POD_IP").unwrap_or_else(|_| "127.0.0.1".into());
+                let ip = if ip.contains(':') {
+                    format!("[{ip}]")
+                } else {
+                    ip
+                };
+                format!("https://{ip}:{}", cli.listen.port())
+            }),
+        }),
         election: cli.lease_namespace.as_deref().map(|ns| {
             let identity = cli.identity.clone().unwrap_or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -144,6 +144,11 @@ pub struct ReportService {
     /// replica takes at most `rate` check-ins a second.
     interval: Duration,
     rate: u32,
+    /// With sharding: this replica's shards, and its identity.
+    shards: Option<(
+        tokio::sync::watch::Receiver<crate::shards::ShardMap>,
+        String,
+    )>,
 }
 
 impl std::fmt::Debug for ReportService {
@@ -165,6 +170,42 @@ impl ReportService {
             standing: None,
             interval: DEFAULT_INTERVAL,
             rate: DEFAULT_RATE,
+            shards: None,
+        }
+    }
+
+    /// Nodes are served by the holder of their shard: this replica
+    /// (`identity`) serves those of `shards`' `mine` whether it leads or
+    /// not, and sends the agents of the others to their holder.
+    pub fn with_shards(
+        mut self,
+        shards: tokio::sync::watch::Receiver<crate::shards::ShardMap>,
+        identity: &str,
+    ) -> Self {
+        self.shards = Some((shards, identity.to_string()));
+        self
+    }
+
+    /// Whether this replica serves `node` now: `Ok(None)` yes,
+    /// `Ok(Some(address))` its shard's holder does, `Err`: nobody can now.
+    fn serves(&self, node: &str) -> Result<Option<String>, Status> {
+        let Some((shards, me)) = &self.shards else {
+            if !*self.leader.borrow() {
+                return Err(Status::unavailable(self.not_leading()));
+            }
+            return Ok(None);
+        };
+        let map = shards.borrow();
+        if map.owns(node) {
+            return Ok(None);
+        }
+        let shard = crate::shards::shard_of(node, map.count.max(1));
+        match map.holder_of(node) {
+            Some(h) if &h.identity != me && !h.address.is_empty() => Ok(Some(h.address.clone())),
+            _ => Err(Status::unavailable(format!(
+                "node {node}'s shard {shard} has no gpu-controller replica holding it now ({}): check in again",
+                map.words()
+            ))),
         }
     }
 
@@ -249,9 +290,6 @@ impl Report for ReportService {
         &self,
         req: Request<pb::CheckInRequest>,
     ) -> Result<Response<pb::CheckInAnswer>, Status> {
-        if !*self.leader.borrow() {
-            return Err(Status::unavailable(self.not_leading()));
-        }
         let who = self.who(&req, "CheckIn").await?;
         let msg = req.into_inner();
         let Some(hello) = &msg.hello else {
@@ -270,6 +308,12 @@ impl Report for ReportService {
             ));
         }
         let node = who.node_name;
+        if let Some(redirect) = self.serves(&node)? {
+            return Ok(Response::new(pb::CheckInAnswer {
+                redirect,
+                ..Default::default()
+            }));
+        }
         Ok(Response::new(self.fleet.check_in(&node, msg, self.pace())))
     }
 
@@ -281,7 +325,7 @@ impl Report for ReportService {
             .remote_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|| "?".into());
-        if !*self.leader.borrow() {
+        if self.shards.is_none() && !*self.leader.borrow() {
             return Err(Status::unavailable(self.not_leading()));
         }
         let who = self.who(&req, "Attach").await?;
@@ -306,6 +350,13 @@ impl Report for ReportService {
             )));
         }
         let node = hello.node_name.clone();
+        // With sharding, a stream (an agent that does not check in) is
+        // held by its shard's holder only: it cannot follow a redirect.
+        if let Some(at) = self.serves(&node)? {
+            return Err(Status::unavailable(format!(
+                "node {node} is served by the gpu-controller replica at {at}: connect again"
+            )));
+        }
         tracing::info!(node, peer, version = %hello.agent_version, dropped_events = hello.dropped_events, "agent connected");
         let (tx, rx) = mpsc::channel::<Result<pb::ControllerMessage, Status>>(8);
         // What is wanted of the node goes down first, then when it changes.

@@ -138,7 +138,7 @@ impl Writer {
             e.write.applied.clone()
         });
         let desired = fleet.desired(node);
-        let outcome = if self.leader.as_ref().is_some_and(|l| !*l.borrow()) {
+        let outcome = if self.leader.as_ref().is_some_and(|l| !*l.borrow()) || !fleet.owns(node) {
             tracing::debug!(node, "standing by: not written");
             Ok((applied.unwrap_or_default(), None))
         } else {

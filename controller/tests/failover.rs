@@ -49,6 +49,7 @@ fn replica(api: &MockApi, dir: &Path, name: &str, cert: &Path, key: &Path) -> Re
             .args(["--http-listen", &format!("127.0.0.1:{http}")])
             .env("KUBECONFIG", api.kubeconfig(dir))
             .env("RUST_LOG", "info")
+            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
             .env("POD_NAMESPACE", "gpu-agent")
             .env("POD_NAME", name)
             .stderr(std::fs::File::create(&log).unwrap())

@@ -273,6 +273,7 @@ impl Replica {
                 .args(["--http-listen", &format!("127.0.0.1:{http}")])
                 .env("KUBECONFIG", api.kubeconfig(dir))
                 .env("RUST_LOG", "info")
+                .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
                 .env("POD_NAMESPACE", "gpu-agent")
                 .env("POD_NAME", name)
                 .stderr(std::fs::File::create(&log).unwrap())

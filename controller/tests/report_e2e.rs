@@ -88,6 +88,84 @@ fn a_grpcio_client_is_served_and_refused_by_the_same_rules() {
     controller.term();
 }
 
+/// The same client, checking in (the unary CheckIn): refused without a
+/// token and for another node; a change before any snapshot is answered
+/// with "send a snapshot"; health events sent twice (an answer lost) are
+/// told once each; its labels land.
+#[test]
+fn a_grpcio_client_checks_in_by_the_same_rules() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.add_node("py-node", kubelet_node());
+    let account = "system:serviceaccount:gpu-agent:gpu-agent";
+    api.add_token("py-token", account, "py-node");
+    api.add_token("elsewhere-token", account, "gpu-node-9");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut controller, port, ca) = start_controller(&api, dir.path(), None);
+    let out = report_client(
+        port,
+        &ca,
+        "py-node",
+        &[
+            "--token",
+            "py-token",
+            "--other-token",
+            "elsewhere-token",
+            "--check-in",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "grpcio client: {stdout}\n{}\ncontroller:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        controller.log()
+    );
+    let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(seen["other_node"][0], "PERMISSION_DENIED");
+    assert_eq!(
+        seen["both"],
+        serde_json::json!([
+            "INVALID_ARGUMENT",
+            "a check-in with both a snapshot and a change"
+        ])
+    );
+    wait_for(
+        "the check-in's changed label, and three Events",
+        Duration::from_secs(20),
+        &[&controller],
+        || {
+            api.node("py-node")["metadata"]["labels"]["nvidia.com/gpu.product"]
+                == "Python-Standin-GPU-2"
+                && api
+                    .events()
+                    .iter()
+                    .filter(|e| {
+                        e["message"]
+                            .as_str()
+                            .unwrap_or("")
+                            .contains("Python stand-in")
+                    })
+                    .count()
+                    == 3
+        },
+    );
+    // None told twice.
+    std::thread::sleep(Duration::from_secs(1));
+    let told = api
+        .events()
+        .iter()
+        .filter(|e| {
+            e["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("Python stand-in")
+        })
+        .count();
+    assert_eq!(told, 3, "{:#?}", api.events());
+    controller.term();
+}
+
 #[test]
 fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
     let rt = tokio::runtime::Runtime::new().unwrap();

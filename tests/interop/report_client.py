@@ -17,8 +17,15 @@ instead: it reports driver 550.127.08 loaded and VERSION wanted
 reports VERSION loaded and validated (upgrade-done) and keeps the stream
 open for --hold seconds. Prints {"go_ahead": VERSION, "desired": [...]}.
 
+With --check-in it tries the unary CheckIn the same way: no token, another
+node's token, a change before any snapshot (the controller asks for one), a
+snapshot with two health events, then a change on the answer's base with
+those two events sent again and a third (each must be taken once), then a
+check-in with both a snapshot and a change (refused). Prints what each
+answer said.
+
 Usage: report_client.py --proto PROTO --ca CA --target HOST:PORT --node NODE
-         --token TOKEN (--other-token TOKEN | --upgrade VERSION [--hold SECS])
+         --token TOKEN (--other-token TOKEN [--check-in] | --upgrade VERSION [--hold SECS])
 """
 import argparse
 import json
@@ -39,6 +46,7 @@ def main():
         ap.add_argument(a, required=True)
     ap.add_argument("--other-token")
     ap.add_argument("--upgrade")
+    ap.add_argument("--check-in", action="store_true")
     ap.add_argument("--hold", type=float, default=10.0)
     args = ap.parse_args()
     pb, pb_grpc = load_stubs(args.proto)
@@ -76,6 +84,8 @@ def main():
 
     if args.upgrade:
         sys.exit(upgrade(pb, call, hello, args))
+    if args.check_in:
+        sys.exit(check_in(pb, stub, args))
     # 1. No token.
     _, _, _, err = call([hello()], None)
     seen["no_token"] = [err.code().name, err.details()] if err else "accepted"
@@ -149,6 +159,62 @@ def upgrade(pb, call, hello, args):
     time.sleep(args.hold)
     q.put(None)
     return 0
+
+
+def check_in(pb, stub, args):
+    """The unary CheckIn, tried as a foreign client; returns the exit code."""
+    seen = {}
+
+    def call(req, token):
+        md = [("authorization", f"Bearer {token}")] if token else []
+        try:
+            return stub.CheckIn(req, metadata=md, timeout=20), None
+        except grpc.RpcError as e:
+            return None, [e.code().name, e.details()]
+
+    hello = pb.Hello(node_name=args.node, agent_version="py-standin", boot_id="py-boot", agent_started_at=1)
+    labels = {"nvidia.com/gpu.count": "1", "nvidia.com/gpu.product": "Python-Standin-GPU"}
+    report = pb.NodeReport(
+        labels=pb.Labels(labels=labels),
+        health=pb.Health(gpus=[pb.GpuHealth(uuid="GPU-py", healthy=True)]),
+        stages=pb.Stages(stages=[pb.Stage(name="plugin", state="done", validated=True, validation_message="ok")]),
+    )
+
+    def event(n):
+        return pb.Happening(health_event=pb.HealthEvent(
+            gpu_uuid="GPU-py", xid=94, reason=f"XID 94 from the Python stand-in (#{n})",
+            advice="restart the application", unhealthy=False, at_unix_ms=1))
+
+    _, seen["no_token"] = call(pb.CheckInRequest(hello=hello, snapshot=report), None)
+    _, seen["other_node"] = call(pb.CheckInRequest(hello=hello, snapshot=report), args.other_token)
+    a, err = call(pb.CheckInRequest(hello=hello, change=report), args.token)
+    seen["change_first"] = err or {"send_snapshot": a.send_snapshot}
+    a, err = call(pb.CheckInRequest(hello=hello, snapshot=report, first_seq=1,
+                                    happenings=[event(1), event(2)]), args.token)
+    if err:
+        seen["snapshot"] = err
+    else:
+        seen["snapshot"] = {"acked_seq": a.acked_seq, "desired": a.HasField("desired"),
+                            "interval_seconds": a.interval_seconds, "base": bool(a.base),
+                            "send_snapshot": a.send_snapshot}
+        labels2 = dict(labels)
+        labels2["nvidia.com/gpu.product"] = "Python-Standin-GPU-2"
+        b, err = call(pb.CheckInRequest(
+            hello=hello, base=a.base, change=pb.NodeReport(labels=pb.Labels(labels=labels2)),
+            first_seq=1, happenings=[event(1), event(2), event(3)],
+            desired_version=a.desired_version), args.token)
+        seen["change"] = err or {"acked_seq": b.acked_seq, "desired": b.HasField("desired"),
+                                 "send_snapshot": b.send_snapshot}
+    _, seen["both"] = call(pb.CheckInRequest(hello=hello, snapshot=report, change=report), args.token)
+    print(json.dumps(seen))
+    ok = (seen["no_token"] and seen["no_token"][0] == "UNAUTHENTICATED"
+          and seen["other_node"] and seen["other_node"][0] == "PERMISSION_DENIED"
+          and seen["change_first"] == {"send_snapshot": True}
+          and isinstance(seen["snapshot"], dict) and seen["snapshot"]["acked_seq"] == 2
+          and seen["snapshot"]["desired"] and seen["snapshot"]["interval_seconds"] > 0
+          and seen.get("change") == {"acked_seq": 3, "desired": False, "send_snapshot": False}
+          and seen["both"] and seen["both"][0] == "INVALID_ARGUMENT")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -94,7 +94,6 @@ pub struct WriteState {
 }
 
 /// The fleet.
-#[derive(Debug)]
 pub struct Fleet {
     nodes: Mutex<HashMap<String, NodeEntry>>,
     queue: mpsc::UnboundedSender<String>,
@@ -129,6 +128,20 @@ pub struct Fleet {
     dra_claims: Mutex<Option<std::collections::BTreeMap<String, pb::DraClaims>>>,
     /// Told the name of each node the writer is told of (dra_slices.rs).
     dra_slices: Option<mpsc::UnboundedSender<String>>,
+    /// Which nodes this replica serves and writes (`None`: every one; with
+    /// sharding, those of its shards).
+    owner: Option<Owner>,
+}
+
+/// Whether this replica serves and writes a node.
+pub type Owner = Box<dyn Fn(&str) -> bool + Send + Sync>;
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("nodes", &self.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Fleet {
@@ -163,6 +176,7 @@ impl Fleet {
                 upgrade_moves: AtomicU64::new(0),
                 dra_claims: Mutex::new(None),
                 dra_slices: None,
+                owner: None,
             },
             rx,
         )
@@ -173,6 +187,33 @@ impl Fleet {
     pub fn with_events(mut self, tx: mpsc::Sender<NodeEvent>) -> Self {
         self.events = Some(tx);
         self
+    }
+
+    /// Only the nodes `owns` says are served and written (sharding).
+    pub fn with_owner(mut self, owns: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.owner = Some(Box::new(owns));
+        self
+    }
+
+    /// Whether this replica serves and writes `node`.
+    pub fn owns(&self, node: &str) -> bool {
+        self.owner.as_ref().is_none_or(|f| f(node))
+    }
+
+    /// The entries of nodes this replica no longer owns are dropped (their
+    /// streams closed): their new owner rebuilds them from the agents'
+    /// snapshots. Returns how many.
+    pub fn forget_unowned(&self) -> usize {
+        let mut nodes = self.nodes.lock().unwrap();
+        let before = nodes.len();
+        nodes.retain(|name, e| {
+            let keep = self.owns(name);
+            if !keep && let Some(k) = e.kick.take() {
+                let _ = k.send(());
+            }
+            keep
+        });
+        before - nodes.len()
     }
 
     fn tell(&self, e: NodeEvent) {

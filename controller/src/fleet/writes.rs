@@ -187,6 +187,7 @@ impl Fleet {
             nodes
                 .iter_mut()
                 .filter(|(name, _)| only.is_none_or(|o| o == name.as_str()))
+                .filter(|(name, _)| self.owns(name))
                 .filter(|(_, e)| {
                     e.hello.is_none()
                         && !e.live()

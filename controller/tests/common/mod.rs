@@ -1405,6 +1405,9 @@ pub fn start_controller_with(
             ])
             .env("KUBECONFIG", api.kubeconfig(dir))
             .env("RUST_LOG", "info")
+            // What is wanted of a node reaches its agent at its next
+            // check-in: tests do not wait the default 30 s.
+            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
             .envs(env.iter().copied())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
