@@ -14,8 +14,9 @@ pub enum ControllerError {
         #[source]
         source: std::io::Error,
     },
-    #[error(transparent)]
-    Tls(#[from] crate::tls::TlsError),
+    /// The agents' TLS cannot be set up (the certificate or key, named).
+    #[error("{0}")]
+    Tls(String),
     #[error(
         "--shards needs --lease-namespace (POD_NAMESPACE): the shard Leases are kept in that namespace"
     )]

@@ -129,7 +129,8 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         &opts.tls_cert.display().to_string(),
         &key,
         &opts.tls_key.display().to_string(),
-    )?;
+    )
+    .map_err(|e| ControllerError::Tls(e.to_string()))?;
     let config = kube::Config::infer()
         .await
         .map_err(|e| ControllerError::Kube(e.to_string()))?;
