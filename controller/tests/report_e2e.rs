@@ -261,7 +261,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
         &[&controller, &agent2],
         || {
             common::agent_status(&host2).contains(
-            "the controller refused the stream: PermissionDenied: this token's pod runs on node gpu-node-2, not on gpu-node-1: an agent reports only for its own node",
+            "the controller refused the check-in: PermissionDenied: this token's pod runs on node gpu-node-2, not on gpu-node-1: an agent reports only for its own node",
         )
         },
     );
@@ -280,7 +280,7 @@ fn an_agent_reports_its_node_over_tls_and_the_controller_writes_it() {
     );
     controller.term();
     assert!(
-        controller.log().contains("agent connected"),
+        controller.log().contains("agent checking in"),
         "{}",
         controller.log()
     );

@@ -56,8 +56,15 @@ struct Inner {
     /// Events (core/v1) by `namespace/name`, as created and merge-patched.
     events: BTreeMap<String, Value>,
     /// Milliseconds from the `nvidia.com/bench.sent-ms` label's value (an
-    /// agent's send time) to the label apply that carries it.
+    /// agent's send time) to the label apply that carries it, and from an
+    /// Event message's `sent-ms=MS...` word to the Event write carrying it.
     latencies: Vec<u64>,
+    /// Those Event words, each with its latency (the scale benchmark).
+    marks: Vec<(String, u64)>,
+    /// The bearer tokens that wrote each node (its object or status).
+    writers: BTreeMap<String, BTreeSet<String>>,
+    /// Requests about Leases served so far.
+    lease_requests: u64,
     /// The last patch of each node and subresource, and the shortest gap
     /// seen between two of them.
     last_patch: BTreeMap<String, std::time::Instant>,
@@ -388,6 +395,22 @@ impl MockApi {
         std::mem::take(&mut self.inner.lock().unwrap().latencies)
     }
 
+    /// The Events' `sent-ms=` words seen, with their latencies in ms (and
+    /// forgets them).
+    pub fn take_marks(&self) -> Vec<(String, u64)> {
+        std::mem::take(&mut self.inner.lock().unwrap().marks)
+    }
+
+    /// Which bearer tokens wrote each node.
+    pub fn node_writers(&self) -> BTreeMap<String, BTreeSet<String>> {
+        self.inner.lock().unwrap().writers.clone()
+    }
+
+    /// Requests about Leases served so far.
+    pub fn lease_requests(&self) -> u64 {
+        self.inner.lock().unwrap().lease_requests
+    }
+
     /// The shortest time between two patches of one node's object.
     pub fn min_gap(&self) -> Option<std::time::Duration> {
         self.inner.lock().unwrap().min_gap
@@ -512,6 +535,7 @@ impl MockApi {
         };
         let content_type = header("content-type");
         let accept = header("accept");
+        let bearer = header("authorization");
         let bytes = req.into_body().collect().await.unwrap().to_bytes();
         let body: Value = if bytes.is_empty() {
             Value::Null
@@ -541,6 +565,7 @@ impl MockApi {
                 i.latencies.push(now_ms.saturating_sub(sent));
             }
         }
+        bench_marks(&mut i, &method, &path, &bearer, &body);
         if !i.forget_bodies {
             i.requests.push(Recorded {
                 method: method.clone(),
@@ -997,6 +1022,43 @@ impl MockApi {
             ),
         };
         json_reply(code, &answer)
+    }
+}
+
+/// What the scale benchmark measures of a request: the bearer of a node
+/// write, a Lease request, the latency of an Event whose message carries a
+/// `sent-ms=MS...` word (an agent's send time).
+fn bench_marks(i: &mut Inner, method: &str, path: &str, bearer: &str, body: &Value) {
+    if path.contains("/leases") {
+        i.lease_requests += 1;
+    }
+    if method == "GET" {
+        return;
+    }
+    if let Some(node) = path.strip_prefix("/api/v1/nodes/") {
+        let node = node.split('/').next().unwrap_or_default().to_string();
+        i.writers
+            .entry(node)
+            .or_default()
+            .insert(bearer.to_string());
+    }
+    let word = path
+        .contains("/events")
+        .then(|| body["message"].as_str())
+        .flatten()
+        .and_then(|m| m.split_whitespace().find(|w| w.starts_with("sent-ms=")));
+    if let Some(word) = word {
+        let digits: String = word["sent-ms=".len()..]
+            .chars()
+            .take_while(|c| c.is_ascii_digit())
+            .collect();
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let latency = now_ms.saturating_sub(digits.parse().unwrap_or(now_ms));
+        i.latencies.push(latency);
+        i.marks.push((word.to_string(), latency));
     }
 }
 

@@ -1,0 +1,204 @@
+//! Two gpu-controller replicas sharing the fleet (`--shards`): real
+//! gpu-agent processes all check in with the first replica; the agents of
+//! nodes whose shard the second holds are sent there (the answer's
+//! redirect) and report through it. Each node is written by one replica
+//! only. The second replica is killed: its shards are taken over once
+//! their Leases expire, and its nodes' agents go back to the first.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{MockApi, Proc, kubelet_node, wait_for};
+use gpu_controller::shards::shard_of;
+use k8s_openapi::api::coordination::v1::Lease;
+
+const ACCOUNT: &str = "system:serviceaccount:gpu-agent:gpu-agent";
+const SHARDS: u32 = 4;
+
+/// One replica, with a kubeconfig token of its own (the API server records
+/// which token wrote each node).
+fn replica(api: &MockApi, dir: &Path, name: &str, port: u16) -> Proc {
+    let kubeconfig = dir.join(format!("kubeconfig-{name}"));
+    let text = std::fs::read_to_string(api.kubeconfig(dir)).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        text.replace("controller-token", &format!("token-{name}")),
+    )
+    .unwrap();
+    let log = dir.join(format!("{name}.log"));
+    let proc = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(dir.join("tls.crt"))
+            .arg("--tls-key")
+            .arg(dir.join("tls.key"))
+            .args(["--agent-grace-seconds", "1", "--http-listen", "off"])
+            .args(["--shards", &SHARDS.to_string()])
+            .args(["--advertise", &format!("https://localhost:{port}")])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("RUST_LOG", "info")
+            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
+            .env("POD_NAMESPACE", "gpu-agent")
+            .env("POD_NAME", name)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    wait_for(
+        "the replica to listen",
+        Duration::from_secs(20),
+        &[&proc],
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+    proc
+}
+
+/// Each shard's holder, as the Leases say (empty: none).
+fn holders(rt: &tokio::runtime::Runtime, api: &MockApi) -> Vec<String> {
+    let leases: kube::Api<Lease> = {
+        let _in = rt.enter();
+        kube::Api::namespaced(api.client(), "gpu-agent")
+    };
+    (0..SHARDS)
+        .map(|k| {
+            rt.block_on(leases.get_opt(&format!("gpu-controller-shard-{k}")))
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+#[test]
+fn replicas_share_the_fleet_and_take_over_a_dead_ones_nodes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, _, _) = common::certs(dir.path());
+    let nodes: Vec<String> = (0..4).map(|i| format!("gpu-node-{i}")).collect();
+    for (i, n) in nodes.iter().enumerate() {
+        api.add_node(n, kubelet_node());
+        api.add_token(&format!("t{i}"), ACCOUNT, n);
+    }
+    let (p1, p2) = (common::free_port(), common::free_port());
+    let mut r1 = replica(&api, dir.path(), "r1", p1);
+    let mut r2 = replica(&api, dir.path(), "r2", p2);
+    wait_for(
+        "both replicas to hold shards",
+        Duration::from_secs(30),
+        &[&r1, &r2],
+        || {
+            let h = holders(&rt, &api);
+            h.iter().all(|h| !h.is_empty()) && h.iter().collect::<BTreeSet<_>>().len() == 2
+        },
+    );
+    let policy = common::eks_policy();
+    let global = [
+        "--simulate".as_ref(),
+        "h100-sxm-8".as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+    ];
+    // Every agent is given the first replica (as the Service would).
+    let mut agents: Vec<(Proc, std::path::PathBuf)> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let host = dir.path().join(format!("host-{i}"));
+            common::h100_host(&host);
+            let a = common::reporting_agent(
+                dir.path(),
+                &host,
+                &global,
+                &[],
+                p1,
+                &ca,
+                &format!("t{i}"),
+                n,
+            );
+            (a, host)
+        })
+        .collect();
+    let logs = |extra: &[&Proc]| -> Vec<String> { extra.iter().map(|p| p.log()).collect() };
+    wait_for(
+        "every node's labels",
+        Duration::from_secs(60),
+        &[&r1, &r2],
+        || {
+            nodes
+                .iter()
+                .all(|n| api.node(n)["metadata"]["labels"]["nvidia.com/gpu.count"] == "8")
+        },
+    );
+    let h = holders(&rt, &api);
+    let owner = |n: &str| h[shard_of(n, SHARDS) as usize].clone();
+    // Each node written by its shard's holder, and by it only.
+    let writers = api.node_writers();
+    for n in &nodes {
+        let want = BTreeSet::from([format!("Bearer token-{}", owner(n))]);
+        assert_eq!(
+            writers.get(n.as_str()),
+            Some(&want),
+            "{n} (shard {}, held by {}): {writers:?}\n{:?}",
+            shard_of(n, SHARDS),
+            owner(n),
+            logs(&[&r1, &r2])
+        );
+    }
+    // The agents of r2's nodes report through r2.
+    for (i, n) in nodes.iter().enumerate() {
+        let status = common::agent_status(&agents[i].1);
+        let through_r2 = status.contains(&format!("through the replica https://localhost:{p2}"));
+        assert_eq!(
+            through_r2,
+            owner(n) == "r2",
+            "{n}, held by {}: {status}",
+            owner(n)
+        );
+    }
+    // r2 dies: its shards are taken over once their Leases expire (10 s),
+    // and its nodes' agents come back to r1.
+    let r2_nodes: Vec<&String> = nodes.iter().filter(|n| owner(n) == "r2").collect();
+    let _ = r2.child.kill();
+    let _ = r2.child.wait();
+    let killed = Instant::now();
+    wait_for(
+        "r1 to hold every shard",
+        Duration::from_secs(30),
+        &[&r1],
+        || holders(&rt, &api).iter().all(|h| h == "r1"),
+    );
+    let took_over = killed.elapsed();
+    assert!(
+        took_over >= Duration::from_secs(5),
+        "taken over after {took_over:?}: before the Leases could expire"
+    );
+    wait_for(
+        "r2's agents to report through r1",
+        Duration::from_secs(30),
+        &[&r1],
+        || {
+            r2_nodes.iter().all(|n| {
+                let i = nodes.iter().position(|x| x == *n).unwrap();
+                let s = common::agent_status(&agents[i].1);
+                s.contains(&format!("https://localhost:{p1}: connected as node {n}"))
+                    && !s.contains("through the replica")
+            })
+        },
+    );
+    eprintln!(
+        "shards {h:?}; r2's nodes {r2_nodes:?}; r1 held every shard {:.1} s after r2 was killed",
+        took_over.as_secs_f64()
+    );
+    for (a, _) in &mut agents {
+        a.term();
+    }
+    r1.term();
+}
