@@ -41,6 +41,8 @@ pub const GATHER: Duration = Duration::from_millis(100);
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Redirects followed in a row before the agent waits a backoff.
+const MAX_HOPS: u32 = 3;
 /// A check-in not answered within this failed.
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -108,6 +110,8 @@ struct Link {
     interval: Duration,
     /// The replica the last answer sent this agent to.
     redirect: Option<String>,
+    /// Redirects followed since the last check-in served.
+    hops: u32,
     /// The report last seen (repairs are what grew since it).
     seen: Arc<pb::NodeReport>,
 }
@@ -146,6 +150,7 @@ pub async fn run(cfg: ReportConfig, mut inputs: Inputs) {
         dra_version: 0,
         interval: FIRST_INTERVAL,
         redirect: None,
+        hops: 0,
         seen,
     };
     let mut tls: Option<Arc<rustls::ClientConfig>> = None;
@@ -463,6 +468,27 @@ async fn check_in(
         .into_inner();
     // The connection closes with the client, here.
     drop(client);
+    if !answer.redirect.is_empty() {
+        // Replicas that disagree on who holds the shard (one just took
+        // it over) do not send the agent to and fro at once, for ever.
+        link.hops += 1;
+        if link.hops > MAX_HOPS || Some(&answer.redirect) == link.redirect.as_ref() {
+            let to = answer.redirect;
+            link.redirect = None;
+            link.hops = 0;
+            return Err(ReportError::Endpoint {
+                endpoint,
+                message: format!(
+                    "sent on to {to} again: the replicas do not agree yet on who serves this node"
+                ),
+            });
+        }
+        tracing::debug!(task = "report", to = %answer.redirect, "the controller sends this node to another replica");
+        link.redirect = Some(answer.redirect);
+        link.taken = None;
+        return Ok(true);
+    }
+    link.hops = 0;
     link.pending.retain(|(n, _)| *n > answer.acked_seq);
     link.base = answer.base;
     if answer.interval_seconds > 0 {
@@ -488,12 +514,6 @@ async fn check_in(
         inputs.dra_claims.send_replace(Some(Arc::new(c)));
     }
     link.dra_version = answer.dra_claims_version;
-    if !answer.redirect.is_empty() && Some(&answer.redirect) != link.redirect.as_ref() {
-        tracing::debug!(task = "report", to = %answer.redirect, "the controller sends this node to another replica");
-        link.redirect = Some(answer.redirect);
-        link.taken = None;
-        again = true;
-    }
     let was = {
         let l = inputs.link.lock().unwrap_or_else(|e| e.into_inner());
         l.connected
@@ -602,6 +622,7 @@ mod tests {
             dra_version: 0,
             interval: FIRST_INTERVAL,
             redirect: None,
+            hops: 0,
             seen: Arc::new(pb::NodeReport::default()),
         };
         for _ in 0..EVENT_BUFFER + 3 {
