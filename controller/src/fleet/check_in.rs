@@ -23,24 +23,7 @@ use gpu_agent_proto::report::v1 as pb;
 use prost::Message;
 use sha2::Digest;
 
-use super::{Fleet, NodeEntry};
-
-/// A node's check-ins as this replica knows them.
-#[derive(Debug)]
-pub struct CheckIns {
-    /// What the last answer's `base` was.
-    base: String,
-    /// When the node last checked in.
-    pub last: Instant,
-    /// The interval it was told then.
-    pub interval: Duration,
-    /// The agent process (boot ID, start time) whose happenings were taken.
-    agent: (String, u64),
-    /// Its happenings taken, up to this number.
-    taken: u64,
-    /// It missed two check-ins ([`Fleet::sweep_check_ins`]).
-    pub late: bool,
-}
+use super::{CheckIns, Fleet, NodeEntry};
 
 /// A 64-bit version of a message: the first 8 bytes of its encoding's
 /// SHA-256, never 0 (0 means "none").

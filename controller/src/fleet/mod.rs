@@ -63,12 +63,29 @@ pub struct NodeEntry {
     /// The last ResourceClaims list sent on the live stream (dra_claims.rs).
     dra_sent: Option<pb::DraClaims>,
     /// Its check-ins, when its agent checks in (check_in.rs).
-    pub check_ins: Option<check_in::CheckIns>,
+    pub check_ins: Option<CheckIns>,
     /// The node's `nvidia.com/mig.config` label, as the API has it.
     pub mig_label: Option<String>,
     /// Its place in a driver rollout, if any.
     pub upgrade: Option<NodeUpgrade>,
     pub write: WriteState,
+}
+
+/// A node's check-ins as this replica knows them.
+#[derive(Debug)]
+pub struct CheckIns {
+    /// What the last answer's `base` was.
+    pub(super) base: String,
+    /// When the node last checked in.
+    pub last: Instant,
+    /// The interval it was told then.
+    pub interval: Duration,
+    /// The agent process (boot ID, start time) whose happenings were taken.
+    pub(super) agent: (String, u64),
+    /// Its happenings taken, up to this number.
+    pub(super) taken: u64,
+    /// It missed two check-ins ([`Fleet::sweep_check_ins`]).
+    pub late: bool,
 }
 
 /// A stream's way down to its agent.
