@@ -1,244 +1,60 @@
 //! Scale benchmark, run by hand:
-//! `cargo bench -p gpu-controller --bench scale [-- AGENTS SECONDS]`
-//! (default 10,000 agents, 60 s of steady load).
+//! `cargo bench -p gpu-controller --bench scale [-- AGENTS SECONDS [REPLICAS [INTERVAL]]]`
+//! (default 10,000 agents, 60 s of steady load, 1 replica, check-ins every
+//! 30 s).
 //!
-//! One gpu-controller process, pinned to one core (`taskset -c 1`), serves
-//! AGENTS simulated agents, each on its own TLS connection with its own
-//! token (reviewed by the scripted API server's TokenReview). Each agent
-//! sends a snapshot (8 GPUs, GFD's labels, 11 stages), then one changed
-//! report every 10 s, whose label `nvidia.com/bench.sent-ms` is its send
-//! time: the scripted API server, which counts every request, measures
-//! from it to the label apply that carries it. Halfway, every agent sends a
-//! burst of 5 health events. Then every agent sends reports that change
-//! nothing for 20 s: the API server must see no request. The agents and the
-//! API server share the other core.
+//! The agents are the real report client (`gpu_report::client::run`), one
+//! task per node in this process, each with its own token file (reviewed
+//! by the scripted API server's TokenReview), its own watch of a node
+//! report the size of an 8x H100 node's and its own broadcast of health
+//! events. They and the scripted API server share core 0; the controllers
+//! (`taskset -c 1`) share core 1. With REPLICAS > 1 the controllers shard
+//! the nodes over 8 Leases (`--shards 8`); the agents are given the first
+//! replica's address and follow its redirects.
 //!
-//! Printed: connect time, report-to-request latency p50/p99/max, API
-//! requests, the shortest gap between two patches of one node, the
-//! controller's peak RSS, the requests while nothing changed.
+//! Phases, each printed with its targets:
+//! - start: every agent checked in once;
+//! - steady (SECONDS): check-ins on the interval; halfway every agent sends
+//!   5 health events, each carrying its send time (`sent-ms=`), which the
+//!   API server measures to the Event write that carries it; API requests,
+//!   the controllers' CPU (/proc/PID/stat) and peak RSS;
+//! - desired state: a ClusterPolicy is set; the time until every agent has
+//!   it;
+//! - quiet: nothing changes for two intervals: no API request;
+//! - with replicas: which replica wrote each node; then one is killed
+//!   (SIGKILL), its nodes' agents send a burst, and the time until every
+//!   event of it reached the API, and how many were lost;
+//! - the extrapolation to 100,000 agents from the measured per-agent costs.
 
+#[path = "scale/agents.rs"]
+mod agents;
 #[path = "../tests/common/mod.rs"]
 mod common;
+#[path = "scale/procs.rs"]
+mod procs;
 
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use gpu_agent_proto::report::v1 as pb;
-use gpu_agent_proto::report::v1::report_client::ReportClient;
-use tokio::sync::watch;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+use agents::Agent;
+use procs::Controller;
+use serde_json::json;
 
-const PERIOD: Duration = Duration::from_secs(10);
-const ACCOUNT: &str = "system:serviceaccount:gpu-agent:gpu-agent";
+/// The Lease time of a shard (a dead replica's shards are taken over
+/// after it).
+const LEASE: Duration = Duration::from_secs(10);
+const MIB: u64 = 1024;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
-    Changing,
-    Same,
+struct Args {
+    agents: usize,
+    seconds: u64,
+    replicas: usize,
+    interval: u64,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-/// A node report the size of an 8x H100 node's.
-fn snapshot() -> pb::NodeReport {
-    let mut labels: Vec<(String, String)> = [
-        ("nvidia.com/gpu.present", "true"),
-        ("nvidia.com/gpu.count", "8"),
-        ("nvidia.com/gpu.product", "NVIDIA-H100-80GB-HBM3"),
-        ("nvidia.com/gpu.memory", "81559"),
-        ("nvidia.com/gpu.family", "hopper"),
-        ("nvidia.com/gpu.compute.major", "9"),
-        ("nvidia.com/gpu.compute.minor", "0"),
-        ("nvidia.com/gpu.replicas", "1"),
-        ("nvidia.com/gpu.sharing-strategy", "none"),
-        ("nvidia.com/gpu.mode", "compute"),
-        ("nvidia.com/gpu.machine", "DGX-H100"),
-        ("nvidia.com/cuda.driver-version.full", "550.127.08"),
-        ("nvidia.com/cuda.runtime-version.full", "12.4"),
-        ("nvidia.com/mig.capable", "true"),
-        ("nvidia.com/mps.capable", "false"),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
-    labels.push(("nvidia.com/bench.sent-ms".into(), "0".into()));
-    let stages = [
-        "discover", "driver", "mig", "devnodes", "runtime", "cdi", "validate", "plugin", "health",
-        "labels", "metrics",
-    ]
-    .iter()
-    .map(|n| pb::Stage {
-        name: n.to_string(),
-        state: "done".into(),
-        detail: format!("{n}: what this stage did on the node, in one line of about this length"),
-        validated: Some(true),
-        validation_message: format!("{n}: checked"),
-        ..Default::default()
-    })
-    .collect();
-    pb::NodeReport {
-        inventory: Some(pb::Inventory {
-            driver_version: "550.127.08".into(),
-            cuda_version: "12.4".into(),
-            gpus: (0..8)
-                .map(|g| pb::Gpu {
-                    index: g,
-                    uuid: format!("GPU-{g:08x}-0000-0000-0000-000000000000"),
-                    model: "NVIDIA H100 80GB HBM3".into(),
-                    pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + g * 0x10),
-                    memory_mib: 81559,
-                    ..Default::default()
-                })
-                .collect(),
-            simulated: String::new(),
-        }),
-        stages: Some(pb::Stages {
-            stages,
-            ready: true,
-        }),
-        labels: Some(pb::Labels {
-            labels: labels.into_iter().collect(),
-        }),
-        health: Some(pb::Health {
-            gpus: (0..8)
-                .map(|g| pb::GpuHealth {
-                    uuid: format!("GPU-{g:08x}-0000-0000-0000-000000000000"),
-                    healthy: true,
-                    ..Default::default()
-                })
-                .collect(),
-        }),
-        mig: Some(Default::default()),
-        upgrade: Some(Default::default()),
-        policy: Some(pb::PolicyState {
-            source: "file".into(),
-            ..Default::default()
-        }),
-        dra: None,
-    }
-}
-
-struct Shared {
-    endpoint: String,
-    ca: Vec<u8>,
-    connected: AtomicUsize,
-    failed: AtomicUsize,
-    reports: AtomicU64,
-    mode: watch::Receiver<Mode>,
-    burst: watch::Receiver<u32>,
-    base: pb::NodeReport,
-}
-
-async fn agent(i: usize, s: Arc<Shared>) {
-    let fail = |what: String| {
-        if s.failed.fetch_add(1, Ordering::Relaxed) < 5 {
-            eprintln!("agent {i}: {what}");
-        }
-    };
-    let tls = ClientTlsConfig::new()
-        .ca_certificate(Certificate::from_pem(&s.ca))
-        .domain_name("localhost");
-    let channel = match Endpoint::from_shared(s.endpoint.clone())
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect_timeout(Duration::from_secs(60))
-        .connect()
-        .await
-    {
-        Ok(c) => c,
-        Err(e) => return fail(format!("connect: {e:?}")),
-    };
-    let mut client = ReportClient::new(channel);
-    let (tx, rx) = tokio::sync::mpsc::channel::<pb::AgentMessage>(16);
-    let node = format!("node-{i:05}");
-    let mut seq = 0u64;
-    let mut next = |body| {
-        seq += 1;
-        pb::AgentMessage {
-            seq,
-            body: Some(body),
-        }
-    };
-    let _ = tx
-        .send(next(pb::agent_message::Body::Hello(pb::Hello {
-            node_name: node.clone(),
-            agent_version: "bench".into(),
-            ..Default::default()
-        })))
-        .await;
-    let _ = tx
-        .send(next(pb::agent_message::Body::Snapshot(s.base.clone())))
-        .await;
-    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    req.metadata_mut()
-        .insert("authorization", format!("Bearer tok-{i}").parse().unwrap());
-    let mut down = match client.attach(req).await {
-        Ok(r) => r.into_inner(),
-        Err(e) => return fail(format!("attach: {e:?}")),
-    };
-    s.connected.fetch_add(1, Ordering::Relaxed);
-    tokio::spawn(async move { while let Ok(Some(_)) = down.message().await {} });
-    let mut mode = s.mode.clone();
-    let mut burst = s.burst.clone();
-    let phase = Duration::from_millis((i as u64 * 7919) % PERIOD.as_millis() as u64);
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + phase, PERIOD);
-    let mut labels = s.base.labels.clone().unwrap();
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {
-                if *mode.borrow_and_update() == Mode::Changing {
-                    labels.labels.insert("nvidia.com/bench.sent-ms".into(), now_ms().to_string());
-                }
-                let change = pb::NodeReport { labels: Some(labels.clone()), ..Default::default() };
-                if tx.send(next(pb::agent_message::Body::Change(change))).await.is_err() {
-                    return fail("stream closed".into());
-                }
-                s.reports.fetch_add(1, Ordering::Relaxed);
-            }
-            r = burst.changed() => {
-                if r.is_err() { return; }
-                for n in 0..5 {
-                    let ev = pb::HealthEvent {
-                        gpu_uuid: "GPU-00000003-0000-0000-0000-000000000000".into(),
-                        xid: 94,
-                        reason: format!("XID 94, from NVML (#{n})"),
-                        advice: "contained ECC error: restart the application".into(),
-                        unhealthy: false,
-                        at_unix_ms: now_ms(),
-                    };
-                    if tx.send(next(pb::agent_message::Body::HealthEvent(ev))).await.is_err() {
-                        return fail("stream closed".into());
-                    }
-                }
-            }
-        }
-    }
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn pct(v: &[u64], p: f64) -> u64 {
-    if v.is_empty() {
-        return 0;
-    }
-    v[((v.len() - 1) as f64 * p).round() as usize]
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "NOT met" }
 }
 
 fn main() {
@@ -246,9 +62,13 @@ fn main() {
         .skip(1)
         .filter_map(|a| a.parse().ok())
         .collect();
-    let agents = nums.first().copied().unwrap_or(10_000) as usize;
-    let seconds = nums.get(1).copied().unwrap_or(60);
-    // The agents and the API server on core 0; the controller on core 1.
+    let args = Args {
+        agents: nums.first().copied().unwrap_or(10_000) as usize,
+        seconds: nums.get(1).copied().unwrap_or(60),
+        replicas: nums.get(2).copied().unwrap_or(1).max(1) as usize,
+        interval: nums.get(3).copied().unwrap_or(30).max(1),
+    };
+    // The agents and the API server on core 0; the controllers on core 1.
     let _ = std::process::Command::new("taskset")
         .args(["-pc", "0", &std::process::id().to_string()])
         .stdout(std::process::Stdio::null())
@@ -258,165 +78,352 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(run(agents, seconds));
+    rt.block_on(run(args));
 }
 
-async fn run(agents: usize, seconds: u64) {
-    println!("gpu-controller scale benchmark: {agents} agents, {seconds} s of load");
-    let api = common::MockApi::start().await;
-    api.forget_bodies();
-    for i in 0..agents {
-        let node = format!("node-{i:05}");
-        api.add_node(&node, common::kubelet_node());
-        api.add_token(&format!("tok-{i}"), ACCOUNT, &node);
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = common::certs(dir.path());
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    // GPU_BENCH_WRAP: a command to run the controller under (a profiler).
-    let wrap: Vec<String> = std::env::var("GPU_BENCH_WRAP")
-        .map(|w| w.split_whitespace().map(String::from).collect())
-        .unwrap_or_default();
-    let mut controller = std::process::Command::new("taskset")
-        .args(["-c", "1"])
-        .args(&wrap)
-        .arg(env!("CARGO_BIN_EXE_gpu-controller"))
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .arg("--tls-cert")
-        .arg(&cert)
-        .arg("--tls-key")
-        .arg(&key)
-        .env("KUBECONFIG", api.kubeconfig(dir.path()))
-        .env("RUST_LOG", "warn")
-        .stderr(std::fs::File::create(dir.path().join("controller.log")).unwrap())
-        .spawn()
-        .expect("taskset and gpu-controller");
-    let pid = controller.id();
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (mode_tx, mode) = watch::channel(Mode::Changing);
-    let (burst_tx, burst) = watch::channel(0u32);
-    let shared = Arc::new(Shared {
-        endpoint: format!("https://localhost:{port}"),
-        ca: std::fs::read(&ca).unwrap(),
-        connected: AtomicUsize::new(0),
-        failed: AtomicUsize::new(0),
-        reports: AtomicU64::new(0),
-        mode,
-        burst,
-        // GPU_BENCH_TINY=1: a near-empty report (the connections' own cost).
-        base: if std::env::var_os("GPU_BENCH_TINY").is_some() {
-            pb::NodeReport {
-                labels: snapshot().labels,
-                ..Default::default()
-            }
-        } else {
-            snapshot()
-        },
-    });
-    let peak = Arc::new(AtomicU64::new(0));
-    {
-        let peak = peak.clone();
-        tokio::spawn(async move {
-            loop {
-                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-        });
-    }
-    let started = Instant::now();
-    for i in 0..agents {
-        tokio::spawn(agent(i, shared.clone()));
-        if i % 250 == 249 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+/// API requests other than Leases' (replicas renew theirs all the time).
+fn requests(api: &common::MockApi) -> u64 {
+    api.count() - api.lease_requests()
+}
+
+/// Waits until the API server saw no request but Leases' for 2 s (at most
+/// `limit`).
+async fn settle(api: &common::MockApi, limit: Duration) {
+    let t = Instant::now();
+    loop {
+        let before = requests(api);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        if requests(api) == before || t.elapsed() > limit {
+            return;
         }
     }
-    while shared.connected.load(Ordering::Relaxed) + shared.failed.load(Ordering::Relaxed) < agents
-    {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(
-            started.elapsed() < Duration::from_secs(600),
-            "agents never connected"
+}
+
+/// The latencies of the events `sent` that reached the API (marks taken
+/// from the API server are added to `got`, the first of each kept).
+fn gather(api: &common::MockApi, sent: &HashSet<String>, got: &mut Vec<(String, u64)>) {
+    let mut seen: HashSet<String> = got.iter().map(|(w, _)| w.clone()).collect();
+    for (word, ms) in api.take_marks() {
+        if sent.contains(&word) && seen.insert(word.clone()) {
+            got.push((word, ms));
+        }
+    }
+}
+
+/// p50/p99/max over all `sent` events, those not arrived counted as
+/// slower than any.
+fn latency_line(sent: usize, got: &[(String, u64)], target_ms: u64) -> String {
+    let mut v: Vec<u64> = got.iter().map(|(_, ms)| *ms).collect();
+    v.sort();
+    let at = |p: f64| -> Option<u64> {
+        if sent == 0 {
+            return None;
+        }
+        let k = ((sent - 1) as f64 * p).round() as usize;
+        v.get(k).copied()
+    };
+    let show = |x: Option<u64>| x.map_or("(not arrived)".to_string(), |ms| format!("{ms} ms"));
+    let max = if v.len() == sent {
+        show(v.last().copied())
+    } else {
+        "(not arrived)".into()
+    };
+    format!(
+        "p50 {}, p99 {}, max {max} (arrived {}/{sent}; target p99 <= {target_ms} ms: {})",
+        show(at(0.5)),
+        show(at(0.99)),
+        v.len(),
+        verdict(sent > 0 && at(0.99).is_some_and(|ms| ms <= target_ms))
+    )
+}
+
+fn answers(fleet: &[Agent]) -> u64 {
+    fleet.iter().map(Agent::answers).sum()
+}
+
+async fn run(a: Args) {
+    let n = a.agents;
+    println!(
+        "gpu-controller scale benchmark: {n} agents (the real report client), {} replica(s), {} s of steady load, check-in interval {} s",
+        a.replicas, a.seconds, a.interval
+    );
+    if !procs::takes("--check-in-interval") {
+        println!(
+            "note: this gpu-controller has no --check-in-interval (held streams): run as it is"
         );
     }
-    let connect = started.elapsed();
+    let api = common::MockApi::start().await;
+    api.forget_bodies();
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::create_dir(&tokens).unwrap();
+    for i in 0..n {
+        let node = agents::node_name(i);
+        api.add_node(&node, common::kubelet_node());
+        api.add_token(&format!("tok-{i}"), agents::ACCOUNT, &node);
+        agents::token_file(&tokens, i);
+    }
+    let (ca, cert, key) = common::certs(dir.path());
+    let kubeconfig = api.kubeconfig(dir.path());
+    let setup = procs::Setup {
+        dir: dir.path(),
+        kubeconfig: &kubeconfig,
+        cert: &cert,
+        key: &key,
+        interval: a.interval,
+        replicas: a.replicas,
+    };
+    let mut ctrls: Vec<Controller> = (1..=a.replicas)
+        .map(|r| Controller::start(&setup, r))
+        .collect();
+    for c in &mut ctrls {
+        c.ready().await;
+    }
+    settle(&api, Duration::from_secs(60)).await;
+    let base: Vec<u64> = ctrls.iter().map(Controller::rss_kib).collect();
+    let names = |f: &dyn Fn(usize, &Controller) -> String| {
+        ctrls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| format!("{} {}", c.name, f(k, c)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "connected: {} agents in {:.1} s ({} failed); controller RSS {} MiB",
-        shared.connected.load(Ordering::Relaxed),
-        connect.as_secs_f64(),
-        shared.failed.load(Ordering::Relaxed),
-        rss_kib(pid) / 1024
+        "before the agents ({n} nodes listed): controller RSS {}",
+        names(&|k, _| format!("{} MiB", base[k] / MIB))
     );
-    // The snapshots' writes, then steady load.
-    tokio::time::sleep(PERIOD).await;
+
+    // Start: every agent checks in once.
+    let report = Arc::new(agents::snapshot());
+    let t = Instant::now();
+    let mut fleet = agents::start_all(0..n, &ctrls[0].endpoint(), &ca, &tokens, &report).await;
+    let (ok, took) =
+        agents::wait_all(&mut fleet, t, Duration::from_secs(600), |a| a.answered()).await;
+    println!(
+        "start: {ok}/{n} agents checked in once, the last {:.1} s after the first started; controller RSS {}",
+        took.as_secs_f64(),
+        names(&|_, c| format!("{} MiB", c.rss_kib() / MIB))
+    );
+    settle(&api, Duration::from_secs(120)).await;
+
+    // Steady: check-ins on the interval, a burst of health events halfway.
+    for c in &ctrls {
+        c.take_peak();
+    }
+    let cpu0: Vec<f64> = ctrls.iter().map(Controller::cpu_seconds).collect();
+    let (req0, ans0) = (requests(&api), answers(&fleet));
+    api.take_marks();
     api.take_latencies();
-    let requests_before = api.count();
-    let reports_before = shared.reports.load(Ordering::Relaxed);
-    let load = Duration::from_secs(seconds);
+    let load = Duration::from_secs(a.seconds);
+    let t = Instant::now();
     tokio::time::sleep(load / 2).await;
-    burst_tx.send_modify(|b| *b += 1);
-    tokio::time::sleep(load / 2).await;
-    let mut lat = api.take_latencies();
-    lat.sort();
-    let requests = api.count() - requests_before;
-    let reports = shared.reports.load(Ordering::Relaxed) - reports_before;
+    let sent: HashSet<String> = fleet.iter().flat_map(|a| a.burst("steady")).collect();
+    let burst_at = Instant::now();
+    tokio::time::sleep((t + load).saturating_duration_since(Instant::now())).await;
+    let wall = t.elapsed().as_secs_f64();
+    let cpu: Vec<f64> = ctrls
+        .iter()
+        .zip(&cpu0)
+        .map(|(c, c0)| (c.cpu_seconds() - c0) / wall)
+        .collect();
+    let peak: Vec<u64> = ctrls.iter().map(Controller::take_peak).collect();
+    let req = requests(&api) - req0;
+    let ans = answers(&fleet) - ans0;
+    let mut got = Vec::new();
+    gather(&api, &sent, &mut got);
     println!(
-        "steady load: {reports} reports ({:.0}/s) and a burst of {} health events -> {requests} API requests ({:.0}/s)",
-        reports as f64 / load.as_secs_f64(),
-        5 * agents,
-        requests as f64 / load.as_secs_f64()
+        "steady ({} s): {ans} check-ins answered ({:.0}/s), a burst of {} health events halfway -> {req} API requests ({:.0}/s)",
+        a.seconds,
+        ans as f64 / wall,
+        sent.len(),
+        req as f64 / wall
     );
     println!(
-        "report -> API request carrying it: p50 {} ms, p99 {} ms, max {} ms (n={}; target p99 <= 2000 ms: {})",
-        pct(&lat, 0.5),
-        pct(&lat, 0.99),
-        lat.last().copied().unwrap_or(0),
-        lat.len(),
-        if pct(&lat, 0.99) <= 2000 && !lat.is_empty() {
-            "met"
-        } else {
-            "NOT met"
+        "  health event -> API request carrying it, by the end of the phase: {}",
+        latency_line(sent.len(), &got, 2000)
+    );
+    if got.len() < sent.len() {
+        let limit = Duration::from_secs(2 * a.interval + 60);
+        while got.len() < sent.len() && burst_at.elapsed() < limit {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            gather(&api, &sent, &mut got);
         }
+        println!(
+            "  ... waiting up to {} s after the burst: {}",
+            limit.as_secs(),
+            latency_line(sent.len(), &got, 2000)
+        );
+    }
+    for (k, c) in ctrls.iter().enumerate() {
+        println!(
+            "  {}: CPU {:.3} core average (target <= 0.5: {}); peak RSS {} MiB (target <= 256 MiB: {})",
+            c.name,
+            cpu[k],
+            verdict(cpu[k] <= 0.5),
+            peak[k] / MIB,
+            verdict(peak[k] <= 256 * MIB)
+        );
+    }
+
+    // Desired state: a ClusterPolicy reaches every agent.
+    settle(&api, Duration::from_secs(60)).await;
+    for a in &mut fleet {
+        a.got_policy();
+    }
+    api.set_cluster_policy(
+        "cluster-policy",
+        json!({
+            "driver": {"enabled": false, "upgradePolicy": {"autoUpgrade": true, "maxParallelUpgrades": 1}},
+            "toolkit": {"enabled": false},
+            "dcgmExporter": {"enabled": false},
+        }),
     );
-    // Nothing changes: no request.
-    mode_tx.send_replace(Mode::Same);
-    tokio::time::sleep(PERIOD + Duration::from_secs(3)).await;
-    let quiet_from = api.count();
-    let quiet_reports = shared.reports.load(Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    let quiet = api.count() - quiet_from;
+    let t = Instant::now();
+    let (ok, took) = agents::wait_all(
+        &mut fleet,
+        t,
+        Duration::from_secs(3 * a.interval + 30),
+        Agent::got_policy,
+    )
+    .await;
     println!(
-        "unchanged reports: {} in 20 s -> {quiet} API requests (target 0: {})",
-        shared.reports.load(Ordering::Relaxed) - quiet_reports,
-        if quiet == 0 { "met" } else { "NOT met" }
+        "desired state: a ClusterPolicy set -> {ok}/{n} agents had it, the last after {:.1} s (target <= 2x the interval, {} s: {})",
+        took.as_secs_f64(),
+        2 * a.interval,
+        verdict(ok == n && took <= Duration::from_secs(2 * a.interval))
     );
-    let gap = api.min_gap().unwrap_or_default();
+
+    // Quiet: nothing changes for two intervals.
+    settle(&api, Duration::from_secs(60)).await;
+    let (req0, ans0, leases0) = (requests(&api), answers(&fleet), api.lease_requests());
+    let t = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2 * a.interval)).await;
+    let wall = t.elapsed().as_secs_f64();
+    let req = requests(&api) - req0;
     println!(
-        "shortest time between two patches of one node's object: {} ms (target >= 1000 ms: {})",
-        gap.as_millis(),
-        if gap >= Duration::from_millis(1000) {
-            "met"
+        "quiet ({} s, nothing changed): {req} API requests (target 0: {}){}; {:.0} check-ins answered per second (the agents' count)",
+        2 * a.interval,
+        verdict(req == 0),
+        if a.replicas > 1 {
+            format!(
+                ", besides {} Lease requests",
+                api.lease_requests() - leases0
+            )
         } else {
-            "NOT met"
-        }
+            String::new()
+        },
+        (answers(&fleet) - ans0) as f64 / wall
     );
-    let peak = peak.load(Ordering::Relaxed);
+
+    if a.replicas > 1 {
+        failover(&api, &mut ctrls, &fleet, &a).await;
+    }
+
+    // The extrapolation, from the first replica's figures.
+    let per = (n / a.replicas).max(1) as f64;
+    let kib = peak[0].saturating_sub(base[0]) as f64 / per;
+    let cpu_per = cpu[0] / per;
+    let by_mem = ((256 * MIB).saturating_sub(base[0]) as f64 / kib.max(1e-9)) as u64;
+    let by_cpu = (0.5 / cpu_per.max(1e-12)) as u64;
+    let carry = by_mem.min(by_cpu).max(1);
     println!(
-        "controller peak RSS: {} MiB (target <= 256 MiB: {})",
-        peak / 1024,
-        if peak <= 256 * 1024 { "met" } else { "NOT met" }
+        "extrapolation: per agent {kib:.1} KiB RSS (above {} MiB with the nodes listed) and {:.1} us CPU per second; at the targets one replica carries {carry} agents (by memory {by_mem}, by CPU {by_cpu}): 100,000 agents need {} replicas",
+        base[0] / MIB,
+        cpu_per * 1e6,
+        100_000u64.div_ceil(carry)
     );
-    // SIGTERM: a profiler wrapping it writes its report as it exits.
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
-    let _ = controller.wait();
+    for c in &mut ctrls {
+        c.stop();
+        let tail = c.log_tail(5);
+        if !tail.is_empty() {
+            println!("{}'s log ends:\n{tail}", c.name);
+        }
+    }
+}
+
+/// Two replicas or more: each node written by one replica only; then the
+/// last replica is killed and its nodes' agents send a burst of events.
+async fn failover(api: &common::MockApi, ctrls: &mut [Controller], fleet: &[Agent], a: &Args) {
+    let writers = api.node_writers();
+    let bearers: BTreeSet<String> = ctrls
+        .iter()
+        .map(|c| format!("Bearer {}", c.bearer))
+        .collect();
+    let of = |node: &str| -> BTreeSet<String> {
+        writers
+            .get(node)
+            .map(|w| w.intersection(&bearers).cloned().collect())
+            .unwrap_or_default()
+    };
+    let (mut one, mut several, mut none) = (0, 0, 0);
+    for ag in fleet {
+        match of(&ag.node).len() {
+            0 => none += 1,
+            1 => one += 1,
+            _ => several += 1,
+        }
+    }
+    let per: Vec<String> = ctrls
+        .iter()
+        .map(|c| {
+            let b = format!("Bearer {}", c.bearer);
+            let k = fleet
+                .iter()
+                .filter(|ag| of(&ag.node) == BTreeSet::from([b.clone()]))
+                .count();
+            format!("{} {k}", c.name)
+        })
+        .collect();
+    println!(
+        "nodes written: by one replica only {one}, by several {several} (target 0: {}), by none {none}; per replica: {}",
+        verdict(several == 0),
+        per.join(", ")
+    );
+    let victim = ctrls.len() - 1;
+    let vb = BTreeSet::from([format!("Bearer {}", ctrls[victim].bearer)]);
+    let its: Vec<&Agent> = fleet.iter().filter(|ag| of(&ag.node) == vb).collect();
+    api.take_marks();
+    ctrls[victim].kill();
+    let t = Instant::now();
+    let sent: HashSet<String> = its.iter().flat_map(|ag| ag.burst("failover")).collect();
+    let limit = LEASE + Duration::from_secs(2 * a.interval + 60);
+    let mut got = Vec::new();
+    let mut last = Duration::ZERO;
+    while got.len() < sent.len() && t.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = got.len();
+        gather(api, &sent, &mut got);
+        if got.len() > before {
+            last = t.elapsed();
+        }
+    }
+    let target = LEASE + Duration::from_secs(a.interval);
+    let lost = sent.len() - got.len();
+    println!(
+        "failover: {} killed (SIGKILL) with {} nodes; a burst of {} health events on them: all reached the API {} (target <= the Lease time + one check-in, {} s: {}); lost {lost} (target 0: {})",
+        ctrls[victim].name,
+        its.len(),
+        sent.len(),
+        if lost == 0 {
+            format!("after {:.1} s", last.as_secs_f64())
+        } else {
+            format!(
+                "NOT within {} s (the last came after {:.1} s)",
+                limit.as_secs(),
+                last.as_secs_f64()
+            )
+        },
+        target.as_secs(),
+        verdict(lost == 0 && last <= target),
+        verdict(lost == 0)
+    );
+    println!(
+        "  after the failover: {}",
+        ctrls[..victim]
+            .iter()
+            .map(|c| format!("{} RSS {} MiB", c.name, c.rss_kib() / MIB))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
