@@ -23,7 +23,7 @@
 //! outcome: they are written, or counted on an Event that is. One Event
 //! object is written at most once per [`UPDATE_EVERY`]; what happens
 //! meanwhile is written together. Nothing waits on the API: the intake only
-//! counts, and one writer sends what is due.
+//! counts, and a writer sends what is due, [`WRITERS`] requests at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -121,12 +121,25 @@ pub struct Write {
 }
 
 /// Which Events are written, and what they count.
+///
+/// Every operation costs the same however many nodes and Events there are
+/// (a burst of 50,000 health events over a fleet was quadratic before):
+/// the Events that wait to be written are kept in making order
+/// (`pending`), the latest Event of each node, type and reason is kept by
+/// name (`latest`), and what is old is forgotten at most once a second.
 #[derive(Debug, Default)]
 pub struct Book {
     limits: Limits,
     /// Per node: tokens, and when they were counted.
     buckets: HashMap<String, (f64, Instant)>,
     series: HashMap<Key, Series>,
+    /// The Events with something to write and no write in flight, by
+    /// their `seq` (making order).
+    pending: std::collections::BTreeMap<u64, Key>,
+    /// The latest Event of each (node, type, reason).
+    latest: HashMap<(String, &'static str, &'static str), Key>,
+    /// When old Events were last forgotten.
+    forgot: Option<Instant>,
     seq: u64,
     /// `reportingInstance` (the pod's name).
     instance: String,
@@ -180,6 +193,9 @@ impl Book {
             if steps {
                 s.message = e.message;
             }
+            if !s.in_flight {
+                self.pending.insert(s.seq, key);
+            }
             return Taken::Counted;
         }
         let limits = self.limits;
@@ -193,24 +209,26 @@ impl Book {
         let token = *tokens >= 1.0;
         if token {
             *tokens -= 1.0;
-        } else if let Some(s) = self
-            .series
-            .iter_mut()
-            .filter(|(k, _)| k.0 == key.0 && k.1 == key.1 && k.2 == key.2)
-            .map(|(_, s)| s)
-            .max_by_key(|s| s.seq)
+        } else if let Some(k) = self.latest.get(&(key.0.clone(), key.1, key.2))
+            && let Some(s) = self.series.get_mut(k)
         {
             s.count += 1;
             s.last = wall;
             s.seen = now;
             s.version += 1;
             s.message = format!("(combined from similar events): {}", e.message);
+            if !s.in_flight {
+                self.pending.insert(s.seq, k.clone());
+            }
             return Taken::Combined;
         } else if !e.kept() {
             self.held_back += 1;
             return Taken::HeldBack;
         }
         let name = self.name_for(&e.node);
+        self.pending.insert(self.seq, key.clone());
+        self.latest
+            .insert((key.0.clone(), key.1, key.2), key.clone());
         self.series.insert(
             key,
             Series {
@@ -234,22 +252,32 @@ impl Book {
     /// Forgets Events that did not happen for [`Limits::same_within`] and
     /// have nothing left to write, and full buckets.
     fn forget(&mut self, now: Instant) {
+        if self
+            .forgot
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            return;
+        }
+        self.forgot = Some(now);
         let within = self.limits.same_within;
         self.series.retain(|_, s| {
             s.in_flight || s.sent != Some(s.version) || now.duration_since(s.seen) < within
         });
-        let full = self.limits.refill.mul_f64(self.limits.burst);
         let series = &self.series;
+        self.latest.retain(|_, k| series.contains_key(k));
+        let full = self.limits.refill.mul_f64(self.limits.burst);
+        let with_events: std::collections::HashSet<&str> =
+            self.series.keys().map(|k| k.0.as_str()).collect();
         self.buckets.retain(|node, (_, at)| {
-            now.duration_since(*at) < full || series.keys().any(|k| &k.0 == node)
+            now.duration_since(*at) < full || with_events.contains(node.as_str())
         });
     }
 
     /// When the next write is due (`None`: nothing to write).
     pub fn next_due(&self) -> Option<Instant> {
-        self.series
+        self.pending
             .values()
-            .filter(|s| !s.in_flight && s.sent != Some(s.version))
+            .filter_map(|k| self.series.get(k))
             .map(|s| match s.wrote {
                 Some(t) => t + self.limits.update_every,
                 None => s.seen,
@@ -261,16 +289,21 @@ impl Book {
     /// [`Book::written`]).
     pub fn due(&mut self, now: Instant) -> Option<Write> {
         let every = self.limits.update_every;
-        let (key, s) = self
-            .series
-            .iter_mut()
-            .filter(|(_, s)| {
-                !s.in_flight
-                    && s.sent != Some(s.version)
-                    && s.wrote.is_none_or(|t| now >= t + every)
+        // The first in making order whose last write is old enough (those
+        // written within `every` wait; a burst's are all new).
+        let (seq, key) = self
+            .pending
+            .iter()
+            .find(|(_, k)| {
+                self.series
+                    .get(*k)
+                    .is_some_and(|s| s.wrote.is_none_or(|t| now >= t + every))
             })
-            .min_by_key(|(_, s)| s.seq)?;
+            .map(|(q, k)| (*q, k.clone()))?;
+        self.pending.remove(&seq);
+        let s = self.series.get_mut(&key)?;
         s.in_flight = true;
+        let key = &key;
         let (node, kind, reason, _) = key;
         let body = if s.created {
             json!({"count": s.count, "lastTimestamp": s.last, "message": s.message})
@@ -310,6 +343,7 @@ impl Book {
             return;
         };
         s.in_flight = false;
+        let (seq, key) = (s.seq, w.key.clone());
         match outcome {
             Ok(()) => {
                 s.created = true;
@@ -324,6 +358,40 @@ impl Book {
                     s.wrote = Some(now);
                 }
             }
+        }
+        if s.sent != Some(s.version) {
+            self.pending.insert(seq, key);
+        }
+    }
+}
+
+/// Event writes in flight at once: a burst over a large fleet is written
+/// in seconds, not one round trip at a time.
+pub const WRITERS: usize = 16;
+
+/// One write: `Ok`, `Err(true)` when the Event is gone from the API,
+/// `Err(false)` for another failure.
+async fn write(api: &Api<Event>, w: &Write) -> Result<(), bool> {
+    let outcome = if w.create {
+        let event: Result<Event, _> = serde_json::from_value(w.body.clone());
+        match event {
+            Ok(ev) => api.create(&PostParams::default(), &ev).await.map(|_| ()),
+            Err(err) => {
+                tracing::error!(error = %err, "cannot make an Event");
+                Ok(())
+            }
+        }
+    } else {
+        api.patch(&w.name, &PatchParams::default(), &Patch::Merge(&w.body))
+            .await
+            .map(|_| ())
+    };
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 && !w.create => Err(true),
+        Err(err) => {
+            tracing::warn!(event = %w.name, error = %crate::error::error_chain(&err), "cannot write the Event");
+            Err(false)
         }
     }
 }
@@ -364,14 +432,24 @@ pub async fn run_with(
             }
         }
     };
+    let api = Arc::new(api);
+    let slots = Arc::new(tokio::sync::Semaphore::new(WRITERS));
     let writer = async move {
         loop {
+            // A slot first: at most WRITERS writes in flight.
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
             let (next, at) = {
                 let mut b = book.lock().unwrap();
                 let now = Instant::now();
-                (b.due(now), b.next_due())
+                match b.due(now) {
+                    Some(w) => (Some(w), None),
+                    None => (None, b.next_due()),
+                }
             };
             let Some(w) = next else {
+                drop(slot);
                 match at {
                     Some(t) => {
                         tokio::select! {
@@ -383,32 +461,18 @@ pub async fn run_with(
                 }
                 continue;
             };
-            let outcome = if w.create {
-                let event: Result<Event, _> = serde_json::from_value(w.body.clone());
-                match event {
-                    Ok(ev) => api.create(&PostParams::default(), &ev).await.map(|_| ()),
-                    Err(err) => {
-                        tracing::error!(error = %err, "cannot make an Event");
-                        Ok(())
-                    }
-                }
-            } else {
-                api.patch(&w.name, &PatchParams::default(), &Patch::Merge(&w.body))
-                    .await
-                    .map(|_| ())
-            };
-            let outcome = match outcome {
-                Ok(()) => {
+            let (api, book, written, wake) =
+                (api.clone(), book.clone(), written.clone(), wake.clone());
+            tokio::spawn(async move {
+                let outcome = write(&api, &w).await;
+                if outcome.is_ok() {
                     written.fetch_add(1, Ordering::Relaxed);
-                    Ok(())
                 }
-                Err(kube::Error::Api(s)) if s.code == 404 && !w.create => Err(true),
-                Err(err) => {
-                    tracing::warn!(event = %w.name, error = %crate::error::error_chain(&err), "cannot write the Event");
-                    Err(false)
-                }
-            };
-            book.lock().unwrap().written(&w, outcome, Instant::now());
+                book.lock().unwrap().written(&w, outcome, Instant::now());
+                drop(slot);
+                // What was counted meanwhile may be due.
+                wake.notify_one();
+            });
         }
     };
     tokio::select! {
@@ -504,6 +568,43 @@ mod tests {
             b.take(ev("Normal", "GPUHealthEvent", "a"), later),
             Taken::New
         );
+    }
+
+    /// A fleet-wide burst (5 events on each of 4,000 nodes): every one is
+    /// a new Event (the burst allowance), written once each, in the order
+    /// they came; a sixth on a node is combined on its latest.
+    #[test]
+    fn a_fleet_wide_burst_is_written_once_each_in_order() {
+        let mut b = book();
+        let t = Instant::now();
+        for n in 0..5 {
+            for node in 0..4000 {
+                let mut e = ev("Normal", "GPUEvent", &format!("XID 94 #{n}"));
+                e.node = format!("node-{node}");
+                assert_eq!(b.take(e, t), Taken::New);
+            }
+        }
+        let mut e = ev("Normal", "GPUEvent", "XID 94 #5");
+        e.node = "node-7".into();
+        assert_eq!(b.take(e, t), Taken::Combined);
+        let writes = flush(&mut b, t);
+        assert_eq!(writes.len(), 20_000);
+        assert!(writes.iter().all(|w| w.create));
+        assert_eq!(writes[0].body["message"], "XID 94 #0");
+        assert_eq!(writes[0].body["involvedObject"]["name"], "node-0");
+        assert_eq!(writes[19_999].body["involvedObject"]["name"], "node-3999");
+        assert_eq!(writes[19_999].body["message"], "XID 94 #4");
+        let seven: Vec<_> = writes
+            .iter()
+            .filter(|w| w.body["involvedObject"]["name"] == "node-7")
+            .collect();
+        assert_eq!(seven.len(), 5);
+        assert_eq!(
+            seven[4].body["message"],
+            "(combined from similar events): XID 94 #5"
+        );
+        assert_eq!(seven[4].body["count"], 2);
+        assert!(flush(&mut b, t).is_empty(), "nothing written twice");
     }
 
     #[test]
