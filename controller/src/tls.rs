@@ -4,7 +4,12 @@
 //! by a key this process rotates; nothing is kept per agent), which spares
 //! the certificate signature and the key exchange's half of the work of a
 //! full handshake. Each handshake runs in its own task with a deadline, so
-//! a slow client holds up no other.
+//! a slow client holds up no other, and at most [`HANDSHAKES`] run at once:
+//! when a whole fleet comes at once (the agents' first check-ins, a burst
+//! of health events everywhere), the others wait with their socket alone
+//! (a few hundred bytes) instead of each holding a TLS session and, once
+//! served, HTTP/2's buffers (some 50 KiB a connection): the controller's
+//! memory stays what its nodes need, and the herd is served in turn.
 //!
 //! Knows nothing of the fleet: the layer of `lease` and `auth`.
 
@@ -30,6 +35,12 @@ pub enum TlsError {
     #[error("cannot make the session ticket key: {0}")]
     Tickets(String),
 }
+
+/// TLS handshakes at once; more connections wait their turn.
+pub const HANDSHAKES: usize = 64;
+/// A connection waits this long at most for its turn, then is closed (the
+/// agent tries again after its backoff).
+pub const WAIT_AT_MOST: Duration = Duration::from_secs(30);
 
 /// Handshakes so far, by kind (for `/fleet.json` and the scale bench).
 #[derive(Debug, Default)]
@@ -102,6 +113,7 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let acceptor = TlsAcceptor::from(config);
+    let turns = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES));
     let (tx, rx) = tokio::sync::mpsc::channel(256);
     tokio::spawn(async move {
         tokio::pin!(conns);
@@ -116,8 +128,17 @@ where
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             let counts = counts.clone();
+            let turns = turns.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(within, acceptor.accept(io)).await {
+                let Ok(Ok(turn)) = tokio::time::timeout(WAIT_AT_MOST, turns.acquire_owned()).await
+                else {
+                    counts.failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("a connection waited too long for its TLS handshake: closed");
+                    return;
+                };
+                let done = tokio::time::timeout(within, acceptor.accept(io)).await;
+                drop(turn);
+                match done {
                     Ok(Ok(tls)) => {
                         let resumed = tls.get_ref().1.handshake_kind()
                             == Some(rustls::HandshakeKind::Resumed);
