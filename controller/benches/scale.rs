@@ -141,6 +141,14 @@ fn answers(fleet: &[Agent]) -> u64 {
     fleet.iter().map(Agent::answers).sum()
 }
 
+/// Says which agents' last check-in failed, if any.
+fn say_failing(fleet: &[Agent]) {
+    let f = agents::failing(fleet);
+    if !f.is_empty() {
+        println!("  {f}");
+    }
+}
+
 async fn run(a: Args) {
     let n = a.agents;
     println!(
@@ -203,13 +211,20 @@ async fn run(a: Args) {
     println!(
         "start: {ok}/{n} agents checked in once, the last {:.1} s after the first started; controller RSS {}",
         took.as_secs_f64(),
-        names(&|_, c| format!("{} MiB", c.rss_kib() / MIB))
+        names(&|_, c| format!(
+            "{} MiB (peak {} MiB, at most {} files open at once)",
+            c.rss_kib() / MIB,
+            c.take_peak() / MIB,
+            c.take_peak_fds()
+        ))
     );
+    say_failing(&fleet);
     settle(&api, Duration::from_secs(120)).await;
 
     // Steady: check-ins on the interval, a burst of health events halfway.
     for c in &ctrls {
         c.take_peak();
+        c.take_peak_fds();
     }
     let cpu0: Vec<f64> = ctrls.iter().map(Controller::cpu_seconds).collect();
     let (req0, ans0) = (requests(&api), answers(&fleet));
@@ -220,6 +235,7 @@ async fn run(a: Args) {
     tokio::time::sleep(load / 2).await;
     let sent: HashSet<String> = fleet.iter().flat_map(|a| a.burst("steady")).collect();
     let burst_at = Instant::now();
+    let trace = procs::CpuTrace::start(ctrls.iter().map(|c| c.pid).collect());
     tokio::time::sleep((t + load).saturating_duration_since(Instant::now())).await;
     let wall = t.elapsed().as_secs_f64();
     let cpu: Vec<f64> = ctrls
@@ -228,6 +244,7 @@ async fn run(a: Args) {
         .map(|(c, c0)| (c.cpu_seconds() - c0) / wall)
         .collect();
     let peak: Vec<u64> = ctrls.iter().map(Controller::take_peak).collect();
+    let fds: Vec<u64> = ctrls.iter().map(Controller::take_peak_fds).collect();
     let req = requests(&api) - req0;
     let ans = answers(&fleet) - ans0;
     let mut got = Vec::new();
@@ -255,16 +272,29 @@ async fn run(a: Args) {
             latency_line(sent.len(), &got, 2000)
         );
     }
+    let slowest = got.iter().map(|(_, ms)| *ms).max().unwrap_or(0);
+    if let Some((w, me, ctl)) = trace.busy(slowest as f64 / 1000.0) {
+        println!(
+            "  from the burst to its last Event write ({w:.1} s): core 0 (the agents and the API server) {:.0}% busy, the controllers {:.0}% of core 1",
+            me * 100.0,
+            ctl * 100.0
+        );
+    }
+    drop(trace);
     for (k, c) in ctrls.iter().enumerate() {
         println!(
-            "  {}: CPU {:.3} core average (target <= 0.5: {}); peak RSS {} MiB (target <= 256 MiB: {})",
+            "  {}: CPU {:.3} core average (target <= 0.5: {}); peak RSS {} MiB (target <= 256 MiB: {}), {} MiB at the end; at most {} files open at once (its connections)",
             c.name,
             cpu[k],
             verdict(cpu[k] <= 0.5),
             peak[k] / MIB,
-            verdict(peak[k] <= 256 * MIB)
+            verdict(peak[k] <= 256 * MIB),
+            c.rss_kib() / MIB,
+            fds[k]
         );
     }
+
+    say_failing(&fleet);
 
     // Desired state: a ClusterPolicy reaches every agent.
     settle(&api, Duration::from_secs(60)).await;
@@ -314,6 +344,14 @@ async fn run(a: Args) {
             String::new()
         },
         (answers(&fleet) - ans0) as f64 / wall
+    );
+    println!(
+        "  controller RSS at the end: {}",
+        ctrls
+            .iter()
+            .map(|c| format!("{} {} MiB", c.name, c.rss_kib() / MIB))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
 
     if a.replicas > 1 {
@@ -426,4 +464,5 @@ async fn failover(api: &common::MockApi, ctrls: &mut [Controller], fleet: &[Agen
             .collect::<Vec<_>>()
             .join(", ")
     );
+    say_failing(fleet);
 }

@@ -145,6 +145,23 @@ impl Drop for Agent {
     }
 }
 
+/// The agents whose last check-in failed, counted by error (its first
+/// words), as a line; empty when none.
+pub fn failing(fleet: &[Agent]) -> String {
+    let mut by: std::collections::BTreeMap<String, usize> = Default::default();
+    for a in fleet {
+        let l = a.link.lock().unwrap();
+        if !l.connected && l.last_error.is_some() {
+            let e = l.last_error.clone().unwrap_or_default();
+            *by.entry(e.chars().take(120).collect()).or_default() += 1;
+        }
+    }
+    by.iter()
+        .map(|(e, k)| format!("{k} agents' last check-in failed: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// Starts agents `range` (250 every 50 ms, as nodes come up).
 pub async fn start_all(
     range: std::ops::Range<usize>,

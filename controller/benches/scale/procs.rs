@@ -19,8 +19,10 @@ pub struct Controller {
     pub pid: u32,
     child: Child,
     pub log: PathBuf,
-    /// Peak RSS (KiB) since the last [`Controller::take_peak`].
+    /// Peak RSS (KiB) and open files (its connections, mostly) since the
+    /// last [`Controller::take_peak`].
     peak: Arc<AtomicU64>,
+    peak_fds: Arc<AtomicU64>,
     alive: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -97,12 +99,14 @@ impl Controller {
             .expect("taskset and gpu-controller");
         let pid = child.id();
         let peak = Arc::new(AtomicU64::new(0));
+        let peak_fds = Arc::new(AtomicU64::new(0));
         let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
         {
-            let (peak, alive) = (peak.clone(), alive.clone());
+            let (peak, peak_fds, alive) = (peak.clone(), peak_fds.clone(), alive.clone());
             tokio::spawn(async move {
                 while alive.load(Ordering::Relaxed) {
                     peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                    peak_fds.fetch_max(open_files(pid), Ordering::Relaxed);
                     tokio::time::sleep(Duration::from_millis(250)).await;
                 }
             });
@@ -115,6 +119,7 @@ impl Controller {
             child,
             log,
             peak,
+            peak_fds,
             alive,
         }
     }
@@ -155,6 +160,12 @@ impl Controller {
         self.peak
             .swap(rss_kib(self.pid), Ordering::Relaxed)
             .max(rss_kib(self.pid))
+    }
+
+    /// The most files it had open at once since the last call, and starts
+    /// a new count.
+    pub fn take_peak_fds(&self) -> u64 {
+        self.peak_fds.swap(open_files(self.pid), Ordering::Relaxed)
     }
 
     /// CPU time used so far (user + system), in seconds.
@@ -201,6 +212,11 @@ pub fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Files open in `pid` (its sockets, mostly).
+pub fn open_files(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64)
+}
+
 fn clock_ticks() -> f64 {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     *TICKS.get_or_init(|| {
@@ -225,4 +241,53 @@ pub fn cpu_seconds(pid: u32) -> f64 {
         .collect();
     let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
     ticks as f64 / clock_ticks()
+}
+
+/// The CPU time of this process (the agents and the API server, on core
+/// 0) and of the controllers (together, on core 1), sampled every 250 ms
+/// from its start until dropped.
+pub struct CpuTrace {
+    /// (seconds since the start, this process's CPU s, the controllers' CPU s).
+    samples: Arc<std::sync::Mutex<Vec<(f64, f64, f64)>>>,
+    alive: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl CpuTrace {
+    pub fn start(pids: Vec<u32>) -> CpuTrace {
+        let samples = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (s, a) = (samples.clone(), alive.clone());
+        let me = std::process::id();
+        let sample = move || {
+            let ctl: f64 = pids.iter().map(|p| cpu_seconds(*p)).sum();
+            (cpu_seconds(me), ctl)
+        };
+        let t = Instant::now();
+        let (m0, c0) = sample();
+        tokio::spawn(async move {
+            while a.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let (m, c) = sample();
+                s.lock()
+                    .unwrap()
+                    .push((t.elapsed().as_secs_f64(), m - m0, c - c0));
+            }
+        });
+        CpuTrace { samples, alive }
+    }
+
+    /// Over the first `secs` (at least; to the first sample past it): the
+    /// window, and the share of a core this process and the controllers
+    /// used in it.
+    pub fn busy(&self, secs: f64) -> Option<(f64, f64, f64)> {
+        let s = self.samples.lock().unwrap();
+        let (t, m, c) = s.iter().find(|(t, _, _)| *t >= secs).or(s.last())?;
+        Some((*t, m / t, c / t))
+    }
+}
+
+impl Drop for CpuTrace {
+    fn drop(&mut self) {
+        self.alive.store(false, Ordering::Relaxed);
+    }
 }
