@@ -233,10 +233,11 @@ async fn run(a: Args) {
     let load = Duration::from_secs(a.seconds);
     let t = Instant::now();
     tokio::time::sleep(load / 2).await;
+    let answered0: Vec<u64> = fleet.iter().map(Agent::answers).collect();
     let sent: HashSet<String> = fleet.iter().flat_map(|a| a.burst("steady")).collect();
     let burst_at = Instant::now();
     let trace = procs::CpuTrace::start(ctrls.iter().map(|c| c.pid).collect());
-    tokio::time::sleep((t + load).saturating_duration_since(Instant::now())).await;
+    let taken = agents::answered_after(&fleet, &answered0, burst_at, t + load).await;
     let wall = t.elapsed().as_secs_f64();
     let cpu: Vec<f64> = ctrls
         .iter()
@@ -272,6 +273,20 @@ async fn run(a: Args) {
             latency_line(sent.len(), &got, 2000)
         );
     }
+    let mut taken: Vec<u64> = taken
+        .iter()
+        .flatten()
+        .map(|d| d.as_millis() as u64)
+        .collect();
+    taken.sort();
+    println!(
+        "  health event -> its agent's check-in answered (the controller took it): p50 {} ms, p99 {} ms, max {} ms ({}/{} agents)",
+        taken.get(taken.len() / 2).copied().unwrap_or(0),
+        taken.get(taken.len() * 99 / 100).copied().unwrap_or(0),
+        taken.last().copied().unwrap_or(0),
+        taken.len(),
+        fleet.len()
+    );
     let slowest = got.iter().map(|(_, ms)| *ms).max().unwrap_or(0);
     if let Some((w, me, ctl)) = trace.busy(slowest as f64 / 1000.0) {
         println!(
