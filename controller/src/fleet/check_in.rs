@@ -117,6 +117,7 @@ impl Fleet {
         if let Some(r) = report {
             self.apply(node, r);
         }
+        self.check_ins_answered.fetch_add(1, Ordering::Relaxed);
         let mut answer = pb::CheckInAnswer {
             base,
             acked_seq: acked,

@@ -127,6 +127,8 @@ pub struct Fleet {
     events: Option<mpsc::Sender<NodeEvent>>,
     /// Events dropped because that queue was full.
     pub events_dropped: AtomicU64,
+    /// Check-ins answered since this replica started.
+    pub check_ins_answered: AtomicU64,
     /// The cluster's ClusterPolicy as each agent is sent it (the
     /// ConfigMaps it names resolved: config_maps.rs).
     policy: Mutex<Option<std::sync::Arc<PolicyTexts>>>,
@@ -186,6 +188,7 @@ impl Fleet {
                 grace,
                 events: None,
                 events_dropped: AtomicU64::new(0),
+                check_ins_answered: AtomicU64::new(0),
                 policy: Mutex::new(None),
                 policy_changed: tokio::sync::Notify::new(),
                 upgrade_policy: Mutex::new(None),
@@ -237,7 +240,13 @@ impl Fleet {
         if let Some(tx) = &self.events
             && tx.try_send(e).is_err()
         {
-            self.events_dropped.fetch_add(1, Ordering::Relaxed);
+            let n = self.events_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if n.is_power_of_two() {
+                tracing::warn!(
+                    dropped = n,
+                    "health events and repairs not made Kubernetes Events: their queue is full"
+                );
+            }
         }
     }
 

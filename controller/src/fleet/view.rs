@@ -121,6 +121,10 @@ impl Fleet {
                 "gpus": gpus,
                 "unhealthyGpus": unhealthy,
                 "rollout": rollout,
+                // Check-ins answered since this replica started, and
+                // health events and repairs not made Events (a full queue).
+                "checkIns": self.check_ins_answered.load(std::sync::atomic::Ordering::Relaxed),
+                "eventsDropped": self.events_dropped.load(std::sync::atomic::Ordering::Relaxed),
             },
             "nodes": list,
         })
