@@ -89,14 +89,7 @@ pub struct TokenReviewer {
     /// `system:serviceaccount:<namespace>:<name>`.
     account: String,
     cache: Mutex<HashMap<[u8; 32], Reviewed>>,
-    /// Reviews in flight at most ([`REVIEWS`]): a fleet checking in at
-    /// once (the controller just started) waits its turn rather than
-    /// opening thousands of connections to the API server.
-    reviews: tokio::sync::Semaphore,
 }
-
-/// TokenReviews sent at once, at most.
-pub const REVIEWS: usize = 32;
 
 impl std::fmt::Debug for TokenReviewer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -115,7 +108,6 @@ impl TokenReviewer {
             audience: audience.into(),
             account: format!("system:serviceaccount:{namespace}:{name}"),
             cache: Mutex::default(),
-            reviews: tokio::sync::Semaphore::new(REVIEWS),
         }
     }
 
@@ -184,16 +176,11 @@ impl Authenticator for TokenReviewer {
             {
                 return answer.clone();
             }
-            let answer = {
-                let _turn = self.reviews.acquire().await;
-                // Reviewed by another check-in while this one waited.
-                if let Some((until, answer)) = self.cache.lock().unwrap().get(&key)
-                    && Instant::now() < *until
-                {
-                    return answer.clone();
-                }
-                self.review(token).await
-            };
+            // Not limited here: a check-in waiting for its review would
+            // hold its connection's buffers (measured: 32 reviews at once
+            // held 7,500 connections, 338 MiB, at 10,000 agents' first
+            // check-ins); the TLS handshakes' turns pace them instead.
+            let answer = self.review(token).await;
             let keep = match &answer {
                 // A failure to ask is not an answer: it is not kept.
                 Err(AuthError::Review(_)) => None,
