@@ -41,3 +41,24 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// An API error in words: the API server's status, or the client's error
+/// and its causes.
+pub fn api_words(err: &kube::Error) -> String {
+    match err {
+        kube::Error::Api(s) => format!(
+            "the API server answered {} {}: {}",
+            s.code, s.reason, s.message
+        ),
+        other => error_chain(other),
+    }
+}
+
+/// A duration in words: `7 s`, `1.4 s`.
+pub fn seconds(d: std::time::Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
+    }
+}

@@ -33,6 +33,8 @@ use kube::api::{Api, PostParams};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
+use crate::error::{api_words as said, seconds};
+
 /// The election's settings.
 #[derive(Clone, Debug)]
 pub struct Election {
@@ -126,27 +128,6 @@ impl Standing {
             Standing::Stopping if lease.is_empty() => "stopping".into(),
             Standing::Stopping => format!("stopping: the Lease {lease} given up"),
         }
-    }
-}
-
-/// An API error in words: the API server's status, or the client's
-/// error and its causes.
-fn said(err: &kube::Error) -> String {
-    match err {
-        kube::Error::Api(s) => format!(
-            "the API server answered {} {}: {}",
-            s.code, s.reason, s.message
-        ),
-        other => crate::error::error_chain(other),
-    }
-}
-
-/// `7 s`, `1.4 s`.
-fn seconds(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{} s", d.as_secs())
-    } else {
-        format!("{:.1} s", d.as_secs_f64())
     }
 }
 

@@ -50,6 +50,8 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
+use crate::error::{api_words as said, seconds};
+
 mod map;
 use map::listed;
 pub use map::{Holder, ShardMap, shard_of};
@@ -145,27 +147,6 @@ pub enum ShardError {
         #[source]
         source: kube::Error,
     },
-}
-
-/// An API error in words: the API server's status, or the client's error
-/// and its causes.
-fn said(err: &kube::Error) -> String {
-    match err {
-        kube::Error::Api(s) => format!(
-            "the API server answered {} {}: {}",
-            s.code, s.reason, s.message
-        ),
-        other => crate::error::error_chain(other),
-    }
-}
-
-/// `7 s`, `1.4 s`.
-fn seconds(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{} s", d.as_secs())
-    } else {
-        format!("{:.1} s", d.as_secs_f64())
-    }
 }
 
 fn micro_now() -> MicroTime {

@@ -117,6 +117,23 @@ struct Link {
 }
 
 impl Link {
+    /// Nothing sent yet; `seen`: the report now.
+    fn new(seen: Arc<pb::NodeReport>) -> Self {
+        Link {
+            taken: None,
+            base: String::new(),
+            pending: VecDeque::new(),
+            next_seq: 1,
+            dropped: 0,
+            desired_version: 0,
+            dra_version: 0,
+            interval: FIRST_INTERVAL,
+            redirect: None,
+            hops: 0,
+            seen,
+        }
+    }
+
     fn push(&mut self, h: pb::Happening) {
         if self.pending.len() == EVENT_BUFFER {
             self.pending.pop_front();
@@ -140,19 +157,7 @@ impl Link {
 /// Reports to the controller until cancelled (the supervisor aborts it).
 pub async fn run(cfg: ReportConfig, mut inputs: Inputs) {
     let seen = inputs.report.borrow_and_update().clone();
-    let mut link = Link {
-        taken: None,
-        base: String::new(),
-        pending: VecDeque::new(),
-        next_seq: 1,
-        dropped: 0,
-        desired_version: 0,
-        dra_version: 0,
-        interval: FIRST_INTERVAL,
-        redirect: None,
-        hops: 0,
-        seen,
-    };
+    let mut link = Link::new(seen);
     let mut tls: Option<Arc<rustls::ClientConfig>> = None;
     let mut backoff = FIRST_BACKOFF;
     // A failure's retry, until which changes do not bring a check-in forward.
@@ -612,19 +617,7 @@ mod tests {
 
     #[test]
     fn the_buffer_drops_the_oldest_and_counts_them() {
-        let mut link = Link {
-            taken: None,
-            base: String::new(),
-            pending: VecDeque::new(),
-            next_seq: 1,
-            dropped: 0,
-            desired_version: 0,
-            dra_version: 0,
-            interval: FIRST_INTERVAL,
-            redirect: None,
-            hops: 0,
-            seen: Arc::new(pb::NodeReport::default()),
-        };
+        let mut link = Link::new(Arc::new(pb::NodeReport::default()));
         for _ in 0..EVENT_BUFFER + 3 {
             link.push(pb::Happening::default());
         }
