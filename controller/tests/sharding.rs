@@ -152,8 +152,16 @@ fn replicas_share_the_fleet_and_take_over_a_dead_ones_nodes() {
             logs(&[&r1, &r2])
         );
     }
-    // The agents of r2's nodes report through r2.
+    // The agents of r2's nodes report through r2 (as their state file
+    // says, once the agent has written it).
     for (i, n) in nodes.iter().enumerate() {
+        let connected = format!("connected as node {n}");
+        wait_for(
+            "the agent's status to say it reports",
+            Duration::from_secs(30),
+            &[&agents[i].0],
+            || common::agent_status(&agents[i].1).contains(&connected),
+        );
         let status = common::agent_status(&agents[i].1);
         let through_r2 = status.contains(&format!("through the replica https://localhost:{p2}"));
         assert_eq!(
