@@ -14,10 +14,12 @@
 //!
 //! Phases, each printed with its targets:
 //! - start: every agent checked in once;
-//! - steady (SECONDS): check-ins on the interval; halfway every agent sends
-//!   5 health events, each carrying its send time (`sent-ms=`), which the
-//!   API server measures to the Event write that carries it; API requests,
-//!   the controllers' CPU (/proc/PID/stat) and peak RSS;
+//! - steady (SECONDS): check-ins on the interval, and health events in
+//!   bursts of 5, each carrying its send time (`sent-ms=`), which the API
+//!   server measures to the Event write that carries it: rolling bursts on
+//!   1 % of the fleet a second (the latency target's load), then a tenth of
+//!   the fleet at once, then the rest at once (`scale/bursts.rs`); API
+//!   requests, the controllers' CPU (/proc/PID/stat) and peak RSS;
 //! - desired state: a ClusterPolicy is set; the time until every agent has
 //!   it;
 //! - quiet: nothing changes for two intervals: no API request;
@@ -28,6 +30,8 @@
 
 #[path = "scale/agents.rs"]
 mod agents;
+#[path = "scale/bursts.rs"]
+mod bursts;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "scale/procs.rs"]
@@ -38,6 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agents::Agent;
+use bursts::Bursts;
 use procs::Controller;
 use serde_json::json;
 
@@ -102,17 +107,29 @@ async fn settle(api: &common::MockApi, limit: Duration) {
 /// The latencies of the events `sent` that reached the API (marks taken
 /// from the API server are added to `got`, the first of each kept).
 fn gather(api: &common::MockApi, sent: &HashSet<String>, got: &mut Vec<(String, u64)>) {
-    let mut seen: HashSet<String> = got.iter().map(|(w, _)| w.clone()).collect();
+    gather_all(api, &[sent], std::slice::from_mut(got));
+}
+
+/// [`gather`] for several sets of events at once (the API server's marks
+/// are taken once).
+fn gather_all(api: &common::MockApi, sent: &[&HashSet<String>], got: &mut [Vec<(String, u64)>]) {
+    let mut seen: Vec<HashSet<String>> = got
+        .iter()
+        .map(|g| g.iter().map(|(w, _)| w.clone()).collect())
+        .collect();
     for (word, ms) in api.take_marks() {
-        if sent.contains(&word) && seen.insert(word.clone()) {
-            got.push((word, ms));
+        for k in 0..sent.len() {
+            if sent[k].contains(&word) && seen[k].insert(word.clone()) {
+                got[k].push((word.clone(), ms));
+            }
         }
     }
 }
 
 /// p50/p99/max over all `sent` events, those not arrived counted as
-/// slower than any.
-fn latency_line(sent: usize, got: &[(String, u64)], target_ms: u64) -> String {
+/// slower than any; with a target, whether it is met, else whether it
+/// came within 2 s.
+fn latency_line(sent: usize, got: &[(String, u64)], target_ms: Option<u64>) -> String {
     let mut v: Vec<u64> = got.iter().map(|(_, ms)| *ms).collect();
     v.sort();
     let at = |p: f64| -> Option<u64> {
@@ -128,12 +145,19 @@ fn latency_line(sent: usize, got: &[(String, u64)], target_ms: u64) -> String {
     } else {
         "(not arrived)".into()
     };
+    let within = |ms: u64| sent > 0 && at(0.99).is_some_and(|p| p <= ms);
+    let judged = match target_ms {
+        Some(ms) => format!("target p99 <= {ms} ms: {}", verdict(within(ms))),
+        None => format!(
+            "beyond the target's load; p99 within 2 s: {}",
+            if within(2000) { "yes" } else { "no" }
+        ),
+    };
     format!(
-        "p50 {}, p99 {}, max {max} (arrived {}/{sent}; target p99 <= {target_ms} ms: {})",
+        "p50 {}, p99 {}, max {max} (arrived {}/{sent}; {judged})",
         show(at(0.5)),
         show(at(0.99)),
         v.len(),
-        verdict(sent > 0 && at(0.99).is_some_and(|ms| ms <= target_ms))
     )
 }
 
@@ -221,7 +245,8 @@ async fn run(a: Args) {
     say_failing(&fleet);
     settle(&api, Duration::from_secs(120)).await;
 
-    // Steady: check-ins on the interval, a burst of health events halfway.
+    // Steady: check-ins on the interval, with bursts of health events:
+    // rolling, then two at once (see `Bursts`).
     for c in &ctrls {
         c.take_peak();
         c.take_peak_fds();
@@ -232,12 +257,8 @@ async fn run(a: Args) {
     api.take_latencies();
     let load = Duration::from_secs(a.seconds);
     let t = Instant::now();
-    tokio::time::sleep(load / 2).await;
-    let answered0: Vec<u64> = fleet.iter().map(Agent::answers).collect();
-    let sent: HashSet<String> = fleet.iter().flat_map(|a| a.burst("steady")).collect();
-    let burst_at = Instant::now();
-    let trace = procs::CpuTrace::start(ctrls.iter().map(|c| c.pid).collect());
-    let taken = agents::answered_after(&fleet, &answered0, burst_at, t + load).await;
+    let plan = Bursts::plan(n, load);
+    let (groups, trace) = plan.run(&fleet, &ctrls, t, load).await;
     let wall = t.elapsed().as_secs_f64();
     let cpu: Vec<f64> = ctrls
         .iter()
@@ -248,49 +269,55 @@ async fn run(a: Args) {
     let fds: Vec<u64> = ctrls.iter().map(Controller::take_peak_fds).collect();
     let req = requests(&api) - req0;
     let ans = answers(&fleet) - ans0;
-    let mut got = Vec::new();
-    gather(&api, &sent, &mut got);
+    let events: usize = groups.iter().map(|g| g.sent.len()).sum();
     println!(
-        "steady ({} s): {ans} check-ins answered ({:.0}/s), a burst of {} health events halfway -> {req} API requests ({:.0}/s)",
+        "steady ({} s): {ans} check-ins answered ({:.0}/s); {events} health events in bursts of {} -> {req} API requests ({:.0}/s)",
         a.seconds,
         ans as f64 / wall,
-        sent.len(),
+        agents::BURST,
         req as f64 / wall
     );
-    println!(
-        "  health event -> API request carrying it, by the end of the phase: {}",
-        latency_line(sent.len(), &got, 2000)
-    );
-    if got.len() < sent.len() {
-        let limit = Duration::from_secs(2 * a.interval + 60);
-        while got.len() < sent.len() && burst_at.elapsed() < limit {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            gather(&api, &sent, &mut got);
+    let mut got: Vec<Vec<(String, u64)>> = vec![Vec::new(); groups.len()];
+    let limit = Duration::from_secs(2 * a.interval + 60);
+    loop {
+        let sets: Vec<&HashSet<String>> = groups.iter().map(|g| &g.sent).collect();
+        gather_all(&api, &sets, &mut got);
+        let all = groups
+            .iter()
+            .zip(&got)
+            .all(|(g, got)| got.len() == g.sent.len());
+        if all || t.elapsed() > load + limit {
+            break;
         }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for (k, (g, got)) in groups.iter().zip(&got).enumerate() {
+        println!("  {}:", g.what);
         println!(
-            "  ... waiting up to {} s after the burst: {}",
-            limit.as_secs(),
-            latency_line(sent.len(), &got, 2000)
+            "    health event -> API request carrying it: {}",
+            latency_line(g.sent.len(), got, (k == 0).then_some(2000))
+        );
+        let mut taken: Vec<u64> = g
+            .taken
+            .iter()
+            .flatten()
+            .map(|d| d.as_millis() as u64)
+            .collect();
+        taken.sort();
+        println!(
+            "    health event -> its agent's check-in answered (the controller took it): p50 {} ms, p99 {} ms, max {} ms ({}/{} agents)",
+            taken.get(taken.len() / 2).copied().unwrap_or(0),
+            taken.get(taken.len() * 99 / 100).copied().unwrap_or(0),
+            taken.last().copied().unwrap_or(0),
+            taken.len(),
+            g.taken.len()
         );
     }
-    let mut taken: Vec<u64> = taken
-        .iter()
-        .flatten()
-        .map(|d| d.as_millis() as u64)
-        .collect();
-    taken.sort();
-    println!(
-        "  health event -> its agent's check-in answered (the controller took it): p50 {} ms, p99 {} ms, max {} ms ({}/{} agents)",
-        taken.get(taken.len() / 2).copied().unwrap_or(0),
-        taken.get(taken.len() * 99 / 100).copied().unwrap_or(0),
-        taken.last().copied().unwrap_or(0),
-        taken.len(),
-        fleet.len()
-    );
-    let slowest = got.iter().map(|(_, ms)| *ms).max().unwrap_or(0);
+    let last = groups.len() - 1;
+    let slowest = got[last].iter().map(|(_, ms)| *ms).max().unwrap_or(0);
     if let Some((w, me, ctl)) = trace.busy(slowest as f64 / 1000.0) {
         println!(
-            "  from the burst to its last Event write ({w:.1} s): core 0 (the agents and the API server) {:.0}% busy, the controllers {:.0}% of core 1",
+            "  from the last burst to its last Event write ({w:.1} s): core 0 (the agents and the API server) {:.0}% busy, the controllers {:.0}% of core 1",
             me * 100.0,
             ctl * 100.0
         );

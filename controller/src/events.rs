@@ -69,19 +69,31 @@ impl Default for Limits {
     }
 }
 
-/// (node, type, reason, words: empty for [`STEPS`]).
-type Key = (String, &'static str, &'static str, String);
+/// (node, type, reason, words: empty for [`STEPS`]), kept once per Event
+/// (its index and the Event share it).
+type Key = Arc<(String, &'static str, &'static str, String)>;
 
-/// One Event object and what it counts.
+/// Events kept for counting at most (over all nodes): past this, the
+/// written ones not seen for the longest are forgotten first (client-go's
+/// correlator keeps 4,096). A fleet-wide burst on 10,000 nodes is 50,000
+/// Events: kept all for [`SAME_WITHIN`], they held 35 MiB.
+pub const KEPT: usize = 16_384;
+
+/// One Event object and what it counts (about 100 bytes beside its key:
+/// times are seconds, the name is made when written, and the words are
+/// the key's unless they changed).
 #[derive(Debug)]
 struct Series {
-    /// In order of making: written in that order.
-    seq: u64,
-    name: String,
-    message: String,
+    key: Key,
+    /// The name's tail (nanoseconds at making, seq): `<node>.<tail>`.
+    made: (u64, u16),
+    /// Words other than the key's (an upgrade's latest step, a combined
+    /// event's).
+    message: Option<String>,
     count: i32,
-    first: String,
-    last: String,
+    /// Wall clock seconds of the first and the last time.
+    first: i64,
+    last: i64,
     /// When it last happened (it is forgotten [`Limits::same_within`] later).
     seen: Instant,
     /// Bumped at each change; `sent` is the one the API has.
@@ -92,6 +104,21 @@ struct Series {
     /// When a write last went out (or failed).
     wrote: Option<Instant>,
     in_flight: bool,
+}
+
+impl Series {
+    fn name(&self) -> String {
+        format!("{}.{:x}{:04x}", self.key.0, self.made.0, self.made.1)
+    }
+
+    fn message(&self) -> &str {
+        self.message.as_deref().unwrap_or(&self.key.3)
+    }
+
+    /// Nothing left to write.
+    fn settled(&self) -> bool {
+        !self.in_flight && self.sent == Some(self.version)
+    }
 }
 
 /// What [`Book::take`] did with an event.
@@ -111,7 +138,8 @@ pub enum Taken {
 /// A write the writer is to send.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Write {
-    key: Key,
+    /// The Event's number in the book (its making order).
+    id: u64,
     version: u64,
     pub name: String,
     /// Create (POST) the Event, or merge-patch its count, last time and
@@ -124,20 +152,23 @@ pub struct Write {
 ///
 /// Every operation costs the same however many nodes and Events there are
 /// (a burst of 50,000 health events over a fleet was quadratic before):
-/// the Events that wait to be written are kept in making order
-/// (`pending`), the latest Event of each node, type and reason is kept by
-/// name (`latest`), and what is old is forgotten at most once a second.
+/// each Event is kept once by its number (making order), the Events that
+/// wait to be written are a set of numbers in that order (`pending`), the
+/// latest Event of each node, type and reason is kept by name (`latest`),
+/// and what is old is forgotten at most once a second, at most [`KEPT`]
+/// kept.
 #[derive(Debug, Default)]
 pub struct Book {
     limits: Limits,
     /// Per node: tokens, and when they were counted.
     buckets: HashMap<String, (f64, Instant)>,
-    series: HashMap<Key, Series>,
-    /// The Events with something to write and no write in flight, by
-    /// their `seq` (making order).
-    pending: std::collections::BTreeMap<u64, Key>,
+    series: HashMap<u64, Series>,
+    /// Each Event's number by its key.
+    index: HashMap<Key, u64>,
+    /// The Events with something to write and no write in flight.
+    pending: std::collections::BTreeSet<u64>,
     /// The latest Event of each (node, type, reason).
-    latest: HashMap<(String, &'static str, &'static str), Key>,
+    latest: HashMap<(String, &'static str, &'static str), u64>,
     /// When old Events were last forgotten.
     forgot: Option<Instant>,
     seq: u64,
@@ -146,8 +177,12 @@ pub struct Book {
     pub held_back: u64,
 }
 
-fn wall_now() -> String {
-    jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
+fn wall_now() -> i64 {
+    jiff::Timestamp::now().as_second()
+}
+
+fn wall_text(secs: i64) -> String {
+    jiff::Timestamp::from_second(secs)
         .map(|t| t.to_string())
         .unwrap_or_default()
 }
@@ -161,13 +196,11 @@ impl Book {
         }
     }
 
-    fn name_for(&mut self, node: &str) -> String {
+    /// A new number, and a name tail that no Event had.
+    fn made(&mut self) -> (u64, (u64, u16)) {
         self.seq += 1;
-        format!(
-            "{node}.{:x}{:04x}",
-            jiff::Timestamp::now().as_nanosecond() as u64,
-            self.seq & 0xffff
-        )
+        let nanos = jiff::Timestamp::now().as_nanosecond() as u64;
+        (self.seq, (nanos, (self.seq & 0xffff) as u16))
     }
 
     /// Counts `e` at `now`: a new Event, or one more on an Event.
@@ -175,68 +208,80 @@ impl Book {
         self.forget(now);
         let wall = wall_now();
         let steps = STEPS.contains(&e.reason);
-        let key: Key = (
-            e.node.clone(),
-            e.kind,
-            e.reason,
-            if steps {
-                String::new()
-            } else {
-                e.message.clone()
-            },
-        );
-        if let Some(s) = self.series.get_mut(&key) {
-            s.count += 1;
-            s.last = wall;
-            s.seen = now;
-            s.version += 1;
-            if steps {
-                s.message = e.message;
-            }
-            if !s.in_flight {
-                self.pending.insert(s.seq, key);
-            }
-            return Taken::Counted;
-        }
-        let limits = self.limits;
-        let (tokens, at) = self
-            .buckets
-            .entry(e.node.clone())
-            .or_insert((limits.burst, now));
-        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() / limits.refill.as_secs_f64())
-            .min(limits.burst);
-        *at = now;
-        let token = *tokens >= 1.0;
-        if token {
-            *tokens -= 1.0;
-        } else if let Some(k) = self.latest.get(&(key.0.clone(), key.1, key.2))
-            && let Some(s) = self.series.get_mut(k)
+        let kept = e.kept();
+        let NodeEvent {
+            node,
+            kind,
+            reason,
+            message,
+        } = e;
+        let (words, step_words) = if steps {
+            (String::new(), Some(message))
+        } else {
+            (message, None)
+        };
+        let key: Key = Arc::new((node, kind, reason, words));
+        if let Some(&id) = self.index.get(&key)
+            && let Some(s) = self.series.get_mut(&id)
         {
             s.count += 1;
             s.last = wall;
             s.seen = now;
             s.version += 1;
-            s.message = format!("(combined from similar events): {}", e.message);
+            if step_words.is_some() {
+                s.message = step_words;
+            }
             if !s.in_flight {
-                self.pending.insert(s.seq, k.clone());
+                self.pending.insert(id);
+            }
+            return Taken::Counted;
+        }
+        let limits = self.limits;
+        let node = &key.0;
+        let tokens = match self.buckets.get_mut(node.as_str()) {
+            Some(b) => b,
+            None => self
+                .buckets
+                .entry(node.clone())
+                .or_insert((limits.burst, now)),
+        };
+        let (tokens, at) = tokens;
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() / limits.refill.as_secs_f64())
+            .min(limits.burst);
+        *at = now;
+        let token = *tokens >= 1.0;
+        let latest = (node.clone(), kind, reason);
+        if token {
+            *tokens -= 1.0;
+        } else if let Some(&id) = self.latest.get(&latest)
+            && let Some(s) = self.series.get_mut(&id)
+        {
+            s.count += 1;
+            s.last = wall;
+            s.seen = now;
+            s.version += 1;
+            let words = step_words.as_deref().unwrap_or(&key.3);
+            s.message = Some(format!("(combined from similar events): {words}"));
+            if !s.in_flight {
+                self.pending.insert(id);
             }
             return Taken::Combined;
-        } else if !e.kept() {
+        } else if !kept {
             self.held_back += 1;
             return Taken::HeldBack;
         }
-        let name = self.name_for(&e.node);
-        self.pending.insert(self.seq, key.clone());
-        self.latest
-            .insert((key.0.clone(), key.1, key.2), key.clone());
+        let (id, made) = self.made();
+        self.pending.insert(id);
+        self.latest.insert(latest, id);
+        self.index.insert(key.clone(), id);
         self.series.insert(
-            key,
+            id,
             Series {
-                seq: self.seq,
-                name,
-                message: e.message,
+                key,
+                made,
+                message: step_words,
                 count: 1,
-                first: wall.clone(),
+                first: wall,
                 last: wall,
                 seen: now,
                 version: 1,
@@ -250,7 +295,8 @@ impl Book {
     }
 
     /// Forgets Events that did not happen for [`Limits::same_within`] and
-    /// have nothing left to write, and full buckets.
+    /// have nothing left to write (past [`KEPT`], the written ones not seen
+    /// for the longest), and full buckets.
     fn forget(&mut self, now: Instant) {
         if self
             .forgot
@@ -260,24 +306,42 @@ impl Book {
         }
         self.forgot = Some(now);
         let within = self.limits.same_within;
-        self.series.retain(|_, s| {
-            s.in_flight || s.sent != Some(s.version) || now.duration_since(s.seen) < within
-        });
+        self.series
+            .retain(|_, s| !s.settled() || now.duration_since(s.seen) < within);
+        if self.series.len() > KEPT {
+            let mut old: Vec<(Instant, u64)> = self
+                .series
+                .iter()
+                .filter(|(_, s)| s.settled())
+                .map(|(id, s)| (s.seen, *id))
+                .collect();
+            old.sort_unstable();
+            let over = self.series.len() - KEPT;
+            for (_, id) in old.into_iter().take(over) {
+                self.series.remove(&id);
+            }
+        }
         let series = &self.series;
-        self.latest.retain(|_, k| series.contains_key(k));
+        self.index.retain(|_, id| series.contains_key(id));
+        self.latest.retain(|_, id| series.contains_key(id));
         let full = self.limits.refill.mul_f64(self.limits.burst);
         let with_events: std::collections::HashSet<&str> =
-            self.series.keys().map(|k| k.0.as_str()).collect();
+            self.series.values().map(|s| s.key.0.as_str()).collect();
         self.buckets.retain(|node, (_, at)| {
             now.duration_since(*at) < full || with_events.contains(node.as_str())
         });
+        // A burst's tables are given back, not kept at their largest.
+        for_shrink(&mut self.series);
+        for_shrink(&mut self.index);
+        for_shrink(&mut self.latest);
+        for_shrink(&mut self.buckets);
     }
 
     /// When the next write is due (`None`: nothing to write).
     pub fn next_due(&self) -> Option<Instant> {
         self.pending
-            .values()
-            .filter_map(|k| self.series.get(k))
+            .iter()
+            .filter_map(|id| self.series.get(id))
             .map(|s| match s.wrote {
                 Some(t) => t + self.limits.update_every,
                 None => s.seen,
@@ -291,43 +355,38 @@ impl Book {
         let every = self.limits.update_every;
         // The first in making order whose last write is old enough (those
         // written within `every` wait; a burst's are all new).
-        let (seq, key) = self
-            .pending
-            .iter()
-            .find(|(_, k)| {
-                self.series
-                    .get(*k)
-                    .is_some_and(|s| s.wrote.is_none_or(|t| now >= t + every))
-            })
-            .map(|(q, k)| (*q, k.clone()))?;
-        self.pending.remove(&seq);
-        let s = self.series.get_mut(&key)?;
+        let id = *self.pending.iter().find(|id| {
+            self.series
+                .get(*id)
+                .is_some_and(|s| s.wrote.is_none_or(|t| now >= t + every))
+        })?;
+        self.pending.remove(&id);
+        let s = self.series.get_mut(&id)?;
         s.in_flight = true;
-        let key = &key;
-        let (node, kind, reason, _) = key;
+        let (node, kind, reason, _) = &*s.key;
         let body = if s.created {
-            json!({"count": s.count, "lastTimestamp": s.last, "message": s.message})
+            json!({"count": s.count, "lastTimestamp": wall_text(s.last), "message": s.message()})
         } else {
             json!({
                 "apiVersion": "v1",
                 "kind": "Event",
-                "metadata": { "name": s.name, "namespace": "default" },
+                "metadata": { "name": s.name(), "namespace": "default" },
                 "involvedObject": { "apiVersion": "v1", "kind": "Node", "name": node, "uid": node },
                 "type": kind,
                 "reason": reason,
-                "message": s.message,
+                "message": s.message(),
                 "source": { "component": FIELD_MANAGER, "host": node },
                 "reportingComponent": FIELD_MANAGER,
                 "reportingInstance": self.instance,
-                "firstTimestamp": s.first,
-                "lastTimestamp": s.last,
+                "firstTimestamp": wall_text(s.first),
+                "lastTimestamp": wall_text(s.last),
                 "count": s.count,
             })
         };
         Some(Write {
-            key: key.clone(),
+            id,
             version: s.version,
-            name: s.name.clone(),
+            name: s.name(),
             create: !s.created,
             body,
         })
@@ -337,13 +396,11 @@ impl Book {
     /// from the API (its time to live passed: made again), `Err(false)`
     /// for another failure (tried again later).
     pub fn written(&mut self, w: &Write, outcome: Result<(), bool>, now: Instant) {
-        let gone = outcome == Err(true);
-        let fresh = gone.then(|| self.name_for(&w.key.0));
-        let Some(s) = self.series.get_mut(&w.key) else {
+        let fresh = (outcome == Err(true)).then(|| self.made().1);
+        let Some(s) = self.series.get_mut(&w.id) else {
             return;
         };
         s.in_flight = false;
-        let (seq, key) = (s.seq, w.key.clone());
         match outcome {
             Ok(()) => {
                 s.created = true;
@@ -351,17 +408,24 @@ impl Book {
                 s.wrote = Some(now);
             }
             Err(_) => {
-                if let Some(name) = fresh {
+                if let Some(made) = fresh {
                     s.created = false;
-                    s.name = name;
+                    s.made = made;
                 } else {
                     s.wrote = Some(now);
                 }
             }
         }
         if s.sent != Some(s.version) {
-            self.pending.insert(seq, key);
+            self.pending.insert(w.id);
         }
+    }
+}
+
+/// Gives a table's room back once it holds under a quarter of it.
+fn for_shrink<K: std::hash::Hash + Eq, V>(m: &mut HashMap<K, V>) {
+    if m.capacity() > 64 && m.len() < m.capacity() / 4 {
+        m.shrink_to_fit();
     }
 }
 

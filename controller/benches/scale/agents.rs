@@ -162,30 +162,6 @@ pub fn failing(fleet: &[Agent]) -> String {
         .join("; ")
 }
 
-/// Polls until `until`: how long after `since` each agent's count of
-/// answered check-ins first passed its `base` (`None`: not by then).
-pub async fn answered_after(
-    fleet: &[Agent],
-    base: &[u64],
-    since: Instant,
-    until: Instant,
-) -> Vec<Option<Duration>> {
-    let mut when = vec![None; fleet.len()];
-    let mut left = fleet.len();
-    while Instant::now() < until {
-        if left > 0 {
-            for (k, a) in fleet.iter().enumerate() {
-                if when[k].is_none() && a.answers() > base[k] {
-                    when[k] = Some(since.elapsed());
-                    left -= 1;
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    when
-}
-
 /// Starts agents `range` (250 every 50 ms, as nodes come up).
 pub async fn start_all(
     range: std::ops::Range<usize>,

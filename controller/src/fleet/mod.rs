@@ -38,8 +38,10 @@ mod rollout;
 mod view;
 mod writes;
 
-/// Recent health events and repairs kept per node.
-const RECENT: usize = 32;
+/// Recent health events and repairs kept per node: what `/fleet.json`
+/// shows (an XID storm over 10,000 nodes keeps 100,000 at most, not
+/// 320,000).
+pub(crate) const RECENT: usize = 10;
 
 /// One node, as its agent reported it.
 #[derive(Debug, Default)]

@@ -88,11 +88,11 @@ impl Fleet {
                     "tainted": tainted,
                     "mig": r.mig.as_ref().map(|m| serde_json::json!({"layout": m.layout, "state": m.state, "detail": m.detail})),
                     "upgrade": e.upgrade.as_ref().map(|u| serde_json::json!({"state": u.step.label(), "driverVersion": u.target, "detail": u.detail})),
-                    "events": e.events.iter().rev().take(10).map(|ev| serde_json::json!({
+                    "events": e.events.iter().rev().take(super::RECENT).map(|ev| serde_json::json!({
                         "gpu": ev.gpu_uuid, "xid": ev.xid, "reason": ev.reason, "advice": ev.advice,
                         "unhealthy": ev.unhealthy, "atUnixMs": ev.at_unix_ms,
                     })).collect::<Vec<_>>(),
-                    "repairs": e.repairs.iter().rev().take(10).map(|r| serde_json::json!({
+                    "repairs": e.repairs.iter().rev().take(super::RECENT).map(|r| serde_json::json!({
                         "stage": r.stage, "what": r.what, "atUnix": r.at_unix,
                     })).collect::<Vec<_>>(),
                     "writeError": e.write.last_error,
