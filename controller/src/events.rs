@@ -672,6 +672,52 @@ mod tests {
     }
 
     #[test]
+    fn past_the_kept_limit_the_oldest_written_events_are_forgotten_first() {
+        let mut b = book();
+        let t = Instant::now();
+        let e = |node: usize, n: usize| {
+            let mut e = ev("Normal", "GPUEvent", &format!("XID 94 #{n}"));
+            e.node = format!("node-{node}");
+            e
+        };
+        // 20,000 Events, the first 4,000 a second before the rest; all
+        // but the last 10 written.
+        for node in 0..4000 {
+            assert_eq!(b.take(e(node, 0), t), Taken::New);
+        }
+        let later = t + Duration::from_secs(1);
+        flush(&mut b, later);
+        for n in 1..5 {
+            for node in 0..4000 {
+                b.take(e(node, n), later);
+            }
+        }
+        let mut writes = 0;
+        while writes < 16_000 - 10 {
+            let w = b.due(later).expect("due");
+            b.written(&w, Ok(()), later);
+            writes += 1;
+        }
+        assert_eq!(b.series.len(), 20_000);
+        // Forgotten at the next take a second on: down to KEPT, the first
+        // second's first; those not written yet are kept.
+        let next = later + Duration::from_secs(1);
+        assert_eq!(b.take(e(9000, 0), next), Taken::New);
+        assert_eq!(b.series.len(), KEPT + 1);
+        assert_eq!(b.index.len(), KEPT + 1);
+        assert_eq!(b.pending.len(), 11, "the 10 not written and the new one");
+        assert_eq!(
+            b.take(e(3999, 4), next),
+            Taken::Counted,
+            "a recent one is still counted"
+        );
+        // An old one is not: node-0 has no token left, so it is combined
+        // on its latest Event of the reason (kept), not counted on its
+        // forgotten first.
+        assert_eq!(b.take(e(0, 0), next), Taken::Combined);
+    }
+
+    #[test]
     fn warnings_steps_and_outcomes_are_never_held_back() {
         let mut b = book();
         let t = Instant::now();
