@@ -143,11 +143,15 @@ async fn follow(client: kube::Client, fleet: &Fleet, took_over: tokio::time::Ins
                         let Some(name) = n.metadata.name.clone() else {
                             continue;
                         };
+                        let seen = n.observed();
+                        // Sharded: what it carries of the driver rollout,
+                        // whoever holds it (the leader plans from it).
+                        fleet.note_rollout(&name, &seen);
                         // Another replica's shard: its to follow.
                         if !fleet.owns(&name) {
                             continue;
                         }
-                        fleet.observe(&name, n.observed());
+                        fleet.observe(&name, seen);
                         if swept {
                             fleet.mark_unconnected(Some(&name), &why);
                         }

@@ -183,9 +183,13 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     };
     let (fleet, queue) = fleet::Fleet::new(opts.taint, opts.grace);
     let fleet = match &sharding {
+        // The elected leader plans the driver rollout for every node; each
+        // node's holder applies it (fleet/shared_rollout.rs).
         Some((rx, _, _)) => {
             let rx = rx.clone();
-            fleet.with_owner(move |node| rx.borrow().owns(node))
+            fleet
+                .with_owner(move |node| rx.borrow().owns(node))
+                .with_rollout_leader(leader.clone())
         }
         None => fleet,
     };
@@ -297,19 +301,14 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         namespace,
         chosen,
     ));
-    if sharding.is_none() {
-        tokio::spawn(upgrade::run(
-            upgrade::Upgrader::new(client.clone())
-                .with_validation_timeout(opts.upgrade_validation_timeout)
-                .with_leader(leader.clone()),
-            fleet.clone(),
-            leader.clone(),
-        ));
-    } else {
-        tracing::warn!(
-            "driver rollouts are not run with --shards (the leader does not see every node's agent yet): roll drivers with --shards 0"
-        );
-    }
+    // Sharded too: the elected leader plans it, the nodes' holders apply it.
+    tokio::spawn(upgrade::run(
+        upgrade::Upgrader::new(client.clone())
+            .with_validation_timeout(opts.upgrade_validation_timeout)
+            .with_leader(leader.clone()),
+        fleet.clone(),
+        leader.clone(),
+    ));
     tokio::spawn(cluster_policy::status_loop(
         client.clone(),
         fleet.clone(),

@@ -2,7 +2,9 @@
 //!
 //! - labels: server-side apply of `metadata.labels` under the field manager
 //!   `gpu-controller` (labels it applied before and no longer sends are
-//!   removed by the API server; labels of other managers are untouched);
+//!   removed by the API server; labels of other managers are untouched),
+//!   with the annotations of ours in the same apply (sharded: the agent's
+//!   word on the driver rollout, `gpu-agent.io/agent-upgrade`);
 //! - conditions: server-side apply of `status.conditions` (a map keyed by
 //!   `type`: only our four types are ours), `lastTransitionTime` kept while
 //!   the status stays, `lastHeartbeatTime` the time of the write;
@@ -219,12 +221,20 @@ impl Writer {
                 a
             }
         };
-        if !desired.keep_labels && applied.labels.as_ref() != Some(&desired.labels) {
-            let body = json!({
+        if !desired.keep_labels
+            && (applied.labels.as_ref() != Some(&desired.labels)
+                || applied.annotations.as_ref() != Some(&desired.annotations))
+        {
+            let mut body = json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": { "name": node, "labels": desired.labels },
             });
+            // Ours (sharded: the agent's word on the rollout) go with the
+            // labels; one left out is taken off by the API server.
+            if !desired.annotations.is_empty() {
+                body["metadata"]["annotations"] = json!(desired.annotations);
+            }
             answer = Some(
                 self.nodes
                     .patch(
@@ -237,6 +247,7 @@ impl Writer {
             );
             tracing::info!(node, labels = desired.labels.len(), "labels applied");
             applied.labels = Some(desired.labels.clone());
+            applied.annotations = Some(desired.annotations.clone());
         }
         let now = now_rfc3339();
         let conditions: Vec<(Condition, String)> = desired

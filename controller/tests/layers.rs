@@ -45,6 +45,7 @@ const LAYERS: &[Layer] = &[
             "model::node",
             "model::node_event",
             "model::policy_texts",
+            "model::upgrade_notes",
             "model::upgrade_plan",
             "model::upgrade_policy",
             "model::upgrade_state",

@@ -17,7 +17,13 @@ instead: it reports driver 550.127.08 loaded and VERSION wanted
 reports VERSION loaded and validated (upgrade-done) and keeps the stream
 open for --hold seconds. Prints {"go_ahead": VERSION, "desired": [...]}.
 
-With --check-in it tries the unary CheckIn the same way: no token, another
+With --upgrade VERSION --check-in it plays that node checking in instead of
+holding a stream (every 0.3 s, following the answer's redirect to its
+shard's replica), and reports upgrade-done on the go-ahead; it checks in
+for --hold seconds more. Prints {"go_ahead": VERSION, "via": HOST:PORT,
+"desired": [...]} (via: the replica that gave the go-ahead).
+
+With --check-in alone it tries the unary CheckIn the same way: no token, another
 node's token, a change before any snapshot (the controller asks for one), a
 snapshot with two health events, then a change on the answer's base with
 those two events sent again and a third (each must be taken once), then a
@@ -25,7 +31,7 @@ check-in with both a snapshot and a change (refused). Prints what each
 answer said.
 
 Usage: report_client.py --proto PROTO --ca CA --target HOST:PORT --node NODE
-         --token TOKEN (--other-token TOKEN [--check-in] | --upgrade VERSION [--hold SECS])
+         --token TOKEN (--other-token TOKEN [--check-in] | --upgrade VERSION [--check-in] [--hold SECS])
 """
 import argparse
 import json
@@ -82,6 +88,8 @@ def main():
             q.put(None)
             return q, it, got, e
 
+    if args.upgrade and args.check_in:
+        sys.exit(upgrade_check_in(pb, pb_grpc, creds, args))
     if args.upgrade:
         sys.exit(upgrade(pb, call, hello, args))
     if args.check_in:
@@ -118,19 +126,75 @@ def main():
     sys.exit(0 if ok else 1)
 
 
+def rollout_node(pb, args, driver, state, detail):
+    """The node's report in the driver rollout."""
+    return pb.NodeReport(
+        inventory=pb.Inventory(driver_version=driver, gpus=[pb.Gpu(uuid="GPU-py", model="Python Standin")]),
+        stages=pb.Stages(
+            stages=[pb.Stage(name="driver", state="done", validated=True, validation_message=f"driver {driver}")],
+            ready=True,
+        ),
+        upgrade=pb.UpgradeState(state=state, driver_version=args.upgrade, detail=detail),
+    )
+
+
+def upgrade_check_in(pb, pb_grpc, creds, args):
+    """A node in the driver rollout that checks in; returns the exit code."""
+    import time
+
+    hello = pb.Hello(node_name=args.node, agent_version="py-standin", boot_id="py-boot", agent_started_at=1)
+    md = [("authorization", f"Bearer {args.token}")]
+    target = args.target
+    stub = pb_grpc.ReportStub(grpc.secure_channel(target, creds))
+    report = rollout_node(pb, args, "550.127.08", "upgrade-required", "driver 550.127.08 loaded")
+    base, version, snapshot, change = "", 0, True, None
+    desired, errors, went, done_at = [], [], None, None
+    deadline = time.time() + 60
+    while time.time() < deadline and not (done_at and time.time() - done_at > args.hold):
+        req = pb.CheckInRequest(hello=hello, base=base, desired_version=version)
+        if snapshot:
+            req.snapshot.CopyFrom(report)
+        elif change is not None:
+            req.change.CopyFrom(change)
+        try:
+            a = stub.CheckIn(req, metadata=md, timeout=10)
+        except grpc.RpcError as e:
+            # Turned away (the replica stopped serving the node): back
+            # through the first address, with a snapshot.
+            errors.append([target, e.code().name, e.details()])
+            target, snapshot = args.target, True
+            stub = pb_grpc.ReportStub(grpc.secure_channel(target, creds))
+            time.sleep(0.3)
+            continue
+        if a.redirect:
+            target, snapshot = a.redirect.split("://", 1)[-1], True
+            stub = pb_grpc.ReportStub(grpc.secure_channel(target, creds))
+            time.sleep(0.05)
+            continue
+        if a.send_snapshot:
+            snapshot = True
+            continue
+        base, version, snapshot, change = a.base, a.desired_version, False, None
+        if a.HasField("desired"):
+            d = a.desired
+            desired.append({"driver_version": d.driver_version, "upgrade_go_ahead": d.upgrade_go_ahead, "via": target})
+            if d.upgrade_go_ahead and d.driver_version == args.upgrade and went is None:
+                went, done_at = target, time.time()
+                report = rollout_node(pb, args, args.upgrade, "upgrade-done", f"upgraded to {args.upgrade}")
+                change = report
+                continue
+        time.sleep(0.3)
+    print(json.dumps({"go_ahead": args.upgrade if went else None, "via": went,
+                      "desired": desired, "errors": errors[-5:]}), flush=True)
+    return 0 if went else 1
+
+
 def upgrade(pb, call, hello, args):
     """A node in the driver rollout; returns the exit code."""
     import time
 
     def node(driver, state, detail):
-        return pb.NodeReport(
-            inventory=pb.Inventory(driver_version=driver, gpus=[pb.Gpu(uuid="GPU-py", model="Python Standin")]),
-            stages=pb.Stages(
-                stages=[pb.Stage(name="driver", state="done", validated=True, validation_message=f"driver {driver}")],
-                ready=True,
-            ),
-            upgrade=pb.UpgradeState(state=state, driver_version=args.upgrade, detail=detail),
-        )
+        return rollout_node(pb, args, driver, state, detail)
 
     q, it, got, err = call(
         [hello(), pb.AgentMessage(seq=2, snapshot=node("550.127.08", "upgrade-required", "driver 550.127.08 loaded"))],

@@ -34,7 +34,9 @@ mod agents;
 mod check_in;
 mod dra_claims;
 mod dra_slices;
+mod marks;
 mod rollout;
+mod shared_rollout;
 mod view;
 mod writes;
 
@@ -155,6 +157,11 @@ pub struct Fleet {
     /// Which nodes this replica serves and writes (`None`: every one; with
     /// sharding, those of its shards).
     owner: Option<Owner>,
+    /// Sharded: what the API has of the driver rollout on each node that
+    /// carries any of it, and the leader's moves (shared_rollout.rs).
+    marks: Mutex<HashMap<String, marks::Marks>>,
+    /// Sharded: whether this replica plans the rollout (`None`: it does not).
+    rollout_leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 /// Whether this replica serves and writes a node.
@@ -202,6 +209,8 @@ impl Fleet {
                 dra_claims: Mutex::new(None),
                 dra_slices: None,
                 owner: None,
+                marks: Mutex::default(),
+                rollout_leader: None,
             },
             rx,
         )
@@ -258,7 +267,18 @@ impl Fleet {
     /// Runs `f` on a node's entry (made if new).
     pub fn with<T>(&self, node: &str, f: impl FnOnce(&mut NodeEntry) -> T) -> T {
         let mut nodes = self.nodes.lock().unwrap();
-        f(nodes.entry(node.to_string()).or_default())
+        f(nodes
+            .entry(node.to_string())
+            .or_insert_with(|| self.fresh(node)))
+    }
+
+    /// A new entry: sharded, with the node's rollout step as the API has
+    /// it (its shard came here in mid-rollout).
+    fn fresh(&self, node: &str) -> Box<NodeEntry> {
+        Box::new(NodeEntry {
+            upgrade: self.marked_step(node),
+            ..Default::default()
+        })
     }
 
     /// How many nodes the fleet knows.

@@ -29,11 +29,14 @@ impl Fleet {
     }
 
     /// Every node with an agent's report or an upgrade state, by name, as
-    /// the rollout sees it.
+    /// the rollout sees it; sharded, the nodes of the other replicas too,
+    /// from what the API has of them (shared_rollout.rs).
     pub fn upgrade_view(&self) -> Vec<Seen> {
         let nodes = self.nodes.lock().unwrap();
+        let sharded = self.sharded();
         let mut v: Vec<Seen> = nodes
             .iter()
+            .filter(|(name, _)| !sharded || self.owns(name))
             .filter(|(_, e)| e.hello.is_some() || e.upgrade.is_some())
             .map(|(name, e)| {
                 let agent = e.report.upgrade.clone().unwrap_or_default();
@@ -56,13 +59,46 @@ impl Fleet {
                 }
             })
             .collect();
+        if sharded {
+            self.marked_view(&nodes, &mut v);
+        }
         v.sort_by(|a, b| a.node.cmp(&b.node));
         v
     }
 
     /// Moves a node's upgrade on: written to the node (label, condition),
     /// told to its agent, and said as an Event when the step changed.
+    /// Sharded, the move is kept with the node's marks, and a node this
+    /// replica does not hold is left to its holder (which takes the step
+    /// once the rollout has written it to the node).
     pub fn set_upgrade(&self, node: &str, next: Option<NodeUpgrade>) {
+        if self.sharded() {
+            let changed = self.mark_upgrade(node, &next);
+            if !self.owns(node) {
+                let Some(step_changed) = changed else { return };
+                self.upgrade_moves.fetch_add(1, Ordering::Relaxed);
+                if step_changed {
+                    match &next {
+                        Some(u) => {
+                            tracing::info!(node, state = u.step.label(), to = %u.target, detail = %u.detail, "driver upgrade state (for the node's replica)")
+                        }
+                        None => {
+                            tracing::info!(
+                                node,
+                                "no driver upgrade wanted any more (for the node's replica)"
+                            )
+                        }
+                    }
+                }
+                self.upgrade_changed.notify_one();
+                return;
+            }
+        }
+        self.set_upgrade_here(node, next);
+    }
+
+    /// [`Fleet::set_upgrade`] of a node this replica writes.
+    pub(super) fn set_upgrade_here(&self, node: &str, next: Option<NodeUpgrade>) {
         let step_changed = self.with(node, |e| {
             let same = match (&e.upgrade, &next) {
                 (Some(a), Some(b)) => {

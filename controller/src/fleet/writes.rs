@@ -5,6 +5,7 @@
 
 use super::{Fleet, NodeEntry};
 use crate::model::node::{self, Applied, Desired, Observed};
+use crate::model::upgrade_notes::AGENT_UPGRADE;
 
 impl Fleet {
     /// The node needs writing: queued for the writer unless it is already.
@@ -67,6 +68,13 @@ impl Fleet {
                 .insert(node::UPGRADE_STATE_LABEL.into(), u.step.label().into());
             d.conditions.push(u.condition());
         }
+        // Sharded, the leader plans the rollout from the agent's word,
+        // carried with the labels (shared_rollout.rs).
+        if self.sharded()
+            && let Some(f) = Self::agent_facts(e)
+        {
+            d.annotations.insert(AGENT_UPGRADE.into(), f.encode());
+        }
         d
     }
 
@@ -80,7 +88,9 @@ impl Fleet {
             let mut nodes = self.nodes.lock().unwrap();
             let e = match nodes.get_mut(node) {
                 Some(e) => e,
-                None if seen.ours() => nodes.entry(node.to_string()).or_default(),
+                None if seen.ours() => nodes
+                    .entry(node.to_string())
+                    .or_insert_with(|| self.fresh(node)),
                 None => return,
             };
             self.look(node, e, seen)
@@ -124,6 +134,15 @@ impl Fleet {
                 }
                 ok
             });
+        let notes_ok = d.keep_labels
+            || d.annotations.iter().all(|(k, v)| {
+                let ok = seen.annotations.get(k) == Some(v);
+                if !ok {
+                    what.push(format!("annotation {k}"));
+                }
+                ok
+            });
+        let labels_ok = labels_ok && notes_ok;
         // Ours as the API has them, in the order they are written.
         let conditions: Vec<(node::Condition, String)> = d
             .conditions
@@ -149,6 +168,11 @@ impl Fleet {
             } else {
                 None
             },
+            annotations: if labels_ok && !remade {
+                before.annotations
+            } else {
+                None
+            },
             conditions: Some(conditions),
             taint: Some(seen.taint),
             rv: seen.rv,
@@ -165,6 +189,7 @@ impl Fleet {
     /// again (then all of it is). Without an agent connected (or a place
     /// in a rollout) it leaves the fleet.
     pub fn forget_in_api(&self, node: &str) {
+        self.forget_marks(node);
         let mut nodes = self.nodes.lock().unwrap();
         let Some(e) = nodes.get_mut(node) else {
             return;

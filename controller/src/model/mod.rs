@@ -8,7 +8,8 @@
 //! - [`node_event`]: what becomes a Kubernetes Event about a node;
 //! - [`upgrade_state`], [`upgrade_policy`], [`upgrade_plan`]: the driver
 //!   rollout's per-node states, the ClusterPolicy's `upgradePolicy`, and the
-//!   pure decision of which node moves next;
+//!   pure decision of which node moves next; [`upgrade_notes`], the two
+//!   annotations that carry the rollout between sharded replicas;
 //! - [`policy_texts`]: the ClusterPolicy as each agent is sent it, with the
 //!   ConfigMaps it names inlined;
 //! - [`dra`]: a node's DRA ResourceSlices, the DeviceClasses and the RBAC
@@ -21,6 +22,7 @@ pub mod dra;
 pub mod node;
 pub mod node_event;
 pub mod policy_texts;
+pub mod upgrade_notes;
 pub mod upgrade_plan;
 pub mod upgrade_policy;
 pub mod upgrade_state;

@@ -23,6 +23,8 @@ pub const UPGRADE_STATE_LABEL: &str = "nvidia.com/gpu-driver-upgrade-state";
 /// Only labels under this prefix are taken from an agent: an agent must not
 /// be able to set `node-role.kubernetes.io/...` or any other label.
 pub const LABEL_PREFIX: &str = "nvidia.com/";
+/// The annotations of ours a node may carry begin with this.
+pub const ANNOTATION_PREFIX: &str = "gpu-agent.io/";
 /// A condition's message is cut to this many bytes.
 const MAX_MESSAGE: usize = 1024;
 
@@ -69,10 +71,14 @@ pub struct Condition {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
     pub labels: BTreeMap<String, String>,
+    /// Annotations of ours, applied with the labels (sharded: the agent's
+    /// word on the driver rollout, `model::upgrade_notes`).
+    pub annotations: BTreeMap<String, String>,
     pub conditions: Vec<Condition>,
     pub taint: bool,
-    /// The labels are not known (no agent has reported since this
-    /// controller started): they stay as the API has them.
+    /// The labels (and those annotations) are not known (no agent has
+    /// reported since this controller started): they stay as the API has
+    /// them.
     pub keep_labels: bool,
     /// Nothing is known of the GPUs' health (the agent is not reporting):
     /// the taint stays as the API has it.
@@ -274,6 +280,7 @@ pub fn desired(r: &pb::NodeReport, taint: TaintPolicy) -> (Desired, Vec<String>)
     (
         Desired {
             labels,
+            annotations: BTreeMap::new(),
             conditions,
             taint,
             keep_labels: false,
@@ -302,6 +309,8 @@ pub fn unreported(why: &str) -> Vec<Condition> {
 pub struct Applied {
     /// Our labels as last applied (`None`: not applied since start).
     pub labels: Option<BTreeMap<String, String>>,
+    /// Our annotations as last applied with them.
+    pub annotations: Option<BTreeMap<String, String>>,
     /// Our conditions as the API has them, with their transition times.
     pub conditions: Option<Vec<(Condition, String)>>,
     /// Whether the node carries our taint.
@@ -321,6 +330,8 @@ pub struct Observed {
     pub rv: Option<u64>,
     pub uid: Option<String>,
     pub labels: BTreeMap<String, String>,
+    /// Its annotations under `gpu-agent.io/` (the driver rollout's).
+    pub annotations: BTreeMap<String, String>,
     pub conditions: Vec<(Condition, String)>,
     pub taint: bool,
 }
@@ -339,6 +350,13 @@ impl Observed {
                 .and_then(|v| v.parse().ok()),
             uid: meta.uid.clone(),
             labels: meta.labels.clone().unwrap_or_default(),
+            annotations: meta
+                .annotations
+                .iter()
+                .flatten()
+                .filter(|(k, _)| k.starts_with(ANNOTATION_PREFIX))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             conditions: ALL_CONDITIONS
                 .iter()
                 .filter_map(|kind| {
@@ -393,6 +411,7 @@ pub fn read_applied(n: &Node) -> Applied {
     let seen = Observed::of_node(n);
     Applied {
         labels: None,
+        annotations: None,
         conditions: Some(seen.conditions),
         taint: Some(seen.taint),
         rv: seen.rv,

@@ -47,7 +47,7 @@ use kube::api::{Api, ListParams};
 use kube::core::PartialObjectMeta;
 
 use crate::fleet::Fleet;
-use crate::model::node::UPGRADE_STATE_LABEL;
+use crate::model::node::{Observed, UPGRADE_STATE_LABEL};
 use crate::model::upgrade_plan::{Seen, plan};
 // The rollout's vocabulary, where it was before it moved down into the
 // model (the tests use `Step` and `UpgradePolicy` from here).
@@ -215,6 +215,16 @@ impl Upgrader {
             .await?;
         let mut n = 0;
         for m in list.items {
+            // Sharded: what a node carries of the rollout (its step: the
+            // annotation, else the label), kept unless the watch of the
+            // nodes has it already; a node of this replica's takes it.
+            if fleet.sharded()
+                && let Some(name) = &m.metadata.name
+            {
+                fleet.recover_noted(name, &Observed::of(&m.metadata, None, None));
+                n += 1;
+                continue;
+            }
             let (Some(name), Some(labels)) = (m.metadata.name, m.metadata.labels) else {
                 continue;
             };
@@ -329,6 +339,11 @@ impl Upgrader {
                     again = Some(RECHECK);
                 }
             }
+        }
+        // Sharded: the steps decided written for the nodes' holders.
+        for e in self.publish_steps(fleet).await {
+            tracing::warn!(error = %e, "driver upgrade step failed; trying again");
+            again = Some(RECHECK);
         }
         // A node that moved on may let the next step (or node) go at once.
         if fleet

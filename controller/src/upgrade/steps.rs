@@ -11,7 +11,8 @@ use serde_json::{Value, json};
 use super::pods::{PodInfo, drained, evict, info, left, names, uses_gpus};
 use super::{INITIAL_UNSCHEDULABLE, RECHECK, RETRY_LOOK, UPGRADE_REQUESTED, Upgrader};
 use crate::fleet::Fleet;
-use crate::model::node::FIELD_MANAGER;
+use crate::model::node::{FIELD_MANAGER, Observed};
+use crate::model::upgrade_notes::{UPGRADE_STEP, encode_step};
 use crate::model::upgrade_policy::UpgradePolicy;
 use crate::model::upgrade_state::{NodeUpgrade, Step, annotation};
 
@@ -46,6 +47,32 @@ impl Upgrader {
             .await
             .map(|_| ())
             .map_err(Self::api_err(node, what))
+    }
+
+    /// Sharded: the steps decided that the nodes do not carry yet are
+    /// written to each node's `gpu-agent.io/upgrade-step` annotation (a
+    /// merge patch of that key only), for its holder to take. Returns the
+    /// writes that failed (tried again at the next look).
+    pub(super) async fn publish_steps(&self, fleet: &Fleet) -> Vec<StepError> {
+        let mut failed = Vec::new();
+        for (node, step) in fleet.unpublished_steps() {
+            if !self.leading() {
+                break;
+            }
+            let body = json!({ "metadata": { "annotations": { UPGRADE_STEP: encode_step(step.as_ref()) } } });
+            match self
+                .nodes
+                .patch(&node, &merge_params(), &Patch::Merge(&body))
+                .await
+            {
+                // The answer is the node as it is now: the step noted.
+                Ok(n) => fleet.note_rollout(&node, &Observed::of_node(&n)),
+                // The node is gone: nothing to tell its holder.
+                Err(kube::Error::Api(s)) if s.code == 404 => fleet.forget_in_api(&node),
+                Err(e) => failed.push(Self::api_err(&node, "writing its step for its replica")(e)),
+            }
+        }
+        failed
     }
 
     pub(super) async fn cordon(

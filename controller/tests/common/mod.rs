@@ -32,6 +32,8 @@ pub struct Recorded {
     pub uri: String,
     pub content_type: String,
     pub body: Value,
+    /// The `Authorization` header (`Bearer <token>`: which client sent it).
+    pub bearer: String,
 }
 
 #[derive(Default)]
@@ -572,6 +574,7 @@ impl MockApi {
                 uri: uri.clone(),
                 content_type: content_type.clone(),
                 body: body.clone(),
+                bearer: bearer.clone(),
             });
         }
         if i.unavailable {
@@ -1223,6 +1226,25 @@ fn patch(
                 labels.insert(k.clone(), json!(v));
             }
             node["metadata"]["labels"] = Value::Object(labels);
+            i.owned.insert(owner, new.keys().cloned().collect());
+            // Annotations of the apply: owned the same way.
+            let new: BTreeMap<String, String> =
+                serde_json::from_value(body["metadata"]["annotations"].clone()).unwrap_or_default();
+            let owner = (name.to_string(), format!("{manager}/annotations"));
+            let old = i.owned.get(&owner).cloned().unwrap_or_default();
+            let mut notes = node["metadata"]["annotations"]
+                .as_object()
+                .cloned()
+                .unwrap_or_default();
+            for k in old.difference(&new.keys().cloned().collect()) {
+                notes.remove(k);
+            }
+            for (k, v) in &new {
+                notes.insert(k.clone(), json!(v));
+            }
+            if !notes.is_empty() || node["metadata"].get("annotations").is_some() {
+                node["metadata"]["annotations"] = Value::Object(notes);
+            }
             i.owned.insert(owner, new.keys().cloned().collect());
         }
         ("application/apply-patch+yaml", Some("status")) => {

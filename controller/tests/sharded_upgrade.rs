@@ -1,0 +1,500 @@
+//! A driver rollout with the nodes sharded over two gpu-controller
+//! processes (`--shards 4`): the elected leader plans it for every node,
+//! each node's holder applies it (its label, its condition, its agent's
+//! go-ahead). Four agents (the Python grpcio stand-in, checking in, every
+//! one given the first replica and following the answer's redirect), two on
+//! each replica's shards, all report `upgrade-required` for a ClusterPolicy
+//! that asks for a newer driver (`autoUpgrade`, `maxParallelUpgrades: 1`).
+//!
+//! Asserted from the API server's record of every request: the leader's
+//! steps (its `gpu-agent.io/upgrade-step` annotations) and its cordons move
+//! one node at a time across both replicas' shards; each node's labels and
+//! conditions are written by its holder only, the steps by the leader only;
+//! each agent got its go-ahead from its holder; every node ends
+//! `upgrade-done`, uncordoned, its GPU pod evicted. And a new leader,
+//! sharded, carries on from what the nodes carry.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{MockApi, Proc, kubelet_node, wait_for};
+use gpu_agent_proto::report::v1 as pb;
+use gpu_controller::fleet::Fleet;
+use gpu_controller::model::node::{Observed, TaintPolicy};
+use gpu_controller::model::upgrade_notes::{
+    AGENT_UPGRADE, AgentFacts, UPGRADE_STEP, decode_step, encode_step,
+};
+use gpu_controller::shards::shard_of;
+use gpu_controller::upgrade::{INITIAL_UNSCHEDULABLE, NodeUpgrade, Step, UpgradePolicy, Upgrader};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use serde_json::{Value, json};
+
+const ACCOUNT: &str = "system:serviceaccount:gpu-agent:gpu-agent";
+const SHARDS: u32 = 4;
+const NEW: &str = "560.35.03";
+const STATE: &str = "nvidia.com/gpu-driver-upgrade-state";
+
+/// One replica, with a kubeconfig token of its own (`token-<name>`: the
+/// API server records which token sent each request).
+fn replica(api: &MockApi, dir: &Path, name: &str, port: u16) -> Proc {
+    let kubeconfig = dir.join(format!("kubeconfig-{name}"));
+    let text = std::fs::read_to_string(api.kubeconfig(dir)).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        text.replace("controller-token", &format!("token-{name}")),
+    )
+    .unwrap();
+    let log = dir.join(format!("{name}.log"));
+    let proc = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(dir.join("tls.crt"))
+            .arg("--tls-key")
+            .arg(dir.join("tls.key"))
+            .args(["--agent-grace-seconds", "1", "--http-listen", "off"])
+            .args(["--shards", &SHARDS.to_string()])
+            .args(["--advertise", &format!("https://localhost:{port}")])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("RUST_LOG", "info")
+            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
+            .env("POD_NAMESPACE", "gpu-agent")
+            .env("POD_NAME", name)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    wait_for(
+        "the replica to listen",
+        Duration::from_secs(20),
+        &[&proc],
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+    proc
+}
+
+/// A Lease's holder (empty: none, or no such Lease).
+fn holder(rt: &tokio::runtime::Runtime, api: &MockApi, name: &str) -> String {
+    let leases: kube::Api<Lease> = {
+        let _in = rt.enter();
+        kube::Api::namespaced(api.client(), "gpu-agent")
+    };
+    rt.block_on(leases.get_opt(name))
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec?.holder_identity)
+        .unwrap_or_default()
+}
+
+/// A GPU pod (a ReplicaSet's) on `node`.
+fn gpu_pod(node: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"labels": {"app": "train"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "train", "uid": "u-1", "controller": true}]},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "cuda:12",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+        "status": {"phase": "Running"},
+    })
+}
+
+/// The node a request is about (`/api/v1/nodes/<node>[/status]`), if one.
+fn node_of(r: &common::Recorded) -> Option<&str> {
+    let path = r.uri.split('?').next()?;
+    path.strip_prefix("/api/v1/nodes/")?.split('/').next()
+}
+
+#[test]
+fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
+    let started = Instant::now();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.set_cluster_policy(
+        "cluster-policy",
+        json!({"driver": {"enabled": true, "version": NEW,
+            "upgradePolicy": {"autoUpgrade": true, "maxParallelUpgrades": 1}}}),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, _, _) = common::certs(dir.path());
+    let (p1, p2) = (common::free_port(), common::free_port());
+    let mut r1 = replica(&api, dir.path(), "r1", p1);
+    let mut r2 = replica(&api, dir.path(), "r2", p2);
+    let shard_holders = || -> Vec<String> {
+        (0..SHARDS)
+            .map(|k| holder(&rt, &api, &format!("gpu-controller-shard-{k}")))
+            .collect()
+    };
+    wait_for(
+        "both replicas to hold shards",
+        Duration::from_secs(30),
+        &[&r1, &r2],
+        || {
+            let h = shard_holders();
+            h.iter().all(|h| !h.is_empty()) && h.iter().collect::<BTreeSet<_>>().len() == 2
+        },
+    );
+    let h = shard_holders();
+    let owner = |n: &str| h[shard_of(n, SHARDS) as usize].clone();
+    // Two nodes on each replica's shards.
+    let mut nodes: Vec<String> = Vec::new();
+    for want in ["r1", "r2"] {
+        nodes.extend(
+            (0..)
+                .map(|i| format!("gpu-node-{i}"))
+                .filter(|n| owner(n) == want)
+                .take(2),
+        );
+    }
+    nodes.sort();
+    let port_of = |r: &str| if r == "r1" { p1 } else { p2 };
+    for (i, n) in nodes.iter().enumerate() {
+        api.add_node(n, kubelet_node());
+        api.add_token(&format!("t{i}"), ACCOUNT, n);
+        api.add_pod("ml", &format!("train-{n}"), gpu_pod(n));
+    }
+    // Every agent given the first replica, as the Service would.
+    let agents: Vec<_> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let (n, ca) = (n.clone(), ca.clone());
+            std::thread::spawn(move || {
+                let token = format!("t{i}");
+                let args = [
+                    "--token",
+                    token.as_str(),
+                    "--upgrade",
+                    NEW,
+                    "--check-in",
+                    "--hold",
+                    "3",
+                ];
+                common::report_client(p1, &ca, &n, &args)
+            })
+        })
+        .collect();
+    let logs = || format!("r1:\n{}\nr2:\n{}", r1.log(), r2.log());
+    for (n, a) in nodes.iter().zip(agents) {
+        let out = a.join().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{n}'s agent: {stdout}\n{}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            logs()
+        );
+        let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(seen["go_ahead"], NEW, "{n}: {seen}");
+        // The go-ahead came from the node's holder.
+        let via = format!("localhost:{}", port_of(&owner(n)));
+        assert_eq!(
+            seen["via"],
+            via.as_str(),
+            "{n}, held by {}: {seen}",
+            owner(n)
+        );
+    }
+    wait_for(
+        "every node upgrade-done and uncordoned",
+        Duration::from_secs(30),
+        &[&r1, &r2],
+        || {
+            nodes.iter().all(|n| {
+                let node = api.node(n);
+                node["metadata"]["labels"][STATE] == "upgrade-done"
+                    && node["spec"]["unschedulable"] == json!(false)
+            })
+        },
+    );
+    let took = started.elapsed();
+    let leader = holder(&rt, &api, "gpu-controller");
+    assert!(leader == "r1" || leader == "r2", "{leader:?}");
+    let reqs = api.requests();
+
+    // The leader's steps, in the order the API server took them: one node
+    // at a time between upgrade-required and done.
+    let mut step: BTreeMap<&str, Step> = BTreeMap::new();
+    let mut history: BTreeMap<&str, Vec<&'static str>> = BTreeMap::new();
+    let mut most = 0;
+    let mut steppers = BTreeSet::new();
+    for r in &reqs {
+        let (Some(n), Some(text)) = (
+            node_of(r),
+            r.body["metadata"]["annotations"][UPGRADE_STEP].as_str(),
+        ) else {
+            continue;
+        };
+        steppers.insert(r.bearer.clone());
+        match decode_step(n, text).unwrap() {
+            Some(up) => {
+                history.entry(n).or_default().push(up.step.label());
+                step.insert(n, up.step);
+            }
+            None => {
+                step.remove(n);
+            }
+        }
+        let busy: Vec<&&str> = step
+            .iter()
+            .filter(|(_, s)| s.in_progress())
+            .map(|(n, _)| n)
+            .collect();
+        assert!(
+            busy.len() <= 1,
+            "two nodes upgrading at once: {busy:?}\n{history:?}"
+        );
+        most = most.max(busy.len());
+    }
+    assert_eq!(most, 1);
+    assert_eq!(
+        steppers,
+        BTreeSet::from([format!("Bearer token-{leader}")]),
+        "the steps are the leader's"
+    );
+    for n in &nodes {
+        let h = &history[n.as_str()];
+        assert!(h.contains(&"validation-required"), "{n}: {h:?}");
+        assert_eq!(h.last(), Some(&"upgrade-done"), "{n}: {h:?}");
+    }
+    // The cordons too: one node out of service at a time, by the leader.
+    let mut cordoned = BTreeSet::new();
+    for r in &reqs {
+        let Some(n) = node_of(r) else { continue };
+        match r.body["spec"]["unschedulable"].as_bool() {
+            Some(true) => {
+                assert_eq!(r.bearer, format!("Bearer token-{leader}"));
+                cordoned.insert(n);
+            }
+            Some(false) => {
+                cordoned.remove(n);
+            }
+            None => {}
+        }
+        assert!(
+            cordoned.len() <= 1,
+            "two nodes cordoned at once: {cordoned:?}"
+        );
+    }
+
+    // Each node's labels and conditions (server-side applies) written by
+    // its holder only; its label went through the rollout's states to done.
+    for n in &nodes {
+        let applies: Vec<&common::Recorded> = reqs
+            .iter()
+            .filter(|r| node_of(r) == Some(n.as_str()))
+            .filter(|r| r.content_type.starts_with("application/apply-patch"))
+            .collect();
+        let by: BTreeSet<&str> = applies.iter().map(|r| r.bearer.as_str()).collect();
+        assert_eq!(
+            by,
+            BTreeSet::from([format!("Bearer token-{}", owner(n)).as_str()]),
+            "{n}, held by {}",
+            owner(n)
+        );
+        let labels: Vec<&str> = applies
+            .iter()
+            .filter_map(|r| r.body["metadata"]["labels"][STATE].as_str())
+            .collect();
+        // In the rollout's order (changes within a second are merged into
+        // one write), ending done.
+        let steps: Vec<Step> = labels.iter().filter_map(|l| Step::from_label(l)).collect();
+        assert_eq!(steps.len(), labels.len(), "{n}: {labels:?}");
+        assert!(steps.is_sorted(), "{n}: {labels:?}");
+        assert_eq!(labels.last(), Some(&"upgrade-done"), "{n}: {labels:?}");
+        let node = api.node(n);
+        let cond = node["status"]["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == "GPUDriverUpgraded")
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(cond["status"], "True", "{n}: {cond}");
+        assert!(
+            cond["message"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(&format!("driver {NEW} validated")),
+            "{n}: {cond}"
+        );
+    }
+    // Every write to a node is one the API server takes (the real 1.36
+    // schema: annotations are a map of strings).
+    let schemas = common::schema::load();
+    for r in reqs
+        .iter()
+        .filter(|r| r.method == "PATCH" && node_of(r).is_some())
+    {
+        let errs = common::schema::check(&schemas, "io.k8s.api.core.v1.Node", &r.body, true);
+        assert!(errs.is_empty(), "{} {}: {errs:?}", r.uri, r.body);
+    }
+    // The leader planned for the other replica's nodes: both replicas hold
+    // two of them, and every GPU pod was evicted.
+    assert!(nodes.iter().any(|n| owner(n) != leader));
+    assert!(api.pods().is_empty(), "{:?}", api.pods());
+    // What carried the rollout between them: the leader's log says the
+    // moves it left to the nodes' replica.
+    let leader_log = if leader == "r1" { r1.log() } else { r2.log() };
+    assert!(
+        leader_log.contains("driver upgrade state (for the node's replica)"),
+        "{leader_log}"
+    );
+    eprintln!(
+        "{} nodes rolled one at a time over 2 replicas (leader {leader}; holders {h:?}) in {:.1} s",
+        nodes.len(),
+        took.as_secs_f64()
+    );
+    r1.term();
+    r2.term();
+}
+
+fn report(driver: &str, state: &str) -> pb::NodeReport {
+    pb::NodeReport {
+        inventory: Some(pb::Inventory {
+            driver_version: driver.into(),
+            ..Default::default()
+        }),
+        stages: Some(pb::Stages {
+            stages: vec![],
+            ready: true,
+        }),
+        upgrade: Some(pb::UpgradeState {
+            state: state.into(),
+            driver_version: NEW.into(),
+            detail: String::new(),
+        }),
+        ..Default::default()
+    }
+}
+
+/// A holder's annotation: its agent's word.
+fn facts(state: &str, driver: &str) -> String {
+    AgentFacts {
+        state: state.into(),
+        version: NEW.into(),
+        driver: driver.into(),
+        ready: true,
+        ..Default::default()
+    }
+    .encode()
+}
+
+fn step_of(fleet: &Fleet, node: &str) -> Option<Step> {
+    fleet
+        .upgrade_view()
+        .into_iter()
+        .find(|s| s.node == node)
+        .and_then(|s| s.step.map(|u| u.step))
+}
+
+/// A new leader, sharded, carries on from what the nodes carry: `y`, held
+/// by another replica, was in validation under the last leader; `x`, held
+/// by this one, wants the driver too and waits for `y` (one at a time
+/// across the replicas). Once `y`'s holder says its agent validated the
+/// driver, the leader uncordons `y` and writes its step, and only then
+/// starts `x`. Of `y` it writes the cordon and its step only, never its
+/// labels or conditions (`y`'s holder's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_sharded_leader_carries_on_from_the_nodes_annotations() {
+    let api = MockApi::start().await;
+    api.add_node("x", kubelet_node());
+    api.add_node("y", kubelet_node());
+    api.touch_node("y", |n| {
+        n["metadata"]["labels"][STATE] = json!("validation-required");
+        n["metadata"]["annotations"] = json!({
+            UPGRADE_STEP: encode_step(Some(&NodeUpgrade::new(Step::ValidationRequired, NEW, ""))),
+            AGENT_UPGRADE: facts("upgrade-required", "550.127.08"),
+            INITIAL_UNSCHEDULABLE: "false",
+        });
+        n["spec"]["unschedulable"] = json!(true);
+    });
+    let (_leading, leader) = tokio::sync::watch::channel(true);
+    let fleet = Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+        .0
+        .with_owner(|n| n == "x")
+        .with_rollout_leader(leader);
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::default())));
+    let up = Upgrader::new(api.client());
+    assert_eq!(up.recover(&fleet).await.unwrap(), 1);
+    assert_eq!(step_of(&fleet, "y"), Some(Step::ValidationRequired));
+    let (tx, mut down) = tokio::sync::mpsc::channel(16);
+    fleet.connect(
+        pb::Hello {
+            node_name: "x".into(),
+            ..Default::default()
+        },
+        tx,
+    );
+    fleet.apply(
+        "x",
+        pb::agent_message::Body::Snapshot(report("550.127.08", "upgrade-required")),
+    );
+    api.take();
+    let _ = up.step(&fleet).await;
+    // y still validating: x waits; its step written for its holder (this
+    // replica), nothing about y.
+    assert_eq!(step_of(&fleet, "x"), Some(Step::UpgradeRequired));
+    assert_eq!(step_of(&fleet, "y"), Some(Step::ValidationRequired));
+    let reqs = api.take();
+    let about = |reqs: &[common::Recorded], n: &str| -> Vec<String> {
+        reqs.iter()
+            .filter(|r| r.method == "PATCH" && node_of(r) == Some(n))
+            .map(|r| r.body.to_string())
+            .collect()
+    };
+    assert!(about(&reqs, "y").is_empty(), "{:?}", about(&reqs, "y"));
+    let x = about(&reqs, "x");
+    assert_eq!(x.len(), 1, "{x:?}");
+    assert!(x[0].contains("upgrade-required") && !x[0].contains("unschedulable"));
+    // y's holder says its agent validated the new driver.
+    api.touch_node("y", |n| {
+        n["metadata"]["annotations"][AGENT_UPGRADE] = json!(facts("upgrade-done", NEW))
+    });
+    let y: Node = serde_json::from_value(api.node("y")).unwrap();
+    fleet.note_rollout("y", &Observed::of_node(&y));
+    for _ in 0..10 {
+        let _ = up.step(&fleet).await;
+    }
+    assert_eq!(step_of(&fleet, "y"), Some(Step::UpgradeDone));
+    assert_eq!(step_of(&fleet, "x"), Some(Step::ValidationRequired));
+    let reqs = api.take();
+    let y_reqs = about(&reqs, "y");
+    assert!(
+        y_reqs
+            .iter()
+            .all(|b| !b.contains("labels") && !b.contains("conditions")),
+        "{y_reqs:?}"
+    );
+    let at = |n: &str, f: &dyn Fn(&Value) -> bool| {
+        reqs.iter()
+            .position(|r| r.method == "PATCH" && node_of(r) == Some(n) && f(&r.body))
+    };
+    let uncordoned = at("y", &|b| b["spec"]["unschedulable"] == json!(false)).unwrap();
+    let done = at("y", &|b| {
+        b["metadata"]["annotations"][UPGRADE_STEP]
+            .as_str()
+            .and_then(|t| decode_step("y", t).ok().flatten())
+            .is_some_and(|u| u.step == Step::UpgradeDone)
+    })
+    .unwrap();
+    let cordoned = at("x", &|b| b["spec"]["unschedulable"] == json!(true)).unwrap();
+    assert!(uncordoned < cordoned && done < cordoned, "{reqs:#?}");
+    assert_eq!(api.node("y")["spec"]["unschedulable"], json!(false));
+    // x is this replica's: its agent has the go-ahead.
+    let mut go = false;
+    while let Ok(Ok(m)) = down.try_recv() {
+        if let Some(pb::controller_message::Body::Desired(d)) = m.body {
+            go = d.upgrade_go_ahead && d.driver_version == NEW;
+        }
+    }
+    assert!(go);
+    // Nothing of y is kept as an entry (its holder serves it).
+    assert_eq!(fleet.names(), ["x"]);
+}
