@@ -699,14 +699,18 @@ impl Publisher {
                 }
             };
             match self.classes.get_opt(&class).await.map_err(err("reading"))? {
-                None => {
-                    self.classes
-                        .create(&pp, &want)
-                        .await
-                        .map_err(err("creating"))?;
-                    self.stats.class_writes.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!(class, "DeviceClass created");
-                }
+                None => match self.classes.create(&pp, &want).await {
+                    Ok(_) => {
+                        self.stats.class_writes.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(class, "DeviceClass created");
+                    }
+                    // Made meanwhile by another replica (sharded, each
+                    // makes them as it starts), as this one wants it.
+                    Err(kube::Error::Api(s)) if s.code == 409 => {
+                        tracing::debug!(class, "DeviceClass made by another replica meanwhile");
+                    }
+                    Err(e) => return Err(err("creating")(e)),
+                },
                 Some(have) if same_class(&have, &want) => {}
                 Some(mut have) => {
                     have.spec = want.spec;

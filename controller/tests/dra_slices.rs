@@ -540,3 +540,26 @@ async fn device_classes_are_made_once_and_put_back_when_changed() {
     assert_eq!(now["metadata"]["labels"]["team"], "ml");
     assert_eq!(publisher.stats.class_writes.load(Ordering::Relaxed), 1);
 }
+
+/// Sharded, every replica makes the DeviceClasses when it starts: two at
+/// the same moment both find none and both create; the one refused with
+/// 409 (made by the other meanwhile) has nothing to say about it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_making_the_device_classes_at_once_both_succeed() {
+    for _ in 0..5 {
+        let api = MockApi::start().await;
+        let (a, b) = (Publisher::new(api.client()), Publisher::new(api.client()));
+        let (ra, rb) = tokio::join!(a.ensure_classes(), b.ensure_classes());
+        ra.unwrap();
+        rb.unwrap();
+        let classes = api.device_classes();
+        assert_eq!(classes.len(), 2, "{classes:?}");
+        let posts = api.take().iter().filter(|r| r.method == "POST").count();
+        if posts > 2 {
+            // The race happened (a create refused as made already) and
+            // was taken as done.
+            return;
+        }
+    }
+    panic!("five rounds and never both creating at once: the race is not tested");
+}
