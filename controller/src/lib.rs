@@ -265,6 +265,8 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             Arc::new(dra_slices::Publisher::new(client.clone()).with_leader(writes_leader.clone()));
         tokio::spawn(publisher.run(fleet.clone(), nodes));
     }
+    // The agents' TLS handshakes, counted (shown in /fleet.json).
+    let tls_counts = Arc::new(tls::TlsCounts::default());
     if let Some(addr) = opts.http_listen {
         let listener =
             tokio::net::TcpListener::bind(addr)
@@ -279,6 +281,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             fleet.clone(),
             standing.clone(),
             lease_name.clone(),
+            tls_counts.clone(),
         ));
     }
     tokio::spawn(mig_label::run(client.clone(), fleet.clone()));
@@ -355,7 +358,6 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         })?;
     let local = listener.local_addr().unwrap_or(opts.listen);
     tracing::info!(listen = %local, "gpu-controller serving agents");
-    let tls_counts = Arc::new(tls::TlsCounts::default());
     let incoming = tls::incoming(
         server::capped(listener, opts.max_connections),
         tls_config,

@@ -7,6 +7,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -16,6 +17,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 
 use crate::fleet::Fleet;
 use crate::lease::Standing;
+use crate::tls::TlsCounts;
 
 /// The page (its script renders `/fleet.json`).
 pub const PAGE: &str = include_str!("page.html");
@@ -31,11 +33,12 @@ fn answer(status: StatusCode, kind: &str, body: impl Into<Bytes>) -> Response<Fu
 }
 
 /// One request; `standing` and `lease` (`namespace/name`) say whether
-/// this replica leads, and why not.
+/// this replica leads, and why not; `tls`, its agents' TLS handshakes.
 pub fn handle(
     fleet: &Fleet,
     standing: &Standing,
     lease: &str,
+    tls: &TlsCounts,
     req: &Request<impl hyper::body::Body>,
 ) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -46,7 +49,18 @@ pub fn handle(
     }
     match req.uri().path() {
         "/" => answer(StatusCode::OK, "text/html; charset=utf-8", PAGE),
-        "/fleet.json" => answer(StatusCode::OK, "application/json", fleet.view().to_string()),
+        "/fleet.json" => {
+            let mut view = fleet.view();
+            // Handshakes since this replica started: resumed ones are the
+            // cheap ones (an agent's ticket), full ones new agents or
+            // tickets from another replica.
+            view["summary"]["tlsHandshakes"] = serde_json::json!({
+                "full": tls.full.load(Ordering::Relaxed),
+                "resumed": tls.resumed.load(Ordering::Relaxed),
+                "failed": tls.failed.load(Ordering::Relaxed),
+            });
+            answer(StatusCode::OK, "application/json", view.to_string())
+        }
         "/healthz" => answer(StatusCode::OK, "text/plain", "ok\n"),
         // Ready = leading, and why not in words.
         "/readyz" => answer(
@@ -68,6 +82,7 @@ pub async fn serve(
     fleet: Arc<Fleet>,
     standing: tokio::sync::watch::Receiver<Standing>,
     lease: String,
+    tls: Arc<TlsCounts>,
 ) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
@@ -76,9 +91,10 @@ pub async fn serve(
         let fleet = fleet.clone();
         let standing = standing.clone();
         let lease = lease.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let r = handle(&fleet, &standing.borrow(), &lease, &req);
+                let r = handle(&fleet, &standing.borrow(), &lease, &tls, &req);
                 async move { Ok::<_, Infallible>(r) }
             });
             if let Err(e) = hyper::server::conn::http1::Builder::new()

@@ -304,6 +304,14 @@ fn two_simulated_nodes_report_and_an_xid_taints_one() {
 
     // The fleet page, as a browser shows it.
     let json: Value = serde_json::from_str(&http_get(http, "/fleet.json")).unwrap();
+    // Both agents' first check-ins were full handshakes, their later ones
+    // (the health event's, the interval's) resumed their sessions.
+    let tls = &json["summary"]["tlsHandshakes"];
+    assert!(tls["full"].as_u64().unwrap() >= 2, "{tls}");
+    assert!(tls["resumed"].as_u64().unwrap() >= 1, "{tls}");
+    // The one failed: the test's own wait for the port (a bare TCP
+    // connect, closed without a handshake).
+    assert_eq!(tls["failed"], 1, "{tls}");
     let dom_out = common::chromium(
         &["--dump-dom"],
         &format!("http://127.0.0.1:{http}/"),
