@@ -498,3 +498,41 @@ async fn a_new_sharded_leader_carries_on_from_the_nodes_annotations() {
     // Nothing of y is kept as an entry (its holder serves it).
     assert_eq!(fleet.names(), ["x"]);
 }
+
+/// Not sharded (any more), a new leader takes the steps a sharded one left
+/// on the nodes off (the label holds the step), so that they cannot
+/// mislead a sharded leader later; a node without one costs no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsharded_leader_takes_the_sharded_steps_off() {
+    let api = MockApi::start().await;
+    api.add_node("x", kubelet_node());
+    api.add_node("y", kubelet_node());
+    api.touch_node("x", |n| {
+        n["metadata"]["labels"][STATE] = json!("upgrade-done");
+        n["metadata"]["annotations"] = json!({
+            UPGRADE_STEP: encode_step(Some(&NodeUpgrade::new(Step::UpgradeDone, NEW, ""))),
+        });
+    });
+    api.touch_node("y", |n| {
+        n["metadata"]["labels"][STATE] = json!("upgrade-done");
+    });
+    let fleet = Fleet::new(TaintPolicy::Never, Duration::from_secs(60)).0;
+    let up = Upgrader::new(api.client());
+    api.take();
+    assert_eq!(up.recover(&fleet).await.unwrap(), 2);
+    let patches: Vec<(String, Value)> = api
+        .take()
+        .into_iter()
+        .filter(|r| r.method == "PATCH")
+        .map(|r| (r.uri.split('?').next().unwrap().to_string(), r.body))
+        .collect();
+    assert_eq!(
+        patches,
+        [(
+            "/api/v1/nodes/x".to_string(),
+            json!({"metadata": {"annotations": {UPGRADE_STEP: null}}})
+        )]
+    );
+    assert_eq!(api.node("x")["metadata"]["annotations"], json!({}));
+    assert_eq!(step_of(&fleet, "x"), Some(Step::UpgradeDone));
+}

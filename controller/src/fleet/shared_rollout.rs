@@ -482,17 +482,38 @@ mod tests {
 
     #[test]
     fn a_node_whose_shard_comes_here_starts_with_its_step() {
-        let (f, _tx) = fleet(false);
-        let up = NodeUpgrade::new(Step::WaitForJobsRequired, "560.35.03", "");
+        // Another replica holds the node's shard, then this one takes it.
+        let ours = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let f = {
+            let ours = ours.clone();
+            Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+                .0
+                .with_owner(move |_| ours.load(std::sync::atomic::Ordering::Relaxed))
+                .with_rollout_leader(rx)
+        };
+        let up = NodeUpgrade::new(Step::ValidationRequired, "560.35.03", "");
         f.note_rollout(
-            "mine-b",
+            "n",
             &seen(1, Some(&encode_step(Some(&up))), Some(&wants()), true),
         );
-        f.with("mine-b", |e| {
-            assert_eq!(
-                e.upgrade.as_ref().map(|u| u.step),
-                Some(Step::WaitForJobsRequired)
-            )
-        });
+        assert_eq!(f.len(), 0, "not this replica's: no entry");
+        ours.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Its agent's first check-in here: the go-ahead comes at once.
+        let a = f.check_in(
+            "n",
+            pb::CheckInRequest {
+                hello: Some(pb::Hello {
+                    node_name: "n".into(),
+                    ..Default::default()
+                }),
+                snapshot: Some(pb::NodeReport::default()),
+                ..Default::default()
+            },
+            Duration::from_secs(30),
+        );
+        let d = a.desired.unwrap();
+        assert!(d.upgrade_go_ahead);
+        assert_eq!(d.driver_version, "560.35.03");
     }
 }

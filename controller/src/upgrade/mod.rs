@@ -48,6 +48,7 @@ use kube::core::PartialObjectMeta;
 
 use crate::fleet::Fleet;
 use crate::model::node::{Observed, UPGRADE_STATE_LABEL};
+use crate::model::upgrade_notes::UPGRADE_STEP;
 use crate::model::upgrade_plan::{Seen, plan};
 // The rollout's vocabulary, where it was before it moved down into the
 // model (the tests use `Step` and `UpgradePolicy` from here).
@@ -224,6 +225,16 @@ impl Upgrader {
                 fleet.recover_noted(name, &Observed::of(&m.metadata, None, None));
                 n += 1;
                 continue;
+            }
+            // Not sharded (any more): a step a sharded leader left on the
+            // node would mislead the next sharded one; it is taken off.
+            if let Some(name) = &m.metadata.name
+                && m.metadata
+                    .annotations
+                    .as_ref()
+                    .is_some_and(|a| a.contains_key(UPGRADE_STEP))
+            {
+                self.drop_step_note(name).await?;
             }
             let (Some(name), Some(labels)) = (m.metadata.name, m.metadata.labels) else {
                 continue;

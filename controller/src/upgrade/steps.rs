@@ -75,6 +75,20 @@ impl Upgrader {
         failed
     }
 
+    /// The `gpu-agent.io/upgrade-step` annotation taken off the node (a
+    /// controller that is not sharded keeps the step in the label only).
+    pub(super) async fn drop_step_note(&self, node: &str) -> Result<(), kube::Error> {
+        let body = json!({ "metadata": { "annotations": { UPGRADE_STEP: null } } });
+        self.nodes
+            .patch(node, &merge_params(), &Patch::Merge(&body))
+            .await?;
+        tracing::info!(
+            node,
+            "a sharded leader's driver upgrade step taken off the node"
+        );
+        Ok(())
+    }
+
     pub(super) async fn cordon(
         &self,
         fleet: &Fleet,
