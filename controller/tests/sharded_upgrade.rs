@@ -9,10 +9,10 @@
 //! Asserted from the API server's record of every request: the leader's
 //! steps (its `gpu-agent.io/upgrade-step` annotations) and its cordons move
 //! one node at a time across both replicas' shards; each node's labels and
-//! conditions are written by its holder only, the steps by the leader only;
-//! each agent got its go-ahead from its holder; every node ends
-//! `upgrade-done`, uncordoned, its GPU pod evicted. And a new leader,
-//! sharded, carries on from what the nodes carry.
+//! conditions (and its upgrade Events) are written by its holder only, the
+//! steps by the leader only; each agent got its go-ahead from its holder;
+//! every node ends `upgrade-done`, uncordoned, its GPU pod evicted. And a
+//! new leader, sharded, carries on from what the nodes carry.
 
 mod common;
 
@@ -214,6 +214,21 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
         },
     );
     let took = started.elapsed();
+    wait_for(
+        "each node's DriverUpgradeDone Event",
+        Duration::from_secs(10),
+        &[&r1, &r2],
+        || {
+            let reqs = api.requests();
+            nodes.iter().all(|n| {
+                reqs.iter().any(|r| {
+                    r.uri.contains("/events")
+                        && r.body["involvedObject"]["name"] == n.as_str()
+                        && r.body["reason"] == "DriverUpgradeDone"
+                })
+            })
+        },
+    );
     let leader = holder(&rt, &api, "gpu-controller");
     assert!(leader == "r1" || leader == "r2", "{leader:?}");
     let reqs = api.requests();
@@ -323,6 +338,31 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
                 .unwrap_or_default()
                 .starts_with(&format!("driver {NEW} validated")),
             "{n}: {cond}"
+        );
+    }
+    // Each node's Events about its upgrade made by its holder only, ending
+    // with DriverUpgradeDone.
+    for n in &nodes {
+        let events: Vec<&common::Recorded> = reqs
+            .iter()
+            .filter(|r| r.method == "POST" && r.uri.contains("/events"))
+            .filter(|r| r.body["involvedObject"]["name"] == n.as_str())
+            .filter(|r| {
+                r.body["reason"]
+                    .as_str()
+                    .is_some_and(|w| w.starts_with("DriverUpgrade"))
+            })
+            .collect();
+        let by: BTreeSet<&str> = events.iter().map(|r| r.bearer.as_str()).collect();
+        assert_eq!(
+            by,
+            BTreeSet::from([format!("Bearer token-{}", owner(n)).as_str()]),
+            "{n}'s Events"
+        );
+        assert_eq!(
+            events.last().map(|r| &r.body["reason"]),
+            Some(&json!("DriverUpgradeDone")),
+            "{n}"
         );
     }
     // Every write to a node is one the API server takes (the real 1.36
