@@ -11,8 +11,10 @@
 //! one node at a time across both replicas' shards; each node's labels and
 //! conditions (and its upgrade Events) are written by its holder only, the
 //! steps by the leader only; each agent got its go-ahead from its holder;
-//! every node ends `upgrade-done`, uncordoned, its GPU pod evicted. And a
-//! new leader, sharded, carries on from what the nodes carry.
+//! every node ends `upgrade-done`, uncordoned, its GPU pod evicted. The
+//! leader stopped in mid-rollout: the other replica takes its Lease and
+//! shards and carries the rollout on, one node at a time still. And a new
+//! leader, in process, carries on from what the nodes carry.
 
 mod common;
 
@@ -111,142 +113,195 @@ fn node_of(r: &common::Recorded) -> Option<&str> {
     path.strip_prefix("/api/v1/nodes/")?.split('/').next()
 }
 
-#[test]
-fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
-    let started = Instant::now();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let api = rt.block_on(MockApi::start());
-    api.set_cluster_policy(
-        "cluster-policy",
-        json!({"driver": {"enabled": true, "version": NEW,
-            "upgradePolicy": {"autoUpgrade": true, "maxParallelUpgrades": 1}}}),
-    );
-    let dir = tempfile::tempdir().unwrap();
-    let (ca, _, _) = common::certs(dir.path());
-    let (p1, p2) = (common::free_port(), common::free_port());
-    let mut r1 = replica(&api, dir.path(), "r1", p1);
-    let mut r2 = replica(&api, dir.path(), "r2", p2);
-    let shard_holders = || -> Vec<String> {
-        (0..SHARDS)
-            .map(|k| holder(&rt, &api, &format!("gpu-controller-shard-{k}")))
-            .collect()
-    };
-    wait_for(
-        "both replicas to hold shards",
-        Duration::from_secs(30),
-        &[&r1, &r2],
-        || {
-            let h = shard_holders();
-            h.iter().all(|h| !h.is_empty()) && h.iter().collect::<BTreeSet<_>>().len() == 2
-        },
-    );
-    let h = shard_holders();
-    let owner = |n: &str| h[shard_of(n, SHARDS) as usize].clone();
-    // Two nodes on each replica's shards.
-    let mut nodes: Vec<String> = Vec::new();
-    for want in ["r1", "r2"] {
-        nodes.extend(
-            (0..)
-                .map(|i| format!("gpu-node-{i}"))
-                .filter(|n| owner(n) == want)
-                .take(2),
+/// Two replicas holding the shards (r1 started first: it leads), and four
+/// nodes, two on each one's shards, each with a GPU pod and its agent's
+/// token, under a ClusterPolicy that asks for a newer driver.
+struct Cluster {
+    rt: tokio::runtime::Runtime,
+    api: MockApi,
+    _dir: tempfile::TempDir,
+    ca: std::path::PathBuf,
+    r1: Proc,
+    r2: Proc,
+    p1: u16,
+    p2: u16,
+    /// Each shard's holder when the nodes were made.
+    holders: Vec<String>,
+    nodes: Vec<String>,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let api = rt.block_on(MockApi::start());
+        api.set_cluster_policy(
+            "cluster-policy",
+            json!({"driver": {"enabled": true, "version": NEW,
+                "upgradePolicy": {"autoUpgrade": true, "maxParallelUpgrades": 1}}}),
         );
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, _, _) = common::certs(dir.path());
+        let (p1, p2) = (common::free_port(), common::free_port());
+        let r1 = replica(&api, dir.path(), "r1", p1);
+        let r2 = replica(&api, dir.path(), "r2", p2);
+        let shard_holders = || -> Vec<String> {
+            (0..SHARDS)
+                .map(|k| holder(&rt, &api, &format!("gpu-controller-shard-{k}")))
+                .collect()
+        };
+        wait_for(
+            "both replicas to hold shards",
+            Duration::from_secs(30),
+            &[&r1, &r2],
+            || {
+                let h = shard_holders();
+                h.iter().all(|h| !h.is_empty()) && h.iter().collect::<BTreeSet<_>>().len() == 2
+            },
+        );
+        let holders = shard_holders();
+        let mut c = Cluster {
+            rt,
+            api,
+            _dir: dir,
+            ca,
+            r1,
+            r2,
+            p1,
+            p2,
+            holders,
+            nodes: Vec::new(),
+        };
+        // Two nodes on each replica's shards.
+        let mut nodes: Vec<String> = Vec::new();
+        for want in ["r1", "r2"] {
+            nodes.extend(
+                (0..)
+                    .map(|i| format!("gpu-node-{i}"))
+                    .filter(|n| c.owner(n) == want)
+                    .take(2),
+            );
+        }
+        nodes.sort();
+        for (i, n) in nodes.iter().enumerate() {
+            c.api.add_node(n, kubelet_node());
+            c.api.add_token(&format!("t{i}"), ACCOUNT, n);
+            c.api.add_pod("ml", &format!("train-{n}"), gpu_pod(n));
+        }
+        c.nodes = nodes;
+        c
     }
-    nodes.sort();
-    let port_of = |r: &str| if r == "r1" { p1 } else { p2 };
-    for (i, n) in nodes.iter().enumerate() {
-        api.add_node(n, kubelet_node());
-        api.add_token(&format!("t{i}"), ACCOUNT, n);
-        api.add_pod("ml", &format!("train-{n}"), gpu_pod(n));
+
+    /// The node's shard's holder when the nodes were made.
+    fn owner(&self, n: &str) -> String {
+        self.holders[shard_of(n, SHARDS) as usize].clone()
     }
-    // Every agent given the first replica, as the Service would.
-    let agents: Vec<_> = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| {
-            let (n, ca) = (n.clone(), ca.clone());
-            std::thread::spawn(move || {
-                let token = format!("t{i}");
-                let args = [
-                    "--token",
-                    token.as_str(),
-                    "--upgrade",
-                    NEW,
-                    "--check-in",
-                    "--hold",
-                    "3",
-                ];
-                common::report_client(p1, &ca, &n, &args)
+
+    fn port_of(&self, r: &str) -> u16 {
+        if r == "r1" { self.p1 } else { self.p2 }
+    }
+
+    /// Every node's agent, each given the first replica (as the Service
+    /// would), and the second when the first does not answer: what each
+    /// printed, once it is done.
+    fn agents(&self) -> Vec<std::thread::JoinHandle<std::process::Output>> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let (n, ca, port) = (n.clone(), self.ca.clone(), self.p1);
+                let also = format!("localhost:{}", self.p2);
+                std::thread::spawn(move || {
+                    let token = format!("t{i}");
+                    let args = [
+                        "--token",
+                        token.as_str(),
+                        "--upgrade",
+                        NEW,
+                        "--check-in",
+                        "--hold",
+                        "3",
+                        "--also",
+                        also.as_str(),
+                    ];
+                    common::report_client(port, &ca, &n, &args)
+                })
             })
-        })
-        .collect();
-    let logs = || format!("r1:\n{}\nr2:\n{}", r1.log(), r2.log());
-    for (n, a) in nodes.iter().zip(agents) {
-        let out = a.join().unwrap();
+            .collect()
+    }
+
+    fn logs(&self) -> String {
+        format!("r1:\n{}\nr2:\n{}", self.r1.log(), self.r2.log())
+    }
+
+    /// What the agent printed, once it exited having had its go-ahead.
+    fn went(&self, n: &str, out: std::process::Output) -> Value {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
             "{n}'s agent: {stdout}\n{}\n{}",
             String::from_utf8_lossy(&out.stderr),
-            logs()
+            self.logs()
         );
         let seen: Value = serde_json::from_str(stdout.trim()).unwrap();
         assert_eq!(seen["go_ahead"], NEW, "{n}: {seen}");
-        // The go-ahead came from the node's holder.
-        let via = format!("localhost:{}", port_of(&owner(n)));
-        assert_eq!(
-            seen["via"],
-            via.as_str(),
-            "{n}, held by {}: {seen}",
-            owner(n)
+        seen
+    }
+
+    /// Waits for every node to end `upgrade-done`, uncordoned, with its
+    /// DriverUpgradeDone Event.
+    fn wait_done(&self, alive: &[&Proc]) {
+        wait_for(
+            "every node upgrade-done and uncordoned",
+            Duration::from_secs(30),
+            alive,
+            || {
+                self.nodes.iter().all(|n| {
+                    let node = self.api.node(n);
+                    node["metadata"]["labels"][STATE] == "upgrade-done"
+                        && node["spec"]["unschedulable"] == json!(false)
+                })
+            },
+        );
+        wait_for(
+            "each node's DriverUpgradeDone Event",
+            Duration::from_secs(10),
+            alive,
+            || {
+                let reqs = self.api.requests();
+                self.nodes.iter().all(|n| {
+                    reqs.iter().any(|r| {
+                        r.uri.contains("/events")
+                            && r.body["involvedObject"]["name"] == n.as_str()
+                            && r.body["reason"] == "DriverUpgradeDone"
+                    })
+                })
+            },
         );
     }
-    wait_for(
-        "every node upgrade-done and uncordoned",
-        Duration::from_secs(30),
-        &[&r1, &r2],
-        || {
-            nodes.iter().all(|n| {
-                let node = api.node(n);
-                node["metadata"]["labels"][STATE] == "upgrade-done"
-                    && node["spec"]["unschedulable"] == json!(false)
-            })
-        },
-    );
-    let took = started.elapsed();
-    wait_for(
-        "each node's DriverUpgradeDone Event",
-        Duration::from_secs(10),
-        &[&r1, &r2],
-        || {
-            let reqs = api.requests();
-            nodes.iter().all(|n| {
-                reqs.iter().any(|r| {
-                    r.uri.contains("/events")
-                        && r.body["involvedObject"]["name"] == n.as_str()
-                        && r.body["reason"] == "DriverUpgradeDone"
-                })
-            })
-        },
-    );
-    let leader = holder(&rt, &api, "gpu-controller");
-    assert!(leader == "r1" || leader == "r2", "{leader:?}");
-    let reqs = api.requests();
+}
 
-    // The leader's steps, in the order the API server took them: one node
-    // at a time between upgrade-required and done.
+/// Each node's steps, in order.
+type Steps<'a> = BTreeMap<&'a str, Vec<&'static str>>;
+/// Who wrote steps (a bearer), and of which nodes.
+type Steppers<'a> = BTreeMap<&'a str, BTreeSet<&'a str>>;
+
+/// The leaders' steps (their `gpu-agent.io/upgrade-step` annotations) and
+/// cordons, in the order the API server took them: one node at a time
+/// between upgrade-required and done. Returns each node's steps, and who
+/// wrote steps (bearer → the nodes).
+fn one_at_a_time(reqs: &[common::Recorded]) -> (Steps<'_>, Steppers<'_>) {
     let mut step: BTreeMap<&str, Step> = BTreeMap::new();
     let mut history: BTreeMap<&str, Vec<&'static str>> = BTreeMap::new();
+    let mut steppers: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
     let mut most = 0;
-    let mut steppers = BTreeSet::new();
-    for r in &reqs {
+    for r in reqs {
         let (Some(n), Some(text)) = (
             node_of(r),
             r.body["metadata"]["annotations"][UPGRADE_STEP].as_str(),
         ) else {
             continue;
         };
-        steppers.insert(r.bearer.clone());
+        steppers.entry(r.bearer.as_str()).or_default().insert(n);
         match decode_step(n, text).unwrap() {
             Some(up) => {
                 history.entry(n).or_default().push(up.step.label());
@@ -268,23 +323,15 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
         most = most.max(busy.len());
     }
     assert_eq!(most, 1);
-    assert_eq!(
-        steppers,
-        BTreeSet::from([format!("Bearer token-{leader}")]),
-        "the steps are the leader's"
-    );
-    for n in &nodes {
-        let h = &history[n.as_str()];
+    for (n, h) in &history {
         assert!(h.contains(&"validation-required"), "{n}: {h:?}");
         assert_eq!(h.last(), Some(&"upgrade-done"), "{n}: {h:?}");
     }
-    // The cordons too: one node out of service at a time, by the leader.
     let mut cordoned = BTreeSet::new();
-    for r in &reqs {
+    for r in reqs {
         let Some(n) = node_of(r) else { continue };
         match r.body["spec"]["unschedulable"].as_bool() {
             Some(true) => {
-                assert_eq!(r.bearer, format!("Bearer token-{leader}"));
                 cordoned.insert(n);
             }
             Some(false) => {
@@ -297,10 +344,69 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
             "two nodes cordoned at once: {cordoned:?}"
         );
     }
+    (history, steppers)
+}
 
-    // Each node's labels and conditions (server-side applies) written by
-    // its holder only; its label went through the rollout's states to done.
-    for n in &nodes {
+/// The node's label and GPUDriverUpgraded condition say it is done.
+fn done_in_the_api(api: &MockApi, n: &str) {
+    let node = api.node(n);
+    assert_eq!(node["metadata"]["labels"][STATE], "upgrade-done", "{n}");
+    let cond = node["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "GPUDriverUpgraded")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(cond["status"], "True", "{n}: {cond}");
+    assert!(
+        cond["message"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with(&format!("driver {NEW} validated")),
+        "{n}: {cond}"
+    );
+}
+
+#[test]
+fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
+    let started = Instant::now();
+    let mut c = Cluster::start();
+    let agents = c.agents();
+    for (n, a) in c.nodes.iter().zip(agents) {
+        let seen = c.went(n, a.join().unwrap());
+        // The go-ahead came from the node's holder.
+        let via = format!("localhost:{}", c.port_of(&c.owner(n)));
+        assert_eq!(
+            seen["via"],
+            via.as_str(),
+            "{n}, held by {}: {seen}",
+            c.owner(n)
+        );
+    }
+    c.wait_done(&[&c.r1, &c.r2]);
+    let took = started.elapsed();
+    let leader = holder(&c.rt, &c.api, "gpu-controller");
+    assert!(leader == "r1" || leader == "r2", "{leader:?}");
+    let reqs = c.api.requests();
+    let (_, steppers) = one_at_a_time(&reqs);
+    let leader_token = format!("Bearer token-{leader}");
+    assert_eq!(
+        steppers.keys().collect::<Vec<_>>(),
+        [&leader_token.as_str()],
+        "the steps are the leader's"
+    );
+    // The cordons are the leader's too.
+    for r in &reqs {
+        if node_of(r).is_some() && r.body["spec"]["unschedulable"].is_boolean() {
+            assert_eq!(r.bearer, leader_token, "{} {}", r.uri, r.body);
+        }
+    }
+    // Each node's labels and conditions (server-side applies) and its
+    // upgrade Events written by its holder only; its label went through the
+    // rollout's states to done.
+    for n in &c.nodes {
+        let holder_token = format!("Bearer token-{}", c.owner(n));
         let applies: Vec<&common::Recorded> = reqs
             .iter()
             .filter(|r| node_of(r) == Some(n.as_str()))
@@ -309,9 +415,9 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
         let by: BTreeSet<&str> = applies.iter().map(|r| r.bearer.as_str()).collect();
         assert_eq!(
             by,
-            BTreeSet::from([format!("Bearer token-{}", owner(n)).as_str()]),
+            BTreeSet::from([holder_token.as_str()]),
             "{n}, held by {}",
-            owner(n)
+            c.owner(n)
         );
         let labels: Vec<&str> = applies
             .iter()
@@ -323,26 +429,7 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
         assert_eq!(steps.len(), labels.len(), "{n}: {labels:?}");
         assert!(steps.is_sorted(), "{n}: {labels:?}");
         assert_eq!(labels.last(), Some(&"upgrade-done"), "{n}: {labels:?}");
-        let node = api.node(n);
-        let cond = node["status"]["conditions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["type"] == "GPUDriverUpgraded")
-            .cloned()
-            .unwrap_or_default();
-        assert_eq!(cond["status"], "True", "{n}: {cond}");
-        assert!(
-            cond["message"]
-                .as_str()
-                .unwrap_or_default()
-                .starts_with(&format!("driver {NEW} validated")),
-            "{n}: {cond}"
-        );
-    }
-    // Each node's Events about its upgrade made by its holder only, ending
-    // with DriverUpgradeDone.
-    for n in &nodes {
+        done_in_the_api(&c.api, n);
         let events: Vec<&common::Recorded> = reqs
             .iter()
             .filter(|r| r.method == "POST" && r.uri.contains("/events"))
@@ -354,11 +441,7 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
             })
             .collect();
         let by: BTreeSet<&str> = events.iter().map(|r| r.bearer.as_str()).collect();
-        assert_eq!(
-            by,
-            BTreeSet::from([format!("Bearer token-{}", owner(n)).as_str()]),
-            "{n}'s Events"
-        );
+        assert_eq!(by, BTreeSet::from([holder_token.as_str()]), "{n}'s Events");
         assert_eq!(
             events.last().map(|r| &r.body["reason"]),
             Some(&json!("DriverUpgradeDone")),
@@ -377,22 +460,90 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
     }
     // The leader planned for the other replica's nodes: both replicas hold
     // two of them, and every GPU pod was evicted.
-    assert!(nodes.iter().any(|n| owner(n) != leader));
-    assert!(api.pods().is_empty(), "{:?}", api.pods());
+    assert!(c.nodes.iter().any(|n| c.owner(n) != leader));
+    assert!(c.api.pods().is_empty(), "{:?}", c.api.pods());
     // What carried the rollout between them: the leader's log says the
     // moves it left to the nodes' replica.
-    let leader_log = if leader == "r1" { r1.log() } else { r2.log() };
+    let leader_log = if leader == "r1" {
+        c.r1.log()
+    } else {
+        c.r2.log()
+    };
     assert!(
         leader_log.contains("driver upgrade state (for the node's replica)"),
         "{leader_log}"
     );
     eprintln!(
-        "{} nodes rolled one at a time over 2 replicas (leader {leader}; holders {h:?}) in {:.1} s",
-        nodes.len(),
+        "{} nodes rolled one at a time over 2 replicas (leader {leader}; holders {:?}) in {:.1} s",
+        c.nodes.len(),
+        c.holders,
         took.as_secs_f64()
     );
-    r1.term();
-    r2.term();
+    c.r1.term();
+    c.r2.term();
+}
+
+/// The leader (which holds half the nodes) stops in mid-rollout, while a
+/// node of its own is upgrading: the other replica takes its Lease and its
+/// shards and carries the rollout on from what the nodes carry, one node
+/// at a time still, to every node done.
+#[test]
+fn the_rollout_goes_on_when_the_leader_stops_in_mid_rollout() {
+    let mut c = Cluster::start();
+    assert_eq!(holder(&c.rt, &c.api, "gpu-controller"), "r1");
+    // The leader's second node (by name, its nodes go first).
+    let second = c
+        .nodes
+        .iter()
+        .filter(|n| c.owner(n) == "r1")
+        .nth(1)
+        .unwrap()
+        .clone();
+    let agents = c.agents();
+    wait_for(
+        "the leader's second node to start",
+        Duration::from_secs(30),
+        &[&c.r1, &c.r2],
+        || {
+            c.api.node(&second)["metadata"]["annotations"][UPGRADE_STEP]
+                .as_str()
+                .and_then(|t| decode_step(&second, t).ok().flatten())
+                .is_some_and(|u| u.step.in_progress())
+        },
+    );
+    c.r1.term();
+    let stopped = c.api.requests().len();
+    for (n, a) in c.nodes.iter().zip(agents) {
+        c.went(n, a.join().unwrap());
+    }
+    c.wait_done(&[&c.r2]);
+    assert_eq!(holder(&c.rt, &c.api, "gpu-controller"), "r2");
+    let reqs = c.api.requests();
+    let (_, steppers) = one_at_a_time(&reqs);
+    // The new leader wrote the steps of the nodes left, the old one's
+    // included; every node is done in the API.
+    let r2_steps = &steppers["Bearer token-r2"];
+    assert!(r2_steps.contains(second.as_str()), "{steppers:?}");
+    for n in c.nodes.iter().filter(|n| c.owner(n) == "r2") {
+        assert!(r2_steps.contains(n.as_str()), "{n}: {steppers:?}");
+    }
+    for n in &c.nodes {
+        done_in_the_api(&c.api, n);
+    }
+    // After the stop, every write is the new leader's.
+    assert!(
+        reqs[stopped..]
+            .iter()
+            .filter(|r| r.method != "GET")
+            .all(|r| r.bearer == "Bearer token-r2"),
+        "{:?}",
+        reqs[stopped..]
+            .iter()
+            .filter(|r| r.bearer != "Bearer token-r2")
+            .map(|r| format!("{} {} {}", r.bearer, r.method, r.uri))
+            .collect::<Vec<_>>()
+    );
+    c.r2.term();
 }
 
 fn report(driver: &str, state: &str) -> pb::NodeReport {

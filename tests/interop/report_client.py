@@ -19,8 +19,9 @@ open for --hold seconds. Prints {"go_ahead": VERSION, "desired": [...]}.
 
 With --upgrade VERSION --check-in it plays that node checking in instead of
 holding a stream (every 0.3 s, following the answer's redirect to its
-shard's replica), and reports upgrade-done on the go-ahead; it checks in
-for --hold seconds more. Prints {"go_ahead": VERSION, "via": HOST:PORT,
+shard's replica; when a replica does not answer, the next of --target and
+--also, as a Service's endpoints), and reports upgrade-done on the
+go-ahead; it checks in for --hold seconds more. Prints {"go_ahead": VERSION, "via": HOST:PORT,
 "desired": [...]} (via: the replica that gave the go-ahead).
 
 With --check-in alone it tries the unary CheckIn the same way: no token, another
@@ -31,7 +32,8 @@ check-in with both a snapshot and a change (refused). Prints what each
 answer said.
 
 Usage: report_client.py --proto PROTO --ca CA --target HOST:PORT --node NODE
-         --token TOKEN (--other-token TOKEN [--check-in] | --upgrade VERSION [--check-in] [--hold SECS])
+         --token TOKEN (--other-token TOKEN [--check-in] | --upgrade VERSION [--check-in] [--hold SECS]
+         [--also HOST:PORT])
 """
 import argparse
 import json
@@ -54,6 +56,7 @@ def main():
     ap.add_argument("--upgrade")
     ap.add_argument("--check-in", action="store_true")
     ap.add_argument("--hold", type=float, default=10.0)
+    ap.add_argument("--also", action="append", default=[])
     args = ap.parse_args()
     pb, pb_grpc = load_stubs(args.proto)
     with open(args.ca, "rb") as f:
@@ -147,7 +150,7 @@ def upgrade_check_in(pb, pb_grpc, creds, args):
     target = args.target
     stub = pb_grpc.ReportStub(grpc.secure_channel(target, creds))
     report = rollout_node(pb, args, "550.127.08", "upgrade-required", "driver 550.127.08 loaded")
-    base, version, snapshot, change = "", 0, True, None
+    base, version, snapshot, change, tried = "", 0, True, None, 0
     desired, errors, went, done_at = [], [], None, None
     deadline = time.time() + 60
     while time.time() < deadline and not (done_at and time.time() - done_at > args.hold):
@@ -159,10 +162,12 @@ def upgrade_check_in(pb, pb_grpc, creds, args):
         try:
             a = stub.CheckIn(req, metadata=md, timeout=10)
         except grpc.RpcError as e:
-            # Turned away (the replica stopped serving the node): back
-            # through the first address, with a snapshot.
+            # Turned away (the replica stopped serving the node, or is
+            # gone): through the next address, with a snapshot.
             errors.append([target, e.code().name, e.details()])
-            target, snapshot = args.target, True
+            endpoints = [args.target] + args.also
+            tried += 1
+            target, snapshot = endpoints[tried % len(endpoints)], True
             stub = pb_grpc.ReportStub(grpc.secure_channel(target, creds))
             time.sleep(0.3)
             continue
