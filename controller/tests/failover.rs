@@ -14,7 +14,6 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,34 +33,17 @@ struct Replica {
     http: u16,
 }
 
-fn replica(api: &MockApi, dir: &Path, name: &str, cert: &Path, key: &Path) -> Replica {
+fn replica(api: &MockApi, dir: &Path, name: &str) -> Replica {
     let grpc = common::free_port();
     let http = common::free_port();
-    let log = dir.join(format!("{name}.log"));
-    let proc = Proc {
-        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
-            .args(["--listen", &format!("127.0.0.1:{grpc}")])
-            .arg("--tls-cert")
-            .arg(cert)
-            .arg("--tls-key")
-            .arg(key)
-            .args(["--agent-grace-seconds", &GRACE.as_secs().to_string()])
-            .args(["--http-listen", &format!("127.0.0.1:{http}")])
-            .env("KUBECONFIG", api.kubeconfig(dir))
-            .env("RUST_LOG", "info")
-            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
-            .env("POD_NAMESPACE", "gpu-agent")
-            .env("POD_NAME", name)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-        log,
-    };
-    wait_for(
-        "the replica to listen",
-        Duration::from_secs(20),
-        &[&proc],
-        || TcpStream::connect(("127.0.0.1", grpc)).is_ok(),
+    let (grace, listen) = (GRACE.as_secs().to_string(), format!("127.0.0.1:{http}"));
+    let proc = common::spawn_replica(
+        api,
+        dir,
+        name,
+        grpc,
+        false,
+        &["--agent-grace-seconds", &grace, "--http-listen", &listen],
     );
     Replica { proc, grpc, http }
 }
@@ -244,12 +226,12 @@ fn a_new_leader_marks_the_node_whose_agent_went_during_the_failover() {
         api.add_token(&name, ACCOUNT, &name);
     }
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = common::certs(dir.path());
-    let mut a = replica(&api, dir.path(), "gpu-controller-a", &cert, &key);
+    let (ca, _, _) = common::certs(dir.path());
+    let mut a = replica(&api, dir.path(), "gpu-controller-a");
     wait_for("a leads", Duration::from_secs(20), &[&a.proc], || {
         ready(a.http)
     });
-    let mut b = replica(&api, dir.path(), "gpu-controller-b", &cert, &key);
+    let mut b = replica(&api, dir.path(), "gpu-controller-b");
     wait_for("b stands by", Duration::from_secs(20), &[&b.proc], || {
         b.proc.log().contains("standing by")
     });

@@ -262,31 +262,8 @@ impl Replica {
     fn start(api: &MockApi, dir: &Path, name: &str) -> Replica {
         let grpc = common::free_port();
         let http = common::free_port();
-        let log = dir.join(format!("{name}.log"));
-        let proc = Proc {
-            child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
-                .args(["--listen", &format!("127.0.0.1:{grpc}")])
-                .arg("--tls-cert")
-                .arg(dir.join("tls.crt"))
-                .arg("--tls-key")
-                .arg(dir.join("tls.key"))
-                .args(["--http-listen", &format!("127.0.0.1:{http}")])
-                .env("KUBECONFIG", api.kubeconfig(dir))
-                .env("RUST_LOG", "info")
-                .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
-                .env("POD_NAMESPACE", "gpu-agent")
-                .env("POD_NAME", name)
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-            log,
-        };
-        wait_for(
-            &format!("{name} to listen"),
-            Duration::from_secs(20),
-            &[&proc],
-            || TcpStream::connect(("127.0.0.1", grpc)).is_ok(),
-        );
+        let listen = format!("127.0.0.1:{http}");
+        let proc = common::spawn_replica(api, dir, name, grpc, false, &["--http-listen", &listen]);
         Replica { proc, grpc, http }
     }
 

@@ -20,7 +20,6 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{MockApi, Proc, kubelet_node, wait_for};
@@ -44,41 +43,7 @@ const STATE: &str = "nvidia.com/gpu-driver-upgrade-state";
 /// One replica, with a kubeconfig token of its own (`token-<name>`: the
 /// API server records which token sent each request).
 fn replica(api: &MockApi, dir: &Path, name: &str, port: u16) -> Proc {
-    let kubeconfig = dir.join(format!("kubeconfig-{name}"));
-    let text = std::fs::read_to_string(api.kubeconfig(dir)).unwrap();
-    std::fs::write(
-        &kubeconfig,
-        text.replace("controller-token", &format!("token-{name}")),
-    )
-    .unwrap();
-    let log = dir.join(format!("{name}.log"));
-    let proc = Proc {
-        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--tls-cert")
-            .arg(dir.join("tls.crt"))
-            .arg("--tls-key")
-            .arg(dir.join("tls.key"))
-            .args(["--agent-grace-seconds", "1", "--http-listen", "off"])
-            .args(["--shards", &SHARDS.to_string()])
-            .args(["--advertise", &format!("https://localhost:{port}")])
-            .env("KUBECONFIG", &kubeconfig)
-            .env("RUST_LOG", "info")
-            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
-            .env("POD_NAMESPACE", "gpu-agent")
-            .env("POD_NAME", name)
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-        log,
-    };
-    wait_for(
-        "the replica to listen",
-        Duration::from_secs(20),
-        &[&proc],
-        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
-    );
-    proc
+    common::sharded_replica(api, dir, name, port, SHARDS)
 }
 
 /// A Lease's holder (empty: none, or no such Lease).

@@ -1458,6 +1458,86 @@ pub fn wait_for(what: &str, timeout: Duration, logs: &[&Proc], mut f: impl FnMut
     }
 }
 
+/// One gpu-controller replica of several, named as its pod (`POD_NAME`,
+/// in `POD_NAMESPACE` gpu-agent), on `port` with [`certs`]' files in
+/// `dir`, `args` added, its log in `dir/<name>.log`; returns once it
+/// listens. With `own_token` it talks to `api` with a kubeconfig token of
+/// its own, `token-<name>` (the API server records which token sent each
+/// request).
+pub fn spawn_replica(
+    api: &MockApi,
+    dir: &Path,
+    name: &str,
+    port: u16,
+    own_token: bool,
+    args: &[&str],
+) -> Proc {
+    let kubeconfig = if own_token {
+        let path = dir.join(format!("kubeconfig-{name}"));
+        let text = std::fs::read_to_string(api.kubeconfig(dir)).unwrap();
+        std::fs::write(
+            &path,
+            text.replace("controller-token", &format!("token-{name}")),
+        )
+        .unwrap();
+        path
+    } else {
+        api.kubeconfig(dir)
+    };
+    let log = dir.join(format!("{name}.log"));
+    let proc = Proc {
+        child: Command::new(env!("CARGO_BIN_EXE_gpu-controller"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--tls-cert")
+            .arg(dir.join("tls.crt"))
+            .arg("--tls-key")
+            .arg(dir.join("tls.key"))
+            .args(args)
+            .env("KUBECONFIG", &kubeconfig)
+            .env("RUST_LOG", "info")
+            // What is wanted of a node reaches its agent at its next
+            // check-in: tests do not wait the default 30 s.
+            .env("GPU_CONTROLLER_CHECK_IN_INTERVAL", "2")
+            .env("POD_NAMESPACE", "gpu-agent")
+            .env("POD_NAME", name)
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+        log,
+    };
+    wait_for(
+        &format!("{name} to listen"),
+        Duration::from_secs(20),
+        &[&proc],
+        || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+    );
+    proc
+}
+
+/// A replica of [`spawn_replica`] with its own token, sharding the nodes
+/// over `shards` Leases and advertising `https://localhost:<port>` (the
+/// test CA's name) to the agents it redirects; no fleet page.
+pub fn sharded_replica(api: &MockApi, dir: &Path, name: &str, port: u16, shards: u32) -> Proc {
+    let (shards, advertise) = (shards.to_string(), format!("https://localhost:{port}"));
+    spawn_replica(
+        api,
+        dir,
+        name,
+        port,
+        true,
+        &[
+            "--agent-grace-seconds",
+            "1",
+            "--http-listen",
+            "off",
+            "--shards",
+            &shards,
+            "--advertise",
+            &advertise,
+        ],
+    )
+}
+
 /// gpu-controller on a free loopback port, talking to `api`.
 pub fn start_controller(api: &MockApi, dir: &Path, http: Option<u16>) -> (Proc, u16, PathBuf) {
     start_controller_with(api, dir, http, &[])
