@@ -137,6 +137,15 @@ impl Fleet {
             if !leads || new {
                 m.upgrade = keep_since(&m.upgrade, api_step.clone());
             }
+            // Only a new word of the leader's is taken: the same annotation
+            // seen again (a demoted leader's own node, whose label went
+            // ahead of its annotation) does not put the node's step back.
+            let noted_moved = new
+                || match (&m.noted, &noted) {
+                    (Some(a), Some(b)) => !same_step(a.as_ref(), b.as_ref()),
+                    (None, None) => false,
+                    _ => true,
+                };
             m.noted = noted.clone();
             if moved {
                 self.upgrade_changed.notify_one();
@@ -146,7 +155,8 @@ impl Fleet {
             // and gives a node of its own without one what it last moved
             // it to (or what the API had when it first saw it).
             match (self.owns(node), leads, noted) {
-                (true, false, Some(step)) => Some((step, true)),
+                (true, false, Some(step)) if noted_moved => Some((step, true)),
+                (true, false, Some(_)) => None,
                 (true, false, None) => api_step.map(|s| (Some(s), false)),
                 (true, true, _) => m.upgrade.clone().map(|s| (Some(s), false)),
                 (false, _, _) => None,
@@ -184,6 +194,17 @@ impl Fleet {
         if let Some(next) = next {
             self.set_upgrade_here(node, next);
         }
+    }
+
+    /// An entry for `node`, made without a step if it has none: a step
+    /// applied to it is news (an entry made from the marks would take the
+    /// step as known, and its Event, write and go-ahead would not come).
+    pub(super) fn bare_entry(&self, node: &str) {
+        self.nodes
+            .lock()
+            .unwrap()
+            .entry(node.to_string())
+            .or_default();
     }
 
     /// A new leader's list: a node's marks kept unless the watch has them
@@ -390,9 +411,6 @@ mod tests {
         let todo = f.unpublished_steps();
         assert_eq!(todo.len(), 1, "{todo:?}");
         assert_eq!(todo[0].0, "theirs-a");
-        // An older event (before the move) changes nothing of the move.
-        f.note_rollout("theirs-a", &seen(4, None, Some(&wants()), true));
-        assert_eq!(step_of(&f, "theirs-a").unwrap().0, Step::CordonRequired);
         // Published: the API's annotation says it; nothing left to write.
         let cordon = NodeUpgrade::new(Step::CordonRequired, "560.35.03", "");
         f.note_rollout(
@@ -515,5 +533,44 @@ mod tests {
         let d = a.desired.unwrap();
         assert!(d.upgrade_go_ahead);
         assert_eq!(d.driver_version, "560.35.03");
+    }
+
+    #[test]
+    fn a_demoted_leader_does_not_put_its_own_nodes_step_back() {
+        let (f, tx) = fleet(true);
+        f.connect(
+            pb::Hello {
+                node_name: "mine-a".into(),
+                ..Default::default()
+            },
+            tokio::sync::mpsc::channel(8).0,
+        );
+        let required = NodeUpgrade::new(Step::UpgradeRequired, "560.35.03", "");
+        f.set_upgrade("mine-a", Some(required.clone()));
+        f.note_rollout(
+            "mine-a",
+            &seen(3, Some(&encode_step(Some(&required))), Some(&wants()), true),
+        );
+        // Its next move is applied at once (label, go-ahead) and its
+        // annotation left for the end of the look; the Lease goes first.
+        f.set_upgrade(
+            "mine-a",
+            Some(NodeUpgrade::new(Step::CordonRequired, "560.35.03", "")),
+        );
+        tx.send_replace(false);
+        // The label written, the annotation still the older step: kept.
+        let mut o = seen(4, Some(&encode_step(Some(&required))), Some(&wants()), true);
+        o.labels
+            .insert(UPGRADE_STATE_LABEL.into(), "cordon-required".into());
+        f.note_rollout("mine-a", &o);
+        let now = || f.with("mine-a", |e| e.upgrade.as_ref().map(|u| u.step));
+        assert_eq!(now(), Some(Step::CordonRequired));
+        // The new leader's word, when it comes, is taken.
+        let next = NodeUpgrade::new(Step::WaitForJobsRequired, "560.35.03", "");
+        f.note_rollout(
+            "mine-a",
+            &seen(5, Some(&encode_step(Some(&next))), Some(&wants()), true),
+        );
+        assert_eq!(now(), Some(Step::WaitForJobsRequired));
     }
 }
