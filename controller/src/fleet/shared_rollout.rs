@@ -573,4 +573,32 @@ mod tests {
         );
         assert_eq!(now(), Some(Step::WaitForJobsRequired));
     }
+
+    #[test]
+    fn a_long_detail_is_published_once() {
+        let (f, _tx) = fleet(true);
+        f.connect(
+            pb::Hello {
+                node_name: "mine-a".into(),
+                ..Default::default()
+            },
+            tokio::sync::mpsc::channel(8).0,
+        );
+        // Pods waited for, more than an annotation's detail carries.
+        let pods: Vec<String> = (0..200).map(|i| format!("train-job-{i:04}")).collect();
+        let long = format!("waiting for {}", pods.join(", "));
+        assert!(long.len() > 2048);
+        for node in ["mine-a", "theirs-a"] {
+            let up = NodeUpgrade::new(Step::WaitForJobsRequired, "560.35.03", long.clone());
+            f.set_upgrade(node, Some(up.clone()));
+            assert!(f.unpublished_steps().iter().any(|(n, _)| n == node));
+            // Written; the watch (or the PATCH's answer) has it, cut.
+            f.note_rollout(
+                node,
+                &seen(3, Some(&encode_step(Some(&up))), Some(&wants()), true),
+            );
+        }
+        let todo = f.unpublished_steps();
+        assert!(todo.is_empty(), "nothing to write again: {todo:?}");
+    }
 }

@@ -110,10 +110,14 @@ pub fn decode_step(node: &str, text: &str) -> Result<Option<NodeUpgrade>, NoteEr
     Ok(Some(NodeUpgrade::new(step, &note.target, note.detail)))
 }
 
-/// Whether two steps say the same (when each began aside).
+/// Whether two steps say the same (when each began aside), their details
+/// as the annotation carries them (cut: a long one read back is the same).
 pub fn same_step(a: Option<&NodeUpgrade>, b: Option<&NodeUpgrade>) -> bool {
+    let same_detail = |a: &str, b: &str| a == b || cut(a.to_owned()) == cut(b.to_owned());
     match (a, b) {
-        (Some(a), Some(b)) => a.step == b.step && a.target == b.target && a.detail == b.detail,
+        (Some(a), Some(b)) => {
+            a.step == b.step && a.target == b.target && same_detail(&a.detail, &b.detail)
+        }
         (None, None) => true,
         _ => false,
     }
