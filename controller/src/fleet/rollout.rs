@@ -99,6 +99,7 @@ impl Fleet {
 
     /// [`Fleet::set_upgrade`] of a node this replica writes.
     pub(super) fn set_upgrade_here(&self, node: &str, next: Option<NodeUpgrade>) {
+        self.bare_entry(node);
         let step_changed = self.with(node, |e| {
             let same = match (&e.upgrade, &next) {
                 (Some(a), Some(b)) => {

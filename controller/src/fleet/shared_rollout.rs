@@ -179,6 +179,7 @@ impl Fleet {
     /// it says what the node has already (an empty target: the one the
     /// agent's report filled in).
     fn take_step(&self, node: &str, step: Option<NodeUpgrade>) {
+        self.bare_entry(node);
         let next = self.with(node, |e| {
             let same = match (&e.upgrade, &step) {
                 (Some(a), Some(b)) => {
@@ -600,5 +601,31 @@ mod tests {
         }
         let todo = f.unpublished_steps();
         assert!(todo.is_empty(), "nothing to write again: {todo:?}");
+    }
+
+    #[test]
+    fn a_step_taken_for_a_node_without_an_entry_is_said() {
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let (events_tx, mut events) = tokio::sync::mpsc::channel(8);
+        let f = Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+            .0
+            .with_owner(|n| n.starts_with("mine-"))
+            .with_rollout_leader(rx)
+            .with_events(events_tx);
+        let go = NodeUpgrade::new(Step::ValidationRequired, "560.35.03", "");
+        f.note_rollout(
+            "mine-a",
+            &seen(1, Some(&encode_step(Some(&go))), Some(&wants()), true),
+        );
+        assert_eq!(
+            f.with("mine-a", |e| e.upgrade.as_ref().map(|u| u.step)),
+            Some(Step::ValidationRequired)
+        );
+        let e = events.try_recv().expect("the step's Event");
+        assert_eq!((e.node.as_str(), e.reason), ("mine-a", "DriverUpgrade"));
+        assert!(
+            f.with("mine-a", |e| e.write.queued),
+            "its label to be written"
+        );
     }
 }
