@@ -104,6 +104,13 @@ impl Fleet {
         let mut bad: Vec<NoteError> = Vec::new();
         let take = {
             let mut marks = self.marks.lock().unwrap();
+            // An older event than the one known changes nothing, not even
+            // takes the marks away.
+            if let (Some(at), Some(known)) = (seen.rv, marks.get(node).and_then(|m| m.rv))
+                && at < known
+            {
+                return;
+            }
             if label.is_none() && facts_text.is_none() && step_text.is_none() {
                 if marks.remove(node).is_some() {
                     self.upgrade_changed.notify_one();
@@ -112,11 +119,6 @@ impl Fleet {
             }
             let new = !marks.contains_key(node);
             let m = marks.entry(node.to_string()).or_default();
-            if let (Some(at), Some(known)) = (seen.rv, m.rv)
-                && at < known
-            {
-                return;
-            }
             m.rv = seen.rv.or(m.rv);
             let facts =
                 facts_text.and_then(|t| AgentFacts::decode(node, t).map_err(|e| bad.push(e)).ok());
@@ -534,6 +536,28 @@ mod tests {
         let d = a.desired.unwrap();
         assert!(d.upgrade_go_ahead);
         assert_eq!(d.driver_version, "560.35.03");
+    }
+
+    #[test]
+    fn an_older_event_changes_nothing_on_a_holder() {
+        // Not leading: a node's step is what the API last said of it.
+        let (f, _tx) = fleet(false);
+        let cordon = NodeUpgrade::new(Step::CordonRequired, "560.35.03", "");
+        f.note_rollout(
+            "theirs-a",
+            &seen(9, Some(&encode_step(Some(&cordon))), Some(&wants()), true),
+        );
+        assert_eq!(step_of(&f, "theirs-a").unwrap().0, Step::CordonRequired);
+        // Older events, one with an older step, one from before the node
+        // carried anything of the rollout: neither changes it.
+        let before = NodeUpgrade::new(Step::UpgradeRequired, "560.35.03", "");
+        f.note_rollout(
+            "theirs-a",
+            &seen(8, Some(&encode_step(Some(&before))), Some(&wants()), true),
+        );
+        assert_eq!(step_of(&f, "theirs-a").unwrap().0, Step::CordonRequired);
+        f.note_rollout("theirs-a", &seen(4, None, None, true));
+        assert_eq!(step_of(&f, "theirs-a").unwrap().0, Step::CordonRequired);
     }
 
     #[test]
