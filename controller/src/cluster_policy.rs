@@ -9,12 +9,15 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
 
 use crate::fleet::Fleet;
+use crate::model::policy_summary::{Part, PolicySummary, SummaryError, fleet_status};
+use crate::shards::{ShardMap, shard_of};
 
 /// The ClusterPolicy resource.
 pub fn resource() -> ApiResource {
@@ -24,26 +27,84 @@ pub fn resource() -> ApiResource {
     )
 }
 
+/// The nodes sharded over the replicas (`--shards`): the ClusterPolicy's
+/// status counts every shard's.
+#[derive(Debug)]
+pub struct Sharded {
+    /// The shards, as this replica knows them (the others' summaries in it).
+    pub map: tokio::sync::watch::Receiver<ShardMap>,
+    /// What this replica says of each shard it holds (encoded
+    /// [`PolicySummary`]s), which `shards::run` carries in their Leases.
+    pub own: tokio::sync::watch::Sender<BTreeMap<u32, String>>,
+}
+
 /// Keeps the running ClusterPolicy's `status` saying whether the agents
 /// run it (`state: ready` / `notReady`, with a `Ready` condition naming the
 /// ConfigMaps it names that are not used, the nodes that do not run it and
 /// the keys gpu-agent does not use). Written by the leader only, at most
 /// every 2 s, only when it changes.
+///
+/// Sharded, every replica summarises its own shards' nodes for its shard
+/// Leases (`sharded.own`), and the leader merges those with the other
+/// shards' summaries from the Leases ([`fleet_status`]): the status counts
+/// the whole fleet, and names the shards it could not count. It is looked
+/// at again when the shards or their summaries change too. No request is
+/// added: the summaries ride on the Leases' renewals.
 pub async fn status_loop(
     client: kube::Client,
     fleet: Arc<Fleet>,
     leader: tokio::sync::watch::Receiver<bool>,
+    mut sharded: Option<Sharded>,
 ) {
     let api: Api<DynamicObject> = Api::all_with(client, &resource());
     let mut written: Option<(String, bool, String)> = None;
     let mut since = String::new();
+    // The malformed summaries already said, by shard.
+    let mut said: BTreeMap<u32, String> = BTreeMap::new();
     loop {
-        fleet.policy_changed.notified().await;
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-        if !*leader.borrow() {
-            continue;
+        let map_changed = async {
+            match sharded.as_mut() {
+                Some(s) => {
+                    if s.map.changed().await.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = fleet.policy_changed.notified() => {}
+            _ = map_changed => {}
         }
-        let Some(now) = fleet.policy_status() else {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = match &mut sharded {
+            None if !*leader.borrow() => continue,
+            None => fleet.policy_status(),
+            Some(s) => {
+                let map = s.map.borrow_and_update().clone();
+                let own = fleet.policy_summaries(&map.mine, |n| shard_of(n, map.count));
+                let texts: BTreeMap<u32, String> = own
+                    .iter()
+                    .flat_map(|(_, o)| o.iter().map(|(k, s)| (*k, s.encode())))
+                    .collect();
+                s.own.send_if_modified(|cur| {
+                    let changed = *cur != texts;
+                    if changed {
+                        *cur = texts;
+                    }
+                    changed
+                });
+                if !*leader.borrow() {
+                    continue;
+                }
+                own.map(|(policy, own)| {
+                    let parts = parts(&map, own, &policy.name, &mut said);
+                    let (ready, message) = fleet_status(&policy, &parts);
+                    (policy.name.clone(), ready, message)
+                })
+            }
+        };
+        let Some(now) = now else {
             continue;
         };
         if written.as_ref() == Some(&now) {
@@ -95,6 +156,44 @@ pub async fn status_loop(
             }
         }
     }
+}
+
+/// Every shard as the leader has it: its own shards' summaries, the
+/// others' from the Leases (a malformed one said once, and not counted).
+fn parts(
+    map: &ShardMap,
+    own: BTreeMap<u32, PolicySummary>,
+    policy: &str,
+    said: &mut BTreeMap<u32, String>,
+) -> BTreeMap<u32, Part> {
+    let mut parts: BTreeMap<u32, Part> = own
+        .into_iter()
+        .map(|(k, s)| (k, Part::Counted(s)))
+        .collect();
+    for k in 0..map.count {
+        if parts.contains_key(&k) {
+            continue;
+        }
+        let Some(h) = map.holders.get(&k) else {
+            parts.insert(k, Part::NoReplica);
+            continue;
+        };
+        let text = map.summaries.get(&k).map(String::as_str);
+        let (part, err) = Part::read(k, &h.identity, text, policy);
+        match err {
+            Some(SummaryError { text, why, .. }) => {
+                if said.get(&k) != Some(&text) {
+                    tracing::warn!(shard = k, holder = %h.identity, text = %text, error = %why, "a shard's ClusterPolicy summary cannot be read; its nodes are not counted in the ClusterPolicy's status");
+                    said.insert(k, text);
+                }
+            }
+            None => {
+                said.remove(&k);
+            }
+        }
+        parts.insert(k, part);
+    }
+    parts
 }
 
 /// Follows the ClusterPolicies until the stream ends (the watcher retries

@@ -167,7 +167,12 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let (shard_stop, shard_stopped) = tokio::sync::oneshot::channel::<()>();
     let sharding = match (&opts.shards, &opts.election) {
         (Some(sh), Some(e)) => {
-            let cfg = shards::ShardConfig::new(&e.namespace, &e.identity, &sh.advertise, sh.count);
+            let mut cfg =
+                shards::ShardConfig::new(&e.namespace, &e.identity, &sh.advertise, sh.count);
+            // What this replica says of its shards for the ClusterPolicy's
+            // status, carried in their Leases (cluster_policy::status_loop).
+            let (said_tx, said_rx) = tokio::sync::watch::channel(Default::default());
+            cfg.summaries = Some(said_rx);
             let (tx, rx) = tokio::sync::watch::channel(shards::ShardMap::default());
             tracing::info!(shards = cfg.count, advertise = %cfg.address, "nodes spread over the replicas by shard Leases");
             let task = tokio::spawn(shards::run(
@@ -176,7 +181,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
                 tx,
                 shard_stopped,
             ));
-            Some((rx, e.identity.clone(), task))
+            Some((rx, e.identity.clone(), task, said_tx))
         }
         (Some(_), None) => return Err(ControllerError::Sharding),
         (None, _) => None,
@@ -185,7 +190,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
     let fleet = match &sharding {
         // The elected leader plans the driver rollout for every node; each
         // node's holder applies it (fleet/shared_rollout.rs).
-        Some((rx, _, _)) => {
+        Some((rx, _, _, _)) => {
             let rx = rx.clone();
             fleet
                 .with_owner(move |node| rx.borrow().owns(node))
@@ -214,7 +219,7 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         None => leader.clone(),
     };
     let writer = Arc::new(writer::Writer::new(client.clone()).with_leader(writes_leader.clone()));
-    if let Some((rx, _, _)) = &sharding {
+    if let Some((rx, _, _, _)) = &sharding {
         // Shards lost: their nodes' entries dropped (their new holder
         // rebuilds them); shards taken: once the grace has passed, their
         // nodes whose agent did not check in are not reporting.
@@ -223,6 +228,10 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
             let mut had = std::collections::BTreeSet::new();
             while rx.changed().await.is_ok() {
                 let mine = rx.borrow_and_update().mine.clone();
+                // The map changes with the others' summaries too.
+                if mine == had {
+                    continue;
+                }
                 let dropped = fleet.forget_unowned();
                 if dropped > 0 {
                     tracing::info!(nodes = dropped, "nodes of shards given up forgotten");
@@ -312,10 +321,22 @@ pub async fn run(opts: Options) -> Result<(), ControllerError> {
         fleet.clone(),
         leader.clone(),
     ));
+    // Sharded, the summaries are taken out: the status loop is their sender.
+    let (sharding, summaries) = match sharding {
+        Some((rx, me, task, said)) => {
+            let s = cluster_policy::Sharded {
+                map: rx.clone(),
+                own: said,
+            };
+            (Some((rx, me, task)), Some(s))
+        }
+        None => (None, None),
+    };
     tokio::spawn(cluster_policy::status_loop(
         client.clone(),
         fleet.clone(),
         leader.clone(),
+        summaries,
     ));
     let auth = Arc::new(auth::TokenReviewer::new(
         client,

@@ -9,7 +9,11 @@
 //!
 //! Every Lease carries the label `gpu-agent.io/shards: <prefix>` ([`LABEL`]),
 //! so one list call finds them all; a holder says where its agents reach it
-//! in the annotation `gpu-agent.io/address` ([`ADDRESS`]). Every write is
+//! in the annotation `gpu-agent.io/address` ([`ADDRESS`]), and carries on
+//! each shard Lease what its caller says of that shard
+//! ([`ShardConfig::summaries`], the annotation [`SUMMARY`]: the
+//! ClusterPolicy's status, `model::policy_summary`), which the other
+//! replicas read in [`ShardMap::summaries`]. Every write is
 //! guarded by the Lease's `resourceVersion`; one that conflicts (409) means
 //! another replica moved first, and this one looks again next round.
 //!
@@ -51,6 +55,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
 use crate::error::{api_words as said, seconds};
+pub use crate::model::policy_summary::SUMMARY;
 
 mod map;
 use map::listed;
@@ -87,6 +92,10 @@ pub struct ShardConfig {
     pub renew_deadline: Duration,
     /// How often a replica looks.
     pub retry: Duration,
+    /// What this replica says of each shard it holds: carried in the
+    /// shard's Lease ([`SUMMARY`]) at each renewal (`None`, or a shard not
+    /// in it: none).
+    pub summaries: Option<watch::Receiver<BTreeMap<u32, String>>>,
 }
 
 impl ShardConfig {
@@ -100,7 +109,13 @@ impl ShardConfig {
             duration: Duration::from_secs(10),
             renew_deadline: Duration::from_secs(7),
             retry: Duration::from_secs(1),
+            summaries: None,
         }
+    }
+
+    /// What this replica says of shard `k`, if anything.
+    fn summary(&self, k: u32) -> Option<String> {
+        self.summaries.as_ref()?.borrow().get(&k).cloned()
     }
 
     /// The shard Lease's name: `<prefix>-<k>`.
@@ -192,8 +207,10 @@ struct Shards {
     cfg: ShardConfig,
     api: Api<Lease>,
     held: BTreeMap<u32, Held>,
-    /// Shards others hold, as the last list said.
+    /// Shards others hold, as the last list said, and what their holders
+    /// say of them.
     others: BTreeMap<u32, Holder>,
+    others_say: BTreeMap<u32, String>,
     replicas: usize,
 }
 
@@ -227,11 +244,22 @@ impl Shards {
                 },
             );
         }
+        let summaries = self
+            .others_say
+            .iter()
+            .filter(|(k, _)| {
+                holders
+                    .get(k)
+                    .is_some_and(|h| h.identity != self.cfg.identity)
+            })
+            .map(|(k, s)| (*k, s.clone()))
+            .collect();
         ShardMap {
             count: self.cfg.count,
             mine: self.held.keys().copied().collect(),
             holders,
             replicas: self.replicas,
+            summaries,
         }
     }
 
@@ -246,14 +274,18 @@ impl Shards {
         });
     }
 
-    /// A new Lease of ours (a shard's or the member's).
-    fn fresh(&self, name: &str) -> Lease {
+    /// A new Lease of ours (a shard's or the member's), with `summary`.
+    fn fresh(&self, name: &str, summary: Option<String>) -> Lease {
+        let mut notes = BTreeMap::from([(ADDRESS.to_string(), self.cfg.address.clone())]);
+        if let Some(s) = summary {
+            notes.insert(SUMMARY.into(), s);
+        }
         Lease {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some(self.cfg.namespace.clone()),
                 labels: Some([(LABEL.to_string(), self.cfg.prefix.clone())].into()),
-                annotations: Some([(ADDRESS.to_string(), self.cfg.address.clone())].into()),
+                annotations: Some(notes),
                 ..Default::default()
             },
             spec: Some(LeaseSpec {
@@ -268,16 +300,18 @@ impl Shards {
     }
 
     /// Makes the Lease ours (creates it if `current` is `None`), or renews
-    /// it: `Ok(None)` when another replica moved first.
+    /// it, carrying `summary` (`None`: a previous holder's taken off):
+    /// `Ok(None)` when another replica moved first.
     async fn hold(
         &self,
         name: &str,
         current: Option<&Lease>,
         what: &'static str,
+        summary: Option<String>,
     ) -> Result<Option<Lease>, ShardError> {
         let pp = PostParams::default();
         let written = match current {
-            None => self.api.create(&pp, &self.fresh(name)).await,
+            None => self.api.create(&pp, &self.fresh(name, summary)).await,
             Some(cur) => {
                 let mut next = cur.clone();
                 let labels = next.metadata.labels.get_or_insert_with(Default::default);
@@ -287,6 +321,10 @@ impl Shards {
                     .annotations
                     .get_or_insert_with(Default::default);
                 notes.insert(ADDRESS.into(), self.cfg.address.clone());
+                match summary {
+                    Some(text) => notes.insert(SUMMARY.into(), text),
+                    None => notes.remove(SUMMARY),
+                };
                 let s = next.spec.get_or_insert_with(Default::default);
                 if s.holder_identity.as_deref() != Some(self.cfg.identity.as_str()) {
                     s.holder_identity = Some(self.cfg.identity.clone());
@@ -316,19 +354,22 @@ impl Shards {
     ) -> Vec<Result<Option<Lease>, ShardError>> {
         join_all(ks.iter().map(|k| {
             let name = self.cfg.shard_lease(*k);
-            async move { self.hold(&name, shards.get(k), what).await }
+            let summary = self.cfg.summary(*k);
+            async move { self.hold(&name, shards.get(k), what, summary).await }
         }))
         .await
     }
 
     /// Gives a Lease of ours up: holder cleared, `leaseDurationSeconds` 1,
-    /// the address taken off, the transitions kept (client-go's release).
+    /// the address and summary taken off, the transitions kept (client-go's
+    /// release).
     /// Returns whether it was given up (not written meanwhile).
     async fn give_up(&self, current: &Lease) -> Result<bool, ShardError> {
         let name = current.metadata.name.clone().unwrap_or_default();
         let mut next = current.clone();
         if let Some(notes) = next.metadata.annotations.as_mut() {
             notes.remove(ADDRESS);
+            notes.remove(SUMMARY);
         }
         let s = next.spec.get_or_insert_with(Default::default);
         s.holder_identity = Some(String::new());
@@ -393,7 +434,7 @@ impl Shards {
         let mut first_err = None;
 
         // 1. This replica's member Lease.
-        if let Err(e) = self.hold(&member, own_member.as_ref(), "renew").await {
+        if let Err(e) = self.hold(&member, own_member.as_ref(), "renew", None).await {
             first_err.get_or_insert(e);
         }
 
@@ -413,6 +454,14 @@ impl Shards {
                     .unwrap_or_default();
                 let identity = holder(l).to_string();
                 (*k, Holder { identity, address })
+            })
+            .collect();
+        self.others_say = self
+            .others
+            .keys()
+            .filter_map(|k| {
+                let notes = shards[k].metadata.annotations.as_ref()?;
+                Some((*k, notes.get(SUMMARY)?.clone()))
             })
             .collect();
         let lost: Vec<u32> = self
@@ -619,6 +668,7 @@ pub async fn run(
         api: Api::namespaced(client, &cfg.namespace),
         held: BTreeMap::new(),
         others: BTreeMap::new(),
+        others_say: BTreeMap::new(),
         replicas: 1,
         cfg,
     };

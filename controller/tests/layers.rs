@@ -44,6 +44,7 @@ const LAYERS: &[Layer] = &[
             "model::dra",
             "model::node",
             "model::node_event",
+            "model::policy_summary",
             "model::policy_texts",
             "model::upgrade_notes",
             "model::upgrade_plan",

@@ -175,3 +175,142 @@ fn replicas_share_the_fleet_and_take_over_a_dead_ones_nodes() {
     }
     r1.term();
 }
+
+/// The ClusterPolicy's status, written by the elected leader, counts every
+/// shard's nodes: each replica carries a summary of its shards' nodes in
+/// their Leases (`gpu-agent.io/policy-summary`), and the leader merges
+/// them with its own. Two nodes on each replica's shards, real agents
+/// running the ClusterPolicy (no kubelet here: their device plugin never
+/// validates).
+#[test]
+fn the_cluster_policy_status_counts_every_shards_nodes() {
+    use gpu_controller::model::policy_summary::{PolicySummary, SUMMARY};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let api = rt.block_on(MockApi::start());
+    api.set_cluster_policy(
+        "cluster-policy",
+        serde_json::json!({
+            "driver": {"enabled": false},
+            "toolkit": {"enabled": false},
+            "dcgmExporter": {"enabled": false},
+            "sandboxWorkloads": {"enabled": false},
+        }),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, _, _) = common::certs(dir.path());
+    let (p1, p2) = (common::free_port(), common::free_port());
+    let mut r1 = replica(&api, dir.path(), "r1", p1);
+    let mut r2 = replica(&api, dir.path(), "r2", p2);
+    wait_for(
+        "both replicas to hold shards",
+        Duration::from_secs(30),
+        &[&r1, &r2],
+        || {
+            let h = holders(&rt, &api);
+            h.iter().all(|h| !h.is_empty()) && h.iter().collect::<BTreeSet<_>>().len() == 2
+        },
+    );
+    let h = holders(&rt, &api);
+    let owner = |n: &str| h[shard_of(n, SHARDS) as usize].clone();
+    let mut nodes: Vec<String> = Vec::new();
+    for want in ["r1", "r2"] {
+        nodes.extend(
+            (0..)
+                .map(|i| format!("gpu-node-{i}"))
+                .filter(|n| owner(n) == want)
+                .take(2),
+        );
+    }
+    nodes.sort();
+    for (i, n) in nodes.iter().enumerate() {
+        api.add_node(n, kubelet_node());
+        api.add_token(&format!("t{i}"), ACCOUNT, n);
+    }
+    let policy = common::eks_policy();
+    let global = [
+        "--simulate".as_ref(),
+        "h100-sxm-8".as_ref(),
+        "--policy".as_ref(),
+        policy.as_os_str(),
+    ];
+    let started = Instant::now();
+    let mut agents: Vec<Proc> = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let host = dir.path().join(format!("host-{i}"));
+            common::h100_host(&host);
+            common::reporting_agent(
+                dir.path(),
+                &host,
+                &global,
+                &[],
+                p1,
+                &ca,
+                &format!("t{i}"),
+                n,
+            )
+        })
+        .collect();
+    let problems: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("{n}: not every stage is validated"))
+        .collect();
+    let want = format!(
+        "0 of 4 reporting nodes run it ({}); keys gpu-agent does not use: spec.sandboxWorkloads",
+        problems.join("; ")
+    );
+    let message = || {
+        api.cluster_policy("cluster-policy")["status"]["conditions"][0]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    };
+    wait_for(
+        "the ClusterPolicy's status to count every shard's nodes",
+        Duration::from_secs(60),
+        &[&r1, &r2],
+        || message() == want,
+    );
+    let counted = started.elapsed();
+    let st = api.cluster_policy("cluster-policy")["status"].clone();
+    assert_eq!(st["state"], "notReady", "{st}");
+    assert_eq!(st["conditions"][0]["reason"], "AgentsNotReady", "{st}");
+    // Each shard's Lease carries its holder's summary of its nodes.
+    let leases: kube::Api<Lease> = {
+        let _in = rt.enter();
+        kube::Api::namespaced(api.client(), "gpu-agent")
+    };
+    let mut reporting = 0;
+    for k in 0..SHARDS {
+        let l = rt
+            .block_on(leases.get(&format!("gpu-controller-shard-{k}")))
+            .unwrap();
+        let text = l.metadata.annotations.unwrap_or_default()[SUMMARY].clone();
+        let s = PolicySummary::decode(k, &text).unwrap();
+        assert_eq!(s.policy, "cluster-policy");
+        let mine = nodes.iter().filter(|n| shard_of(n, SHARDS) == k).count();
+        assert_eq!(s.reporting, mine as u64, "shard {k}: {text}");
+        reporting += s.reporting;
+    }
+    assert_eq!(reporting, 4);
+    // A quiet fleet: no more status writes.
+    let writes = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.uri.contains("/clusterpolicies/cluster-policy/status"))
+            .count()
+    };
+    let before = writes();
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(writes(), before, "{:?}", message());
+    eprintln!(
+        "shards {h:?}; nodes {nodes:?}; the status counted all 4 nodes {:.1} s after the agents started, in {before} status writes",
+        counted.as_secs_f64()
+    );
+    for a in &mut agents {
+        a.term();
+    }
+    r2.term();
+    r1.term();
+}

@@ -291,6 +291,7 @@ fn a_nodes_shard_is_stable_and_the_shards_are_even() {
         )]
         .into(),
         replicas: 2,
+        summaries: Default::default(),
     };
     assert!(map.owns("gpu-node-1"));
     assert!(!map.owns("ip-10-0-12-34.ec2.internal"));

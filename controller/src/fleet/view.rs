@@ -1,11 +1,13 @@
 //! The fleet as people see it: `/fleet.json` (the page) and what the
 //! running ClusterPolicy's status says.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use gpu_agent_proto::report::v1 as pb;
 
 use super::Fleet;
+use crate::model::policy_summary::PolicySummary;
+use crate::model::policy_texts::PolicyTexts;
 use crate::model::upgrade_state::Step;
 
 impl Fleet {
@@ -170,5 +172,60 @@ impl Fleet {
             ));
         }
         Some((name, problems.is_empty() && unused.is_empty(), message))
+    }
+
+    /// Sharded: the running ClusterPolicy, and what this replica says of
+    /// the reporting nodes of each shard in `shards` (`shard_of` says a
+    /// node's), by the same rule as [`Fleet::policy_status`], bounded
+    /// ([`PolicySummary::add`]). A shard without a reporting node has a
+    /// summary too. `None` when no ClusterPolicy is sent. One pass over
+    /// the nodes; problems are worded only for the few kept.
+    pub fn policy_summaries(
+        &self,
+        shards: &std::collections::BTreeSet<u32>,
+        shard_of: impl Fn(&str) -> u32,
+    ) -> Option<(std::sync::Arc<PolicyTexts>, BTreeMap<u32, PolicySummary>)> {
+        let policy = self.policy.lock().unwrap().clone()?;
+        let mut out: BTreeMap<u32, PolicySummary> = shards
+            .iter()
+            .map(|k| {
+                let s = PolicySummary {
+                    policy: policy.name.clone(),
+                    ..Default::default()
+                };
+                (*k, s)
+            })
+            .collect();
+        let mut names: BTreeMap<u32, Vec<&String>> = BTreeMap::new();
+        let nodes = self.nodes.lock().unwrap();
+        for (n, e) in nodes.iter().filter(|(_, e)| e.live()) {
+            let k = shard_of(n);
+            let Some(s) = out.get_mut(&k) else { continue };
+            let r = &e.report;
+            let p = r.policy.as_ref();
+            let error = p.map(|p| p.error.as_str()).unwrap_or("");
+            let problem = if !error.is_empty() {
+                Some(("the policy is not applied: ", error))
+            } else if p.is_none_or(|p| p.source != "ClusterPolicy") {
+                Some(("not running it yet", ""))
+            } else if !r.stages.as_ref().is_some_and(|s| s.ready) {
+                Some(("not every stage is validated", ""))
+            } else {
+                None
+            };
+            let ignored = p.map(|p| &p.ignored_keys[..]).unwrap_or(&[]);
+            s.add(n, problem, ignored);
+            names.entry(k).or_default().push(n);
+        }
+        // Whether a node lacks the device-plugin label: the one problem
+        // that depends on which nodes there are.
+        let base = policy.problems_for(&[]).len();
+        for (k, names) in &names {
+            if let Some(s) = out.get_mut(k) {
+                s.unlabelled = policy.problems_for(names).len() > base;
+            }
+        }
+        drop(nodes);
+        Some((policy, out))
     }
 }

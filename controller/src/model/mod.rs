@@ -11,7 +11,8 @@
 //!   pure decision of which node moves next; [`upgrade_notes`], the two
 //!   annotations that carry the rollout between sharded replicas;
 //! - [`policy_texts`]: the ClusterPolicy as each agent is sent it, with the
-//!   ConfigMaps it names inlined;
+//!   ConfigMaps it names inlined; [`policy_summary`], what each sharded
+//!   replica says of its shards' nodes for the ClusterPolicy's status;
 //! - [`dra`]: a node's DRA ResourceSlices, the DeviceClasses and the RBAC
 //!   they need, from its agent's report (issue 31; no worker writes them yet).
 //!
@@ -21,6 +22,7 @@
 pub mod dra;
 pub mod node;
 pub mod node_event;
+pub mod policy_summary;
 pub mod policy_texts;
 pub mod upgrade_notes;
 pub mod upgrade_plan;

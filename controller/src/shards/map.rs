@@ -31,6 +31,9 @@ pub struct ShardMap {
     pub holders: BTreeMap<u32, Holder>,
     /// The live replicas, this one included.
     pub replicas: usize,
+    /// What the other replicas say of the shards they hold (their Leases'
+    /// `gpu-agent.io/policy-summary`, as written; `shards::SUMMARY`).
+    pub summaries: BTreeMap<u32, String>,
 }
 
 impl ShardMap {
