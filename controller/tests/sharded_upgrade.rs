@@ -692,3 +692,66 @@ async fn an_unsharded_leader_takes_the_sharded_steps_off() {
     assert_eq!(api.node("x")["metadata"]["annotations"], json!({}));
     assert_eq!(step_of(&fleet, "x"), Some(Step::UpgradeDone));
 }
+
+/// A rollout's first look over many nodes of another replica's, with an
+/// API server that takes 20 ms a node PATCH: the node on its way (`z`,
+/// last by name) has its step written first, and the 64 steps go several
+/// at a time (in turn they would take 1.3 s, and `z`'s holder would wait
+/// for all of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_look_writes_the_moving_nodes_step_first_and_many_at_once() {
+    let api = MockApi::start().await;
+    let mut names: Vec<String> = (0..63).map(|i| format!("n{i:02}")).collect();
+    names.push("z".into());
+    for n in &names {
+        api.add_node(n, kubelet_node());
+        api.touch_node(n, |v| {
+            v["metadata"]["annotations"] =
+                json!({ AGENT_UPGRADE: facts("upgrade-required", "550.127.08") });
+        });
+    }
+    // z was started by the last leader: its cordon is next.
+    api.touch_node("z", |v| {
+        v["metadata"]["labels"][STATE] = json!("cordon-required");
+        v["metadata"]["annotations"][UPGRADE_STEP] = json!(encode_step(Some(&NodeUpgrade::new(
+            Step::CordonRequired,
+            NEW,
+            ""
+        ))));
+    });
+    let (_leading, leader) = tokio::sync::watch::channel(true);
+    let fleet = Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+        .0
+        .with_owner(|_| false)
+        .with_rollout_leader(leader);
+    fleet.set_upgrade_policy(Some(Ok(UpgradePolicy::default())));
+    for n in &names {
+        let node: Node = serde_json::from_value(api.node(n)).unwrap();
+        fleet.note_rollout(n, &Observed::of_node(&node));
+    }
+    let up = Upgrader::new(api.client());
+    up.recover(&fleet).await.unwrap();
+    api.delay_node_patches(Duration::from_millis(20));
+    api.take();
+    let started = Instant::now();
+    let _ = up.step(&fleet).await;
+    let took = started.elapsed();
+    let steps: Vec<(String, Step)> = api
+        .take()
+        .into_iter()
+        .filter(|r| r.method == "PATCH")
+        .filter_map(|r| {
+            let n = node_of(&r)?.to_string();
+            let t = r.body["metadata"]["annotations"][UPGRADE_STEP].as_str()?;
+            Some((n.clone(), decode_step(&n, t).ok()??.step))
+        })
+        .collect();
+    assert_eq!(steps.len(), names.len(), "{steps:?}");
+    let z = steps.iter().position(|(n, _)| n == "z").unwrap();
+    assert!(z < 16, "z's step written {z}th: {steps:?}");
+    assert!(steps[z].1.in_progress(), "{steps:?}");
+    assert!(
+        took < Duration::from_millis(640),
+        "64 steps took {took:?} (20 ms each)"
+    );
+}

@@ -101,6 +101,9 @@ struct Inner {
     claims: claims::Claims,
     /// ResourceSlices and DeviceClasses, and their watches (dra.rs).
     dra: dra::Store,
+    /// How long each PATCH of a node waits before it is served (a slow API
+    /// server: what writes in turn cost).
+    node_patch_delay: Option<std::time::Duration>,
 }
 
 fn stream_of(rx: tokio::sync::mpsc::UnboundedReceiver<Value>) -> hyper::Response<Body> {
@@ -516,6 +519,11 @@ impl MockApi {
         self.inner.lock().unwrap().conflicts = n;
     }
 
+    /// Each PATCH of a node waits `d` before it is served.
+    pub fn delay_node_patches(&self, d: std::time::Duration) {
+        self.inner.lock().unwrap().node_patch_delay = Some(d);
+    }
+
     /// The requests so far (and forgets them).
     pub fn take(&self) -> Vec<Recorded> {
         std::mem::take(&mut self.inner.lock().unwrap().requests)
@@ -547,6 +555,10 @@ impl MockApi {
                 json!({ "unparsed": String::from_utf8_lossy(&bytes) })
             })
         };
+        let delay = self.inner.lock().unwrap().node_patch_delay;
+        if let Some(d) = delay.filter(|_| method == "PATCH" && uri.starts_with("/api/v1/nodes/")) {
+            tokio::time::sleep(d).await;
+        }
         let mut i = self.inner.lock().unwrap();
         i.counted += 1;
         let path = uri.split('?').next().unwrap().to_string();
