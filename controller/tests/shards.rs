@@ -10,7 +10,9 @@
 //! expired, never before; a third one gets its share (3/3/2); a replica
 //! that cannot reach the API server drops its shards by its renew
 //! deadline, says so once, and takes them again once it can; Leases of
-//! replicas long gone are deleted. At no instant do two replicas hold the
+//! replicas long gone are deleted; what a replica says of its shards
+//! rides their renewals, the other reads it, and a replica that takes a
+//! shard takes the last holder's off. At no instant do two replicas hold the
 //! same shard (every change of every map is checked). Every Lease written
 //! is checked against the Kubernetes 1.36 schema.
 
@@ -664,4 +666,86 @@ async fn leases_of_replicas_long_gone_are_deleted() {
         assert!(leases.get_opt(kept).await.unwrap().is_some(), "{kept}");
     }
     a.task.abort();
+}
+
+/// What a replica says of each shard it holds (the ClusterPolicy's
+/// summary) rides on the shard's renewals (`gpu-agent.io/policy-summary`),
+/// never on its member Lease, and the other replica reads it in its map;
+/// a change reaches the other at its next look, with no request more than
+/// the renewals. A replica that takes a shard without a summary of its
+/// own takes the last holder's off (here: of a killed one, which gave
+/// nothing up).
+#[tokio::test]
+async fn what_a_replica_says_of_its_shards_rides_their_leases() {
+    let api = MockApi::start().await;
+    let says = |tag: &str| -> BTreeMap<u32, String> {
+        (0..8).map(|k| (k, format!("{tag}-{k}"))).collect()
+    };
+    let (said, said_rx) = watch::channel(says("v1"));
+    let a = running(
+        &api,
+        ShardConfig {
+            summaries: Some(said_rx),
+            ..config("a")
+        },
+    );
+    let b = running(&api, config("b"));
+    settle("4 and 4", Duration::from_secs(3), &[&a, &b], |m| {
+        sizes(m) == [4, 4] && split(m)
+    })
+    .await;
+    let of_a = |tag: &str| -> BTreeMap<u32, String> {
+        a.mine()
+            .iter()
+            .map(|k| (*k, format!("{tag}-{k}")))
+            .collect()
+    };
+    let want = of_a("v1");
+    settle("b to read a's", Duration::from_secs(2), &[&b], |m| {
+        m[0].summaries == want
+    })
+    .await;
+    assert!(a.map.borrow().summaries.is_empty(), "b says nothing");
+    api.take();
+    said.send_replace(says("v2"));
+    let want = of_a("v2");
+    settle("b to read a's change", Duration::from_secs(2), &[&b], |m| {
+        m[0].summaries == want
+    })
+    .await;
+    let reqs = api.take();
+    check_lease_requests(&reqs);
+    assert!(reqs.iter().all(|r| r.method == "GET" || r.method == "PUT"));
+    for r in reqs.iter().filter(|r| r.method == "PUT") {
+        let name = r.body["metadata"]["name"].as_str().unwrap();
+        let note = &r.body["metadata"]["annotations"][shards::SUMMARY];
+        match name
+            .strip_prefix("gpu-controller-shard-")
+            .unwrap()
+            .parse::<u32>()
+        {
+            Ok(k) if r.body["spec"]["holderIdentity"] == "a" => {
+                assert!(
+                    note.as_str().unwrap().ends_with(&format!("-{k}")),
+                    "{}",
+                    r.body
+                )
+            }
+            _ => assert!(note.is_null(), "{}", r.body),
+        }
+    }
+    // a is killed: b, which says nothing, takes its shards once their
+    // Leases expired, and they carry no summary any more.
+    a.task.abort();
+    settle("b holding all 8", Duration::from_secs(6), &[&b], |m| {
+        m[0].mine.len() == 8 && m[0].summaries.is_empty()
+    })
+    .await;
+    check_lease_requests(&api.take());
+    let leases: Api<Lease> = Api::namespaced(api.client(), NS);
+    for l in leases.list(&Default::default()).await.unwrap().items {
+        let notes = l.metadata.annotations.unwrap_or_default();
+        assert!(!notes.contains_key(shards::SUMMARY), "{notes:?}");
+    }
+    b.task.abort();
 }
