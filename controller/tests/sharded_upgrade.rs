@@ -444,6 +444,18 @@ fn a_sharded_rollout_goes_one_node_at_a_time_across_both_replicas() {
         c.holders,
         took.as_secs_f64()
     );
+    // The rollout over, the fleet is quiet: no replica writes a node again
+    // (no step published again, no label or annotation applied again).
+    c.api.take();
+    std::thread::sleep(Duration::from_secs(3));
+    let late: Vec<String> = c
+        .api
+        .take()
+        .into_iter()
+        .filter(|r| r.method == "PATCH" && node_of(r).is_some())
+        .map(|r| format!("{} {} {}", r.bearer, r.uri, r.body))
+        .collect();
+    assert!(late.is_empty(), "node writes once done: {late:#?}");
     c.r1.term();
     c.r2.term();
 }
