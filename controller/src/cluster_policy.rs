@@ -258,3 +258,71 @@ pub async fn run(
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shards::Holder;
+
+    #[test]
+    fn the_leader_counts_its_own_shards_and_reads_the_others() {
+        let holder = |id: &str| Holder {
+            identity: id.into(),
+            address: String::new(),
+        };
+        let theirs = PolicySummary {
+            policy: "cp".into(),
+            reporting: 3,
+            running: 3,
+            ..Default::default()
+        };
+        let mut map = ShardMap {
+            count: 5,
+            mine: [0].into(),
+            holders: [
+                (0, holder("a")),
+                (1, holder("b")),
+                (2, holder("b")),
+                (3, holder("c")),
+            ]
+            .into(),
+            replicas: 3,
+            summaries: [(1, theirs.encode()), (2, "{oops".to_string())].into(),
+        };
+        let own = |n: u64| {
+            let s = PolicySummary {
+                policy: "cp".into(),
+                reporting: n,
+                running: n,
+                ..Default::default()
+            };
+            BTreeMap::from([(0, s)])
+        };
+        let mut said = BTreeMap::new();
+        let got = parts(&map, own(1), "cp", &mut said);
+        assert_eq!(got[&0], Part::Counted(own(1)[&0].clone()));
+        assert_eq!(got[&1], Part::Counted(theirs.clone()));
+        assert_eq!(got[&2], Part::NotCounted { holder: "b".into() });
+        assert_eq!(got[&3], Part::NotCounted { holder: "c".into() });
+        assert_eq!(got[&4], Part::NoReplica);
+        assert_eq!(
+            said.keys().collect::<Vec<_>>(),
+            [&2],
+            "the malformed one, said"
+        );
+        let texts = crate::model::policy_texts::PolicyTexts::plain("cp", String::new());
+        assert_eq!(
+            fleet_status(&texts, &got),
+            (
+                false,
+                "4 of 4 reporting nodes run it; shard 4 has no replica; shard 2 (replica b) not counted yet; shard 3 (replica c) not counted yet"
+                    .to_string()
+            )
+        );
+        // Fixed: no longer said, counted.
+        map.summaries.insert(2, theirs.encode());
+        let got = parts(&map, own(2), "cp", &mut said);
+        assert!(said.is_empty());
+        assert_eq!(got[&2], Part::Counted(theirs));
+    }
+}

@@ -229,3 +229,71 @@ impl Fleet {
         Some((policy, out))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::node::TaintPolicy;
+    use crate::model::policy_summary::{Part, fleet_status};
+
+    /// A live node reporting the policy as `source`, validated or not.
+    fn report(fleet: &Fleet, node: &str, source: &str, ready: bool, error: &str) {
+        let (down, _) = tokio::sync::mpsc::channel(8);
+        let hello = pb::Hello {
+            node_name: node.into(),
+            ..Default::default()
+        };
+        let _ = fleet.connect(hello, down);
+        let r = pb::NodeReport {
+            policy: Some(pb::PolicyState {
+                source: source.into(),
+                ignored_keys: vec!["spec.sandboxWorkloads".into()],
+                error: error.into(),
+            }),
+            stages: Some(pb::Stages {
+                ready,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        fleet.apply(node, pb::agent_message::Body::Snapshot(r));
+    }
+
+    #[test]
+    fn each_shards_summary_adds_up_to_what_the_unsharded_status_says() {
+        let fleet = Fleet::new(TaintPolicy::default(), std::time::Duration::from_secs(1)).0;
+        assert!(fleet.policy_summaries(&[0].into(), |_| 0).is_none());
+        fleet.set_policy(Some(PolicyTexts::plain("cp", "{}".into())));
+        report(&fleet, "n1", "ClusterPolicy", true, "");
+        report(&fleet, "n2", "file", false, "");
+        report(&fleet, "n3", "ClusterPolicy", false, "");
+        report(&fleet, "n4", "ClusterPolicy", true, "bad key");
+        let (_, whole, unsharded) = fleet.policy_status().unwrap();
+        // n1, n2 on shard 0; n3, n4 on shard 1; shard 2 has none; shard 3
+        // is not this replica's.
+        let of = |n: &str| {
+            if n <= "n2" {
+                0
+            } else if n <= "n4" {
+                1
+            } else {
+                3
+            }
+        };
+        let (policy, by) = fleet.policy_summaries(&[0, 1, 2].into(), of).unwrap();
+        assert_eq!(by.len(), 3);
+        assert_eq!((by[&0].reporting, by[&0].running), (2, 1));
+        assert_eq!(by[&0].problems, ["n2: not running it yet"]);
+        assert_eq!(
+            by[&1].problems,
+            [
+                "n3: not every stage is validated",
+                "n4: the policy is not applied: bad key"
+            ]
+        );
+        assert_eq!((by[&2].reporting, by[&2].policy.as_str()), (0, "cp"));
+        assert!(by.values().all(|s| !s.unlabelled));
+        let parts = by.into_iter().map(|(k, s)| (k, Part::Counted(s))).collect();
+        assert_eq!(fleet_status(&policy, &parts), (whole, unsharded));
+    }
+}
