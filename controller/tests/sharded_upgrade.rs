@@ -767,3 +767,67 @@ async fn the_first_look_writes_the_moving_nodes_step_first_and_many_at_once() {
         "64 steps took {took:?} (20 ms each)"
     );
 }
+
+/// A GPU node of another replica's that is in no rollout (it runs the
+/// wanted driver already) but is NotReady counts against maxUnavailable,
+/// as it does unsharded; and a percentage is of every GPU node, those of
+/// other replicas in no rollout included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_replicas_idle_gpu_nodes_count_against_max_unavailable() {
+    let api = MockApi::start().await;
+    for n in ["x", "y", "w1", "w2"] {
+        api.add_node(n, kubelet_node());
+        // GPU nodes: their holders write the controller's conditions.
+        api.touch_node(n, |v| {
+            v["status"]["conditions"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"type": "GPUDriverReady", "status": "True", "reason": "Validated", "message": ""}));
+        });
+    }
+    // y (another replica's, on the new driver already) is NotReady.
+    api.touch_node("y", |v| {
+        v["status"]["conditions"][0]["status"] = json!("False")
+    });
+    let look = |max_unavailable| {
+        let api = api.clone();
+        async move {
+            let (_leading, leader) = tokio::sync::watch::channel(true);
+            let fleet = Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+                .0
+                .with_owner(|n| n == "x")
+                .with_rollout_leader(leader);
+            fleet.set_upgrade_policy(Some(Ok(UpgradePolicy {
+                max_unavailable,
+                ..UpgradePolicy::default()
+            })));
+            for n in ["x", "y", "w1", "w2"] {
+                let node: Node = serde_json::from_value(api.node(n)).unwrap();
+                fleet.note_rollout(n, &Observed::of_node(&node));
+            }
+            let (tx, _down) = tokio::sync::mpsc::channel(16);
+            fleet.connect(
+                pb::Hello {
+                    node_name: "x".into(),
+                    ..Default::default()
+                },
+                tx,
+            );
+            fleet.apply(
+                "x",
+                pb::agent_message::Body::Snapshot(report("550.127.08", "upgrade-required")),
+            );
+            let up = Upgrader::new(api.client());
+            up.recover(&fleet).await.unwrap();
+            let _ = up.step(&fleet).await;
+            step_of(&fleet, "x")
+        }
+    };
+    use gpu_controller::model::upgrade_policy::Amount;
+    // One node out of service allowed: y is it; x does not start.
+    assert_eq!(look(Amount::Count(1)).await, Some(Step::UpgradeRequired));
+    // Half of the 4 GPU nodes (not of the 1 or 2 the leader knows of): x
+    // starts beside y.
+    let half = look(Amount::Percent(50)).await;
+    assert!(half.is_some_and(Step::in_progress), "{half:?}");
+}

@@ -31,7 +31,10 @@
 //! cordoned, uses up the allowance as well (the nodes are listed, a page at
 //! a time, when a node could start, at most every [`AVAILABILITY_TTL`]). A
 //! node cordoned already may start even then (its upgrade takes nothing
-//! more out of service); a NotReady one waits until it is Ready.
+//! more out of service); a NotReady one waits until it is Ready. Sharded,
+//! the same list counts the GPU nodes of other replicas that are in no
+//! rollout (the leader keeps nothing of them), and a percentage is of
+//! every GPU node listed.
 //!
 //! A node that fails stops the rollout: it stays cordoned, its
 //! `GPUDriverUpgraded` condition says why, and no further node starts until
@@ -47,9 +50,10 @@ use kube::api::{Api, ListParams};
 use kube::core::PartialObjectMeta;
 
 use crate::fleet::Fleet;
-use crate::model::node::{Observed, UPGRADE_STATE_LABEL};
+use crate::model::node::{CONDITIONS, Observed, UPGRADE_STATE_LABEL};
 use crate::model::upgrade_notes::UPGRADE_STEP;
 use crate::model::upgrade_plan::{Seen, plan};
+use crate::model::upgrade_policy::Amount;
 // The rollout's vocabulary, where it was before it moved down into the
 // model (the tests use `Step` and `UpgradePolicy` from here).
 pub use crate::model::upgrade_policy::{UpgradePolicy, VALIDATION_TIMEOUT};
@@ -95,9 +99,20 @@ pub struct Upgrader {
 #[derive(Debug)]
 struct Availability {
     at: Instant,
-    down: std::sync::Arc<BTreeMap<String, Unavailable>>,
+    down: std::sync::Arc<Listed>,
     /// What the rollout was last held back by, as logged.
     held_by: String,
+}
+
+/// What one list of every node says: the nodes out of service, and how
+/// many GPU nodes there are (a few bytes whatever the fleet's size).
+#[derive(Debug, Default)]
+struct Listed {
+    /// Each node out of service, and whether it is a GPU node (it carries
+    /// the conditions the controller writes).
+    down: BTreeMap<String, (Unavailable, bool)>,
+    /// The GPU nodes listed.
+    gpu: usize,
 }
 
 impl std::fmt::Debug for Upgrader {
@@ -149,21 +164,25 @@ impl Upgrader {
     /// The nodes out of service (NotReady, cordoned by another), from a
     /// list of every node a page at a time, taken at most every
     /// [`Upgrader::with_availability_ttl`] (or after a cordon or uncordon of ours).
-    async fn unavailable_nodes(
-        &self,
-    ) -> Result<std::sync::Arc<BTreeMap<String, Unavailable>>, kube::Error> {
+    async fn unavailable_nodes(&self) -> Result<std::sync::Arc<Listed>, kube::Error> {
         if let Some(a) = &*self.availability.lock().unwrap()
             && a.at.elapsed() < self.availability_ttl
         {
             return Ok(a.down.clone());
         }
-        let mut down = BTreeMap::new();
+        let mut down = Listed::default();
         let mut lp = ListParams::default().limit(LIST_PAGE);
         loop {
             let page = self.nodes.list(&lp).await?;
             for n in &page.items {
+                let gpu = n
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| CONDITIONS.contains(&c.type_.as_str())));
+                down.gpu += usize::from(gpu);
                 if let (Some(name), Some(why)) = (&n.metadata.name, Unavailable::of(n)) {
-                    down.insert(name.clone(), why);
+                    down.down.insert(name.clone(), (why, gpu));
                 }
             }
             match page.metadata.continue_.as_deref() {
@@ -285,9 +304,12 @@ impl Upgrader {
         this_look.validation_timeout = self.validation_timeout;
         if policy.auto_upgrade && could_start(&view) {
             match self.unavailable_nodes().await {
-                Ok(down) => {
+                Ok(listed) => {
                     for s in &mut view {
-                        s.unavailable = down.get(&s.node).copied();
+                        s.unavailable = listed.down.get(&s.node).map(|d| d.0);
+                    }
+                    if fleet.sharded() {
+                        count_the_unseen(&mut view, &listed, &mut this_look);
                     }
                 }
                 Err(e) => {
@@ -314,7 +336,7 @@ impl Upgrader {
             if out.len() > 10 {
                 text.push_str(&format!(" and {} more", out.len() - 10));
             }
-            self.log_held_by(text, policy.max_unavailable.of(view.len()));
+            self.log_held_by(text, this_look.max_unavailable.of(view.len()));
         } else if this_look.auto_upgrade {
             self.log_held_by(String::new(), 0);
         }
@@ -366,6 +388,40 @@ impl Upgrader {
         }
         again
     }
+}
+
+/// Sharded, the leader's view lacks the GPU nodes of other replicas that
+/// are in no rollout (it keeps nothing of them): as unsharded, they count.
+/// Those out of service are added to `view` (against maxUnavailable; never
+/// moved, nothing being known of them), and a percentage is of every GPU
+/// node listed.
+fn count_the_unseen(view: &mut Vec<Seen>, listed: &Listed, policy: &mut UpgradePolicy) {
+    let unseen: Vec<Seen> = listed
+        .down
+        .iter()
+        // The view is by name.
+        .filter(|(name, (_, gpu))| {
+            *gpu && view
+                .binary_search_by(|s| s.node.as_str().cmp(name.as_str()))
+                .is_err()
+        })
+        .map(|(name, (why, _))| Seen {
+            node: name.clone(),
+            step: None,
+            agent_state: String::new(),
+            agent_version: String::new(),
+            agent_detail: String::new(),
+            driver_version: String::new(),
+            ready: false,
+            connected: false,
+            reported: false,
+            unavailable: Some(*why),
+        })
+        .collect();
+    view.extend(unseen);
+    let base = view.len().max(listed.gpu);
+    let allowed = policy.max_unavailable.of(base);
+    policy.max_unavailable = Amount::Count(u32::try_from(allowed).unwrap_or(u32::MAX));
 }
 
 /// Rolls driver upgrades out while this replica leads: a look whenever an
