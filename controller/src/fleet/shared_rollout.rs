@@ -8,7 +8,11 @@
 //! - Every replica keeps, from the watch of the nodes
 //!   ([`Fleet::note_rollout`]), what the API has of the rollout on each
 //!   node that carries any of it (`marks.rs`): bounded by the nodes in a
-//!   rollout, so a quiet fleet costs nothing. The leader plans from it for
+//!   rollout, as a node at `upgrade-done` whose agent has nothing more to
+//!   say is not kept (nor its agent's word published), so a quiet fleet
+//!   costs nothing, however many rollouts it went through. The leader
+//!   counts the GPU nodes it keeps nothing of from its list of the nodes
+//!   (`upgrade::Upgrader`). The leader plans from it for
 //!   the nodes it does not hold ([`Fleet::upgrade_view`]), and a new
 //!   leader has it at once.
 //! - The leader's moves of a node it does not hold are kept here, not
@@ -28,6 +32,12 @@ use crate::model::upgrade_notes::{
 };
 use crate::model::upgrade_plan::Seen;
 use crate::model::upgrade_state::{NodeUpgrade, Step};
+
+/// An agent's upgrade state that asks nothing of the rollout: none, or
+/// done.
+fn quiet_agent(state: &str) -> bool {
+    state.is_empty() || state == "upgrade-done"
+}
 
 impl Fleet {
     /// Whether the nodes are spread over replicas.
@@ -60,10 +70,14 @@ impl Fleet {
 
     /// Sharded: what the node's agent says of the rollout, for the node's
     /// annotation; `None` where nothing is to be said (no upgrade state
-    /// reported, no step).
+    /// reported, no step; or the node done and its agent saying so).
     pub(super) fn agent_facts(e: &NodeEntry) -> Option<AgentFacts> {
         let up = e.report.upgrade.clone().unwrap_or_default();
-        if up.state.is_empty() && e.upgrade.is_none() {
+        let done = e
+            .upgrade
+            .as_ref()
+            .is_none_or(|u| u.step == Step::UpgradeDone);
+        if done && quiet_agent(&up.state) {
             return None;
         }
         let pb::UpgradeState {
@@ -102,6 +116,18 @@ impl Fleet {
         let step_text = seen.annotations.get(UPGRADE_STEP);
         let leads = self.leads_rollout();
         let mut bad: Vec<NoteError> = Vec::new();
+        let facts =
+            facts_text.and_then(|t| AgentFacts::decode(node, t).map_err(|e| bad.push(e)).ok());
+        let noted = step_text.and_then(|t| decode_step(node, t).map_err(|e| bad.push(e)).ok());
+        // Nothing of a rollout (any more): no marks, or only a rollout's
+        // end (done, its agent saying nothing more).
+        let done = |s: Option<Step>| s.is_none_or(|s| s == Step::UpgradeDone);
+        let quiet = bad.is_empty()
+            && done(label)
+            && noted
+                .as_ref()
+                .is_none_or(|n| n.as_ref().is_some_and(|u| u.step == Step::UpgradeDone))
+            && facts.as_ref().is_none_or(|f| quiet_agent(&f.state));
         let take = {
             let mut marks = self.marks.lock().unwrap();
             // An older event than the one known changes nothing, not even
@@ -111,18 +137,20 @@ impl Fleet {
             {
                 return;
             }
-            if label.is_none() && facts_text.is_none() && step_text.is_none() {
+            if quiet {
                 if marks.remove(node).is_some() {
                     self.upgrade_changed.notify_one();
+                }
+                drop(marks);
+                // Its holder keeps its label (done) as a new one reads it.
+                if label.is_some() && self.owns(node) {
+                    self.recover_upgrade(node, NodeUpgrade::new(Step::UpgradeDone, "", ""));
                 }
                 return;
             }
             let new = !marks.contains_key(node);
             let m = marks.entry(node.to_string()).or_default();
             m.rv = seen.rv.or(m.rv);
-            let facts =
-                facts_text.and_then(|t| AgentFacts::decode(node, t).map_err(|e| bad.push(e)).ok());
-            let noted = step_text.and_then(|t| decode_step(node, t).map_err(|e| bad.push(e)).ok());
             let said: String = bad.iter().map(|e| e.text.as_str()).collect();
             if said == m.bad {
                 bad.clear();
@@ -290,8 +318,17 @@ impl Fleet {
             };
         let mut out = Vec::new();
         for (name, e) in nodes.iter().filter(|(n, _)| self.owns(n)) {
-            let noted = marks.get(name.as_str()).and_then(|m| m.noted.as_ref());
-            if differs(e.upgrade.as_ref(), noted) {
+            let Some(m) = marks.get(name.as_str()) else {
+                // Not kept: in no rollout, or done in the API already.
+                if e.upgrade
+                    .as_ref()
+                    .is_some_and(|u| u.step != Step::UpgradeDone)
+                {
+                    out.push((name.clone(), e.upgrade.clone()));
+                }
+                continue;
+            };
+            if differs(e.upgrade.as_ref(), m.noted.as_ref()) {
                 out.push((name.clone(), e.upgrade.clone()));
             }
         }
@@ -651,5 +688,56 @@ mod tests {
             f.with("mine-a", |e| e.write.queued),
             "its label to be written"
         );
+    }
+
+    #[test]
+    fn a_node_done_whose_agent_says_nothing_more_is_not_kept() {
+        let (f, tx) = fleet(false);
+        let done = NodeUpgrade::new(Step::UpgradeDone, "560.35.03", "");
+        let said = AgentFacts {
+            state: "upgrade-done".into(),
+            version: "560.35.03".into(),
+            driver: "560.35.03".into(),
+            ready: true,
+            ..Default::default()
+        }
+        .encode();
+        let at_done = |rv, facts: Option<&str>| {
+            let mut o = seen(rv, Some(&encode_step(Some(&done))), facts, true);
+            o.labels
+                .insert(UPGRADE_STATE_LABEL.into(), "upgrade-done".into());
+            o
+        };
+        // Done, its agent saying so (or nothing): nothing kept, on any
+        // replica, whether it was kept before or not.
+        f.note_rollout("theirs-a", &at_done(3, Some(&wants())));
+        assert_eq!(f.upgrade_view().len(), 1, "a new rollout: kept");
+        f.note_rollout("theirs-a", &at_done(4, Some(&said)));
+        f.note_rollout("theirs-b", &at_done(5, None));
+        let mut label_only = seen(6, None, None, true);
+        label_only
+            .labels
+            .insert(UPGRADE_STATE_LABEL.into(), "upgrade-done".into());
+        f.note_rollout("theirs-c", &label_only);
+        assert!(f.upgrade_view().is_empty(), "{:?}", f.upgrade_view());
+        assert!(f.marks.lock().unwrap().is_empty());
+        // Its holder keeps the node's label, and publishes no agent's word
+        // for it.
+        f.note_rollout("mine-a", &at_done(7, None));
+        f.with("mine-a", |e| {
+            e.reported = true;
+            e.report.upgrade = Some(pb::UpgradeState {
+                state: "upgrade-done".into(),
+                driver_version: "560.35.03".into(),
+                detail: String::new(),
+            });
+        });
+        let d = f.desired("mine-a");
+        assert_eq!(d.labels[UPGRADE_STATE_LABEL], "upgrade-done");
+        assert!(!d.annotations.contains_key(AGENT_UPGRADE), "{d:?}");
+        // Leading, its done step is not written again and again.
+        tx.send_replace(true);
+        let todo = f.unpublished_steps();
+        assert!(todo.is_empty(), "{todo:?}");
     }
 }

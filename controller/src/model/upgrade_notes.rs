@@ -5,8 +5,9 @@
 //! - [`AGENT_UPGRADE`] (`gpu-agent.io/agent-upgrade`), written by the
 //!   node's holder with its labels (the same apply): what its agent says of
 //!   the rollout ([`AgentFacts`]), on nodes where that matters only (the
-//!   agent reports an upgrade state, or the node has a step); absent
-//!   otherwise.
+//!   agent reports an upgrade state, or the node has a step), not on a
+//!   node done whose agent says nothing more (or only that it is done);
+//!   absent otherwise.
 //! - [`UPGRADE_STEP`] (`gpu-agent.io/upgrade-step`), written by the leader
 //!   (a merge patch): the node's step as the leader decided it
 //!   ([`encode_step`]; `null`: no upgrade any more). The holder takes it
