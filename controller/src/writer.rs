@@ -30,7 +30,7 @@ use serde_json::json;
 use crate::fleet::Fleet;
 use crate::model::node::{
     Applied, Condition, Desired, FIELD_MANAGER, HEALTH_TAINT_EFFECT, HEALTH_TAINT_KEY,
-    HEALTH_TAINT_VALUE, Observed, read_applied,
+    HEALTH_TAINT_VALUE, Observed, digest, read_applied,
 };
 
 /// A node is written at most this often.
@@ -222,8 +222,8 @@ impl Writer {
             }
         };
         if !desired.keep_labels
-            && (applied.labels.as_ref() != Some(&desired.labels)
-                || applied.annotations.as_ref() != Some(&desired.annotations))
+            && (applied.labels != Some(digest(&desired.labels))
+                || applied.annotations != Some(digest(&desired.annotations)))
         {
             let mut body = json!({
                 "apiVersion": "v1",
@@ -246,8 +246,8 @@ impl Writer {
                     .map_err(api_err("applying the labels"))?,
             );
             tracing::info!(node, labels = desired.labels.len(), "labels applied");
-            applied.labels = Some(desired.labels.clone());
-            applied.annotations = Some(desired.annotations.clone());
+            applied.labels = Some(digest(&desired.labels));
+            applied.annotations = Some(digest(&desired.annotations));
         }
         let now = now_rfc3339();
         let conditions: Vec<(Condition, String)> = desired
