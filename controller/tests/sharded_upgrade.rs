@@ -194,6 +194,24 @@ impl Cluster {
             .collect()
     }
 
+    /// Each node's upgrade state, cordon and published step, as the API
+    /// holds them.
+    fn states(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let node = self.api.node(n);
+                format!(
+                    "{n}: state {} unschedulable {} step {}",
+                    node["metadata"]["labels"][STATE],
+                    node["spec"]["unschedulable"],
+                    node["metadata"]["annotations"][UPGRADE_STEP]
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     fn logs(&self) -> String {
         format!("r1:\n{}\nr2:\n{}", self.r1.log(), self.r2.log())
     }
@@ -215,18 +233,20 @@ impl Cluster {
     /// Waits for every node to end `upgrade-done`, uncordoned, with its
     /// DriverUpgradeDone Event.
     fn wait_done(&self, alive: &[&Proc]) {
-        wait_for(
-            "every node upgrade-done and uncordoned",
-            Duration::from_secs(30),
-            alive,
-            || {
-                self.nodes.iter().all(|n| {
-                    let node = self.api.node(n);
-                    node["metadata"]["labels"][STATE] == "upgrade-done"
-                        && node["spec"]["unschedulable"] == json!(false)
-                })
-            },
-        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.nodes.iter().all(|n| {
+            let node = self.api.node(n);
+            node["metadata"]["labels"][STATE] == "upgrade-done"
+                && node["spec"]["unschedulable"] == json!(false)
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for every node upgrade-done and uncordoned:\n{}\nboth replicas' logs:\n{}",
+                self.states(),
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
         wait_for(
             "each node's DriverUpgradeDone Event",
             Duration::from_secs(10),

@@ -160,6 +160,12 @@ pub struct Fleet {
     /// Sharded: what the API has of the driver rollout on each node that
     /// carries any of it, and the leader's moves (shared_rollout.rs).
     marks: Mutex<HashMap<String, marks::Marks>>,
+    /// Sharded: the nodes whose label says `upgrade-done` and that carry
+    /// nothing more of a rollout (no marks): a replica that takes one's
+    /// shard over starts its entry at done, so its label stays, whether
+    /// the watch saw the node before or after the shard came (only the
+    /// name is kept; locked after `marks` where both are).
+    quiet_done: Mutex<std::collections::HashSet<Box<str>>>,
     /// Sharded: whether this replica plans the rollout (`None`: it does not).
     rollout_leader: Option<tokio::sync::watch::Receiver<bool>>,
 }
@@ -210,6 +216,7 @@ impl Fleet {
                 dra_slices: None,
                 owner: None,
                 marks: Mutex::default(),
+                quiet_done: Mutex::default(),
                 rollout_leader: None,
             },
             rx,

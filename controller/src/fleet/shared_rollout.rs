@@ -9,8 +9,9 @@
 //!   ([`Fleet::note_rollout`]), what the API has of the rollout on each
 //!   node that carries any of it (`marks.rs`): bounded by the nodes in a
 //!   rollout, as a node at `upgrade-done` whose agent has nothing more to
-//!   say is not kept (nor its agent's word published), so a quiet fleet
-//!   costs nothing, however many rollouts it went through. The leader
+//!   say is not kept (nor its agent's word published) but by its name (a
+//!   replica that takes its shard over keeps its label), so a quiet fleet
+//!   costs a name a node, however many rollouts it went through. The leader
 //!   counts the GPU nodes it keeps nothing of from its list of the nodes
 //!   (`upgrade::Upgrader`). The leader plans from it for
 //!   the nodes it does not hold ([`Fleet::upgrade_view`]), and a new
@@ -56,16 +57,20 @@ impl Fleet {
     }
 
     /// The step a new entry of `node` starts with: what the API has (or
-    /// the leader decided) of it, for a node of this replica's.
+    /// the leader decided) of it, for a node of this replica's; done for
+    /// a quiet node labelled done.
     pub(super) fn marked_step(&self, node: &str) -> Option<NodeUpgrade> {
         if !self.sharded() || !self.owns(node) {
             return None;
         }
-        self.marks
+        if let Some(m) = self.marks.lock().unwrap().get(node) {
+            return m.upgrade.clone();
+        }
+        self.quiet_done
             .lock()
             .unwrap()
-            .get(node)
-            .and_then(|m| m.upgrade.clone())
+            .contains(node)
+            .then(|| NodeUpgrade::new(Step::UpgradeDone, "", ""))
     }
 
     /// Sharded: what the node's agent says of the rollout, for the node's
@@ -141,6 +146,15 @@ impl Fleet {
                 if marks.remove(node).is_some() {
                     self.upgrade_changed.notify_one();
                 }
+                let mut quiet_done = self.quiet_done.lock().unwrap();
+                if label.is_some() {
+                    if !quiet_done.contains(node) {
+                        quiet_done.insert(node.into());
+                    }
+                } else {
+                    quiet_done.remove(node);
+                }
+                drop(quiet_done);
                 drop(marks);
                 // Its holder keeps its label (done) as a new one reads it.
                 if label.is_some() && self.owns(node) {
@@ -148,6 +162,7 @@ impl Fleet {
                 }
                 return;
             }
+            self.quiet_done.lock().unwrap().remove(node);
             let new = !marks.contains_key(node);
             let m = marks.entry(node.to_string()).or_default();
             m.rv = seen.rv.or(m.rv);
@@ -250,6 +265,7 @@ impl Fleet {
     /// The node left the API: its marks go.
     pub(super) fn forget_marks(&self, node: &str) {
         self.marks.lock().unwrap().remove(node);
+        self.quiet_done.lock().unwrap().remove(node);
     }
 
     /// The leader's move of a node, kept with its marks (sharded): for a
@@ -721,6 +737,19 @@ mod tests {
         f.note_rollout("theirs-c", &label_only);
         assert!(f.upgrade_view().is_empty(), "{:?}", f.upgrade_view());
         assert!(f.marks.lock().unwrap().is_empty());
+        // By name only (their labels say done).
+        let names = |f: &Fleet| {
+            let mut v: Vec<String> = f
+                .quiet_done
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|n| n.to_string())
+                .collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names(&f), ["theirs-a", "theirs-b", "theirs-c"]);
         // Its holder keeps the node's label, and publishes no agent's word
         // for it.
         f.note_rollout("mine-a", &at_done(7, None));
@@ -739,5 +768,51 @@ mod tests {
         tx.send_replace(true);
         let todo = f.unpublished_steps();
         assert!(todo.is_empty(), "{todo:?}");
+    }
+
+    /// The watch saw a done node before this replica held it (its shard
+    /// came later, from a replica that stopped): the entry it makes for
+    /// the node's agent starts at done, so the label it writes keeps the
+    /// node's state. A node whose label went, or that went from the API,
+    /// starts with nothing.
+    #[test]
+    fn a_done_node_seen_before_its_shard_came_keeps_its_label() {
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let h = held.clone();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let f = Fleet::new(TaintPolicy::Never, Duration::from_secs(60))
+            .0
+            .with_owner(move |_| h.load(std::sync::atomic::Ordering::SeqCst))
+            .with_rollout_leader(rx);
+        let done = NodeUpgrade::new(Step::UpgradeDone, "560.35.03", "");
+        let mut at_done = seen(3, Some(&encode_step(Some(&done))), None, true);
+        at_done
+            .labels
+            .insert(UPGRADE_STATE_LABEL.into(), "upgrade-done".into());
+        for n in ["n-0", "n-1", "n-2"] {
+            f.note_rollout(n, &at_done);
+        }
+        assert!(f.marks.lock().unwrap().is_empty());
+        f.note_rollout("n-1", &seen(4, None, None, true));
+        f.forget_marks("n-2");
+        held.store(true, std::sync::atomic::Ordering::SeqCst);
+        for n in ["n-0", "n-1", "n-2"] {
+            f.with(n, |e| {
+                e.reported = true;
+                e.report.upgrade = Some(pb::UpgradeState {
+                    state: "upgrade-done".into(),
+                    driver_version: "560.35.03".into(),
+                    detail: String::new(),
+                });
+            });
+        }
+        let d = f.desired("n-0");
+        assert_eq!(d.labels[UPGRADE_STATE_LABEL], "upgrade-done", "{d:?}");
+        assert!(!d.annotations.contains_key(AGENT_UPGRADE), "{d:?}");
+        for n in ["n-1", "n-2"] {
+            let d = f.desired(n);
+            assert!(!d.labels.contains_key(UPGRADE_STATE_LABEL), "{n}: {d:?}");
+        }
+        drop(tx);
     }
 }
