@@ -13,7 +13,8 @@
 //! steps by the leader only; each agent got its go-ahead from its holder;
 //! every node ends `upgrade-done`, uncordoned, its GPU pod evicted. The
 //! leader stopped in mid-rollout: the other replica takes its Lease and
-//! shards and carries the rollout on, one node at a time still. And a new
+//! shards and carries the rollout on, one node at a time still; a holder
+//! stopped: the leader takes its shards and carries on. And a new
 //! leader, in process, carries on from what the nodes carry.
 
 mod common;
@@ -541,6 +542,85 @@ fn the_rollout_goes_on_when_the_leader_stops_in_mid_rollout() {
             .collect::<Vec<_>>()
     );
     c.r2.term();
+}
+
+/// A holder that does not lead stops in mid-rollout, one of its nodes
+/// done and its other upgrading: the leader takes its shards and carries
+/// the rollout on, one node at a time still. The node done before the
+/// stop keeps its `upgrade-done` label though its agent checks in with
+/// the leader now (the leader saw the node done while another replica
+/// held it).
+#[test]
+fn the_rollout_goes_on_when_a_holder_stops_in_mid_rollout() {
+    let mut c = Cluster::start();
+    assert_eq!(holder(&c.rt, &c.api, "gpu-controller"), "r1");
+    // The holder's nodes go after the leader's, by name.
+    let theirs: Vec<String> = c
+        .nodes
+        .iter()
+        .filter(|n| c.owner(n) == "r2")
+        .cloned()
+        .collect();
+    let agents = c.agents();
+    let (first, second) = (&theirs[0], &theirs[1]);
+    wait_for(
+        "the holder's first node done and its second started",
+        Duration::from_secs(30),
+        &[&c.r1, &c.r2],
+        || {
+            let step = |n: &str| {
+                c.api.node(n)["metadata"]["annotations"][UPGRADE_STEP]
+                    .as_str()
+                    .and_then(|t| decode_step(n, t).ok().flatten())
+            };
+            c.api.node(first)["metadata"]["labels"][STATE] == "upgrade-done"
+                && step(second).is_some_and(|u| u.step.in_progress())
+        },
+    );
+    c.r2.term();
+    let stopped = c.api.requests().len();
+    for (n, a) in c.nodes.iter().zip(agents) {
+        c.went(n, a.join().unwrap());
+    }
+    c.wait_done(&[&c.r1]);
+    assert_eq!(holder(&c.rt, &c.api, "gpu-controller"), "r1");
+    let reqs = c.api.requests();
+    // One leader wrote every step, one node at a time.
+    let (_, steppers) = one_at_a_time(&reqs);
+    assert_eq!(
+        steppers.keys().copied().collect::<Vec<_>>(),
+        ["Bearer token-r1"],
+        "{steppers:?}"
+    );
+    for n in &c.nodes {
+        done_in_the_api(&c.api, n);
+    }
+    // After the stop, every write is the leader's; the node done before
+    // it never lost its label.
+    let after = &reqs[stopped..];
+    assert!(
+        after
+            .iter()
+            .filter(|r| r.method != "GET")
+            .all(|r| r.bearer == "Bearer token-r1"),
+        "{:?}",
+        after
+            .iter()
+            .filter(|r| r.bearer != "Bearer token-r1")
+            .map(|r| format!("{} {} {}", r.bearer, r.method, r.uri))
+            .collect::<Vec<_>>()
+    );
+    let dropped: Vec<String> = after
+        .iter()
+        .filter(|r| node_of(r) == Some(first.as_str()))
+        .filter(|r| {
+            r.body["metadata"]["labels"].is_object()
+                && r.body["metadata"]["labels"][STATE] != "upgrade-done"
+        })
+        .map(|r| format!("{} {} {}", r.method, r.uri, r.body))
+        .collect();
+    assert!(dropped.is_empty(), "{first}'s label: {dropped:#?}");
+    c.r1.term();
 }
 
 fn report(driver: &str, state: &str) -> pb::NodeReport {
