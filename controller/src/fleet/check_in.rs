@@ -38,6 +38,20 @@ impl NodeEntry {
     pub fn live(&self) -> bool {
         self.stream.is_some() || self.check_ins.as_ref().is_some_and(|c| !c.late)
     }
+
+    /// The loaded driver's version, as its agent reports it ("": none yet).
+    pub fn driver_version(&self) -> String {
+        self.report
+            .inventory
+            .as_ref()
+            .map(|i| i.driver_version.clone())
+            .unwrap_or_default()
+    }
+
+    /// Whether its agent reports every stage ready.
+    pub fn ready(&self) -> bool {
+        self.report.stages.as_ref().is_some_and(|s| s.ready)
+    }
 }
 
 impl Fleet {

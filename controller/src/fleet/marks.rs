@@ -46,3 +46,18 @@ pub(super) fn keep_since(
         (_, n) => n,
     }
 }
+
+/// Moves `cur` to `next`; a step decided on an older view keeps the target
+/// known (the agent's report filled it in meanwhile) where `next` has
+/// none. Returns whether the step changed.
+pub(super) fn move_step(cur: &mut Option<NodeUpgrade>, next: &Option<NodeUpgrade>) -> bool {
+    let changed = cur.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
+    let kept = cur.as_ref().map(|u| u.target.clone());
+    *cur = next.clone();
+    if let (Some(u), Some(t)) = (cur.as_mut(), kept)
+        && u.target.is_empty()
+    {
+        u.target = t;
+    }
+    changed
+}

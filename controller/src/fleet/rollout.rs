@@ -46,13 +46,8 @@ impl Fleet {
                     agent_state: agent.state,
                     agent_version: agent.driver_version,
                     agent_detail: agent.detail,
-                    driver_version: e
-                        .report
-                        .inventory
-                        .as_ref()
-                        .map(|i| i.driver_version.clone())
-                        .unwrap_or_default(),
-                    ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
+                    driver_version: e.driver_version(),
+                    ready: e.ready(),
                     connected: e.live(),
                     reported: e.report.stages.is_some(),
                     unavailable: None,
@@ -111,16 +106,7 @@ impl Fleet {
             if same {
                 return None;
             }
-            let changed = e.upgrade.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
-            // A step decided on an older view must not blank a target the
-            // agent's report filled in meanwhile.
-            let kept = e.upgrade.as_ref().map(|u| u.target.clone());
-            e.upgrade = next.clone();
-            if let (Some(u), Some(t)) = (e.upgrade.as_mut(), kept)
-                && u.target.is_empty()
-            {
-                u.target = t;
-            }
+            let changed = super::marks::move_step(&mut e.upgrade, &next);
             Self::fill_target(e);
             Some(changed)
         });

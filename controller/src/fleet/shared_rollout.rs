@@ -25,7 +25,7 @@
 
 use gpu_agent_proto::report::v1 as pb;
 
-use super::marks::{agent_reports, keep_since};
+use super::marks::{agent_reports, keep_since, move_step};
 use super::{Fleet, NodeEntry};
 use crate::model::node::{Observed, UPGRADE_STATE_LABEL};
 use crate::model::upgrade_notes::{
@@ -94,13 +94,8 @@ impl Fleet {
             state,
             version,
             detail,
-            driver: e
-                .report
-                .inventory
-                .as_ref()
-                .map(|i| i.driver_version.clone())
-                .unwrap_or_default(),
-            ready: e.report.stages.as_ref().is_some_and(|s| s.ready),
+            driver: e.driver_version(),
+            ready: e.ready(),
         })
     }
 
@@ -277,15 +272,7 @@ impl Fleet {
         if same_step(m.upgrade.as_ref(), next.as_ref()) {
             return None;
         }
-        let changed = m.upgrade.as_ref().map(|u| u.step) != next.as_ref().map(|u| u.step);
-        let kept = m.upgrade.as_ref().map(|u| u.target.clone());
-        m.upgrade = next.clone();
-        if let (Some(u), Some(t)) = (m.upgrade.as_mut(), kept)
-            && u.target.is_empty()
-        {
-            u.target = t;
-        }
-        Some(changed)
+        Some(move_step(&mut m.upgrade, next))
     }
 
     /// The nodes this replica does not hold (or knows no entry of) as the
